@@ -264,3 +264,68 @@ mod tests {
         );
     }
 }
+
+/// An EAGLE-1/EAGLE-2 draft head's `config.json` as published: a one-layer Llama config plus
+/// the optional `bias` key of its `fc` projection (EAGLE's code defaults it to true).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EagleHeadConfig {
+    #[serde(flatten)]
+    pub llama: ModelConfig,
+    #[serde(default = "default_fc_bias")]
+    pub bias: bool,
+}
+
+fn default_fc_bias() -> bool {
+    true
+}
+
+impl EagleHeadConfig {
+    pub fn from_json_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| CoreError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let cfg: EagleHeadConfig =
+            serde_json::from_str(&text).map_err(|source| CoreError::Json {
+                path: path.display().to_string(),
+                source,
+            })?;
+        cfg.llama
+            .validate()
+            .map_err(|e| CoreError::config(format!("{}: {e}", path.display())))?;
+        Ok(cfg)
+    }
+
+    /// Checks that the head fits the base model it drafts for.
+    pub fn check_compatible(&self, base: &ModelConfig) -> std::result::Result<(), String> {
+        if self.llama.hidden_size != base.hidden_size {
+            return Err(format!(
+                "EAGLE head hidden_size {} differs from the base model's {}",
+                self.llama.hidden_size, base.hidden_size
+            ));
+        }
+        if self.llama.vocab_size != base.vocab_size {
+            return Err(format!(
+                "EAGLE head vocab_size {} differs from the base model's {}",
+                self.llama.vocab_size, base.vocab_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod eagle_tests {
+    use super::*;
+
+    #[test]
+    fn fc_bias_defaults_to_true_and_follows_config() {
+        let base = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": 1, "num_attention_heads": 4"#;
+        let absent: EagleHeadConfig = serde_json::from_str(&format!("{{{base}}}")).unwrap();
+        assert!(absent.bias);
+        let off: EagleHeadConfig =
+            serde_json::from_str(&format!("{{{base}, \"bias\": false}}")).unwrap();
+        assert!(!off.bias);
+    }
+}

@@ -10,7 +10,7 @@ pub mod error;
 pub mod mapping;
 pub mod plan;
 
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{EagleHeadConfig, ModelConfig, RopeScaling};
 pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use mapping::{Mapping, ShardDim};
