@@ -1,0 +1,99 @@
+//! Decode and prefill speed of a SmolLM2-135M-shaped model (random f32 weights) on CPU.
+//!
+//! `cargo bench -p kestrel-model --bench decode`; set `KESTREL_BENCH_DTYPE=bf16|f16` for half
+//! precision. Decode: one token (forward + logits) at batch 1 over a 100-token context, rolled
+//! back after each step so the context stays fixed. Prefill: a 128-token prompt into an empty
+//! sequence (forward + logits of the last row).
+
+use candle_core::Device;
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kestrel_core::{DType, ModelConfig};
+use kestrel_model::{Llama, OutputRows, SeqInput};
+use std::hint::black_box;
+
+fn smollm2_cfg() -> ModelConfig {
+    serde_json::from_str(
+        r#"{"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
+            "max_position_embeddings": 8192}"#,
+    )
+    .expect("valid config")
+}
+
+fn bench(c: &mut Criterion) {
+    let dtype: DType = std::env::var("KESTREL_BENCH_DTYPE")
+        .ok()
+        .map(|s| s.parse().expect("KESTREL_BENCH_DTYPE"))
+        .unwrap_or(DType::F32);
+    let cfg = smollm2_cfg();
+    let model = Llama::random(&cfg, 1, dtype, &Device::Cpu).expect("model");
+    let mut cache = model.new_cache(64, 16).expect("cache");
+
+    let ctx: Vec<u32> = (0..100u32).map(|i| (i * 7919) % 49152).collect();
+    let ctx_pos: Vec<u32> = (0..100).collect();
+    let seq = cache.add_sequence();
+    model
+        .forward(
+            &[SeqInput {
+                seq,
+                tokens: &ctx,
+                positions: &ctx_pos,
+                mask: None,
+                output_rows: OutputRows::Last,
+            }],
+            &mut cache,
+        )
+        .expect("context");
+
+    let mut group = c.benchmark_group(format!("smollm2-135m-{dtype}"));
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("decode_b1_ctx100", |b| {
+        b.iter(|| {
+            let h = model
+                .forward(
+                    &[SeqInput {
+                        seq,
+                        tokens: &[42],
+                        positions: &[100],
+                        mask: None,
+                        output_rows: OutputRows::Last,
+                    }],
+                    &mut cache,
+                )
+                .expect("decode");
+            let logits = model.logits(&h).expect("logits");
+            cache.truncate(seq, 100).expect("rollback");
+            black_box(logits)
+        })
+    });
+
+    let prompt: Vec<u32> = (0..128u32).map(|i| (i * 104729) % 49152).collect();
+    let prompt_pos: Vec<u32> = (0..128).collect();
+    group.throughput(Throughput::Elements(prompt.len() as u64));
+    group.bench_function("prefill_128", |b| {
+        b.iter(|| {
+            let s = cache.add_sequence();
+            let h = model
+                .forward(
+                    &[SeqInput {
+                        seq: s,
+                        tokens: &prompt,
+                        positions: &prompt_pos,
+                        mask: None,
+                        output_rows: OutputRows::Last,
+                    }],
+                    &mut cache,
+                )
+                .expect("prefill");
+            let logits = model.logits(&h).expect("logits");
+            cache.free_sequence(s).expect("free");
+            black_box(logits)
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

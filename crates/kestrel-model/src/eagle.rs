@@ -1,0 +1,312 @@
+//! The EAGLE-1 draft head: `fc(cat(embed(token), feature))` → one decoder layer without an
+//! input norm → predicted feature (no final norm); logits through the base model's LM head.
+
+use crate::cache::{PagedKvCache, SeqId};
+use crate::candle_dtype;
+use crate::error::{invalid, ModelError, Result};
+use crate::layer::{AttnCtx, DecoderLayer, Linear};
+use crate::llama::{
+    check_cache, check_supported, layer_dims, prepare_step, Llama, OutputRows, StepSeq,
+};
+use crate::rope::Rope;
+use crate::weights::{MapSource, VarSource, WeightSource};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use kestrel_core::EagleHeadConfig;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// One sequence's part of a head step: tokens with the base features they are paired with.
+#[derive(Debug, Clone)]
+pub struct EagleSeqInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// `[tokens.len(), hidden]` base-model features.
+    pub features: Tensor,
+    pub positions: &'a [u32],
+    /// `n×n` row-major, `true` = may attend; `None` = causal.
+    pub mask: Option<&'a [bool]>,
+    pub output_rows: OutputRows,
+}
+
+#[derive(Debug, Clone)]
+pub struct EagleHead {
+    cfg: EagleHeadConfig,
+    fc: Linear,
+    layer: DecoderLayer,
+    embed: Tensor,
+    own_embed: bool,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+    cpu_kernels: bool,
+}
+
+impl EagleHead {
+    /// Names and shapes of the head's tensors (`embed_tokens.weight` is optional).
+    pub fn expected_tensors(head_cfg: &EagleHeadConfig) -> Vec<(String, Vec<usize>)> {
+        let c = &head_cfg.llama;
+        let h = c.hidden_size;
+        let i = c.intermediate_size;
+        let q = c.num_attention_heads * c.head_dim();
+        let kv = c.num_kv_heads() * c.head_dim();
+        let mut out = vec![("fc.weight".to_string(), vec![h, 2 * h])];
+        if head_cfg.bias {
+            out.push(("fc.bias".to_string(), vec![h]));
+        }
+        let p = "layers.0";
+        out.extend([
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+        out
+    }
+
+    /// Loads a head from one safetensors file.
+    pub fn load(
+        head_cfg: &EagleHeadConfig,
+        file: &Path,
+        base: &Llama,
+        dtype: kestrel_core::DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let tensors =
+            candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| ModelError::File {
+                path: file.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+        let origin = file.display().to_string();
+        let src = MapSource {
+            map: &tensors,
+            origin: &origin,
+            dtype: candle_dtype(dtype),
+            device,
+        };
+        Self::build(head_cfg, &src, base)
+    }
+
+    /// Builds a head from in-memory tensors named as in EAGLE checkpoints (`fc.weight`, …).
+    pub fn from_tensors(
+        head_cfg: &EagleHeadConfig,
+        tensors: BTreeMap<String, Tensor>,
+        base: &Llama,
+        dtype: kestrel_core::DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let src = MapSource {
+            map: &tensors,
+            origin: "in-memory EAGLE head tensors",
+            dtype: candle_dtype(dtype),
+            device,
+        };
+        Self::build(head_cfg, &src, base)
+    }
+
+    /// A trainable head whose weights are the `VarBuilder`'s variables (created with the usual
+    /// initialisation when the builder is backed by an empty `VarMap`). Projections are kept
+    /// unfused so that optimiser updates of the `Var`s are seen by every forward.
+    pub fn from_var_builder(
+        head_cfg: &EagleHeadConfig,
+        vb: VarBuilder,
+        base: &Llama,
+    ) -> Result<Self> {
+        Self::build(head_cfg, &VarSource { vb: &vb }, base)
+    }
+
+    fn build(head_cfg: &EagleHeadConfig, src: &dyn WeightSource, base: &Llama) -> Result<Self> {
+        let c = &head_cfg.llama;
+        check_supported(c)?;
+        head_cfg
+            .check_compatible(base.config())
+            .map_err(ModelError::Config)?;
+        let h = c.hidden_size;
+        let fc = Linear::load(src, "fc", h, 2 * h, head_cfg.bias)?;
+        let layer = DecoderLayer::load(src, "layers.0", layer_dims(c), false)?;
+        let (embed, own_embed) = match src.get_opt("embed_tokens.weight", &[c.vocab_size, h])? {
+            Some(e) => (e, true),
+            None => (
+                base.embedding()
+                    .to_device(src.device())?
+                    .to_dtype(src.dtype())?,
+                false,
+            ),
+        };
+        Ok(EagleHead {
+            cfg: head_cfg.clone(),
+            fc,
+            layer,
+            embed,
+            own_embed,
+            rope: Rope::new(c.head_dim(), c.rope_theta, c.rope_scaling.as_ref()),
+            dtype: src.dtype(),
+            device: src.device().clone(),
+            cpu_kernels: true,
+        })
+    }
+
+    pub fn config(&self) -> &EagleHeadConfig {
+        &self.cfg
+    }
+    /// Whether the head brought its own `embed_tokens` (else it uses the base's).
+    pub fn has_own_embedding(&self) -> bool {
+        self.own_embed
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// See [`Llama::set_cpu_kernels`].
+    pub fn set_cpu_kernels(&mut self, enabled: bool) {
+        self.cpu_kernels = enabled;
+    }
+
+    /// A one-layer KV cache shaped for this head.
+    pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+        let c = &self.cfg.llama;
+        PagedKvCache::new(
+            1,
+            c.num_kv_heads(),
+            c.head_dim(),
+            num_blocks,
+            block_size,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Predicted features `[rows, hidden]` (not normed) of the requested rows of all
+    /// sequences, concatenated; logits are `base.logits(&out)`.
+    pub fn forward(
+        &self,
+        base: &Llama,
+        batch: &[EagleSeqInput],
+        cache: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        if self.device.is_cpu() && self.cpu_kernels {
+            return rayon::scope(|_| self.forward_impl(base, batch, cache));
+        }
+        self.forward_impl(base, batch, cache)
+    }
+
+    fn forward_impl(
+        &self,
+        base: &Llama,
+        batch: &[EagleSeqInput],
+        cache: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        let c = &self.cfg.llama;
+        check_cache(
+            cache,
+            1,
+            c.num_kv_heads(),
+            c.head_dim(),
+            self.dtype,
+            "EAGLE head",
+        )?;
+        if base.config().hidden_size != c.hidden_size {
+            return Err(invalid("EAGLE head and base model differ in hidden_size"));
+        }
+        let mut tokens = Vec::new();
+        let mut feats = Vec::with_capacity(batch.len());
+        for s in batch {
+            let n = s.tokens.len();
+            if s.positions.len() != n {
+                return Err(invalid(format!(
+                    "sequence {:?}: {n} tokens but {} positions",
+                    s.seq,
+                    s.positions.len()
+                )));
+            }
+            if s.features.dims() != [n, c.hidden_size] {
+                return Err(invalid(format!(
+                    "sequence {:?}: features have shape {:?}, expected [{n}, {}]",
+                    s.seq,
+                    s.features.dims(),
+                    c.hidden_size
+                )));
+            }
+            tokens.extend_from_slice(s.tokens);
+            feats.push(s.features.to_dtype(self.dtype)?);
+        }
+        let steps: Vec<StepSeq> = batch
+            .iter()
+            .map(|s| StepSeq {
+                seq: s.seq,
+                n: s.tokens.len(),
+                positions: s.positions,
+                mask: s.mask,
+                output_rows: &s.output_rows,
+            })
+            .collect();
+        let step = prepare_step(&steps, &self.rope, cache, self.dtype, &self.device)?;
+        let emb = Llama::embed_ids(&self.embed, &tokens, c.vocab_size, &self.device)?;
+        let feats = if feats.len() == 1 {
+            feats.pop().expect("one")
+        } else {
+            Tensor::cat(&feats, 0)?
+        };
+        let x = self
+            .fc
+            .forward_with(&Tensor::cat(&[&emb, &feats], D::Minus1)?, self.cpu_kernels)?;
+        let ctx = AttnCtx::Paged {
+            cos: &step.cos,
+            sin: &step.sin,
+            seqs: &step.seqs,
+            cache,
+            layer: 0,
+            cpu_kernels: self.cpu_kernels,
+        };
+        let mut x = self.layer.forward(&x, &ctx)?;
+        if let Some(rows) = &step.out_rows {
+            x = x.index_select(rows, 0)?;
+        }
+        for (seq, len) in step.commit {
+            cache.set_len(seq, len)?;
+        }
+        Ok(x)
+    }
+
+    /// Training forward without a cache: `tokens: [B, T]` (u32), `features: [B, T, H]` →
+    /// predicted features `[B, T, H]`, causal attention, positions `0..T`, built from
+    /// differentiable candle ops.
+    pub fn forward_train(&self, tokens: &Tensor, features: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        let h = self.cfg.llama.hidden_size;
+        if features.dims() != [b, t, h] {
+            return Err(invalid(format!(
+                "features have shape {:?}, expected [{b}, {t}, {h}]",
+                features.dims()
+            )));
+        }
+        let emb = self
+            .embed
+            .embedding(&tokens.flatten_all()?)?
+            .reshape((b, t, h))?;
+        let x = Tensor::cat(&[&emb, &features.to_dtype(self.dtype)?], D::Minus1)?;
+        let x = self.fc.forward(&x)?;
+        let positions: Vec<u32> = (0..t as u32).collect();
+        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype, &self.device)?;
+        let mut mask = vec![0f32; t * t];
+        for i in 0..t {
+            for j in i + 1..t {
+                mask[i * t + j] = f32::MIN;
+            }
+        }
+        let mask = Tensor::from_vec(mask, (t, t), &self.device)?;
+        self.layer.forward(
+            &x,
+            &AttnCtx::Train {
+                cos: &cos,
+                sin: &sin,
+                mask: &mask,
+            },
+        )
+    }
+}

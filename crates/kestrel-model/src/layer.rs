@@ -1,0 +1,459 @@
+//! The building blocks shared by the Llama decoder and the EAGLE head: linear projections
+//! (fused when loading for inference), RMSNorm, attention over the paged KV cache or over a
+//! plain causal window (training), the SwiGLU MLP, and the decoder layer itself.
+
+use crate::cache::PagedKvCache;
+use crate::cpu_attn::{self, AttnShape};
+use crate::error::Result;
+use crate::matvec::{MatMulNt, MAX_ROWS};
+use crate::rope;
+use crate::weights::{linear_init, WeightSource};
+use candle_core::{DType, Tensor, D};
+use candle_nn::Init;
+
+/// `y = x · wᵀ (+ b)`, with `w: [out, in]`.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let w = src.get(&format!("{name}.weight"), &[out, inp], linear_init(inp))?;
+        let b = if bias {
+            Some(src.get(&format!("{name}.bias"), &[out], linear_init(inp))?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    /// Concatenates the output rows of several linears into one.
+    fn fuse(parts: &[Linear]) -> Result<Self> {
+        let ws: Vec<&Tensor> = parts.iter().map(|l| &l.w).collect();
+        let w = Tensor::cat(&ws, 0)?;
+        let b = if parts.iter().all(|l| l.b.is_some()) {
+            let bs: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    pub fn tensors_mut<'a>(&'a mut self, out: &mut Vec<&'a mut Tensor>) {
+        out.push(&mut self.w);
+        if let Some(b) = &mut self.b {
+            out.push(b);
+        }
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.w.dim(0).unwrap_or(0)
+    }
+
+    /// `x: [.., in]` → `[.., out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, true)
+    }
+
+    /// `cpu_kernels`: whether the CPU matrix-vector kernel may be used for few rows.
+    pub fn forward_with(&self, x: &Tensor, cpu_kernels: bool) -> Result<Tensor> {
+        let y = if x.rank() == 2 {
+            let m = x.dim(0)?;
+            if cpu_kernels && x.device().is_cpu() && m <= MAX_ROWS && x.dtype() == self.w.dtype() {
+                x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
+            } else {
+                x.matmul(&self.w.t()?)?
+            }
+        } else {
+            x.broadcast_matmul(&self.w.t()?)?
+        };
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// Several projections of one input: fused into one matmul for inference, kept apart for
+/// training.
+#[derive(Debug, Clone)]
+pub(crate) enum Proj {
+    Fused { lin: Linear, sizes: Vec<usize> },
+    Split(Vec<Linear>),
+}
+
+impl Proj {
+    fn new(parts: Vec<Linear>, fuse: bool) -> Result<Self> {
+        if fuse && parts.len() > 1 {
+            let sizes = parts.iter().map(Linear::out_features).collect();
+            Ok(Proj::Fused {
+                lin: Linear::fuse(&parts)?,
+                sizes,
+            })
+        } else {
+            Ok(Proj::Split(parts))
+        }
+    }
+
+    fn tensors_mut<'a>(&'a mut self, out: &mut Vec<&'a mut Tensor>) {
+        match self {
+            Proj::Fused { lin, .. } => lin.tensors_mut(out),
+            Proj::Split(parts) => parts.iter_mut().for_each(|l| l.tensors_mut(out)),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, fast: bool) -> Result<Vec<Tensor>> {
+        match self {
+            Proj::Split(parts) => parts.iter().map(|l| l.forward_with(x, fast)).collect(),
+            Proj::Fused { lin, sizes } => {
+                let y = lin.forward_with(x, fast)?;
+                let mut out = Vec::with_capacity(sizes.len());
+                let mut start = 0;
+                for &s in sizes {
+                    out.push(y.narrow(D::Minus1, start, s)?);
+                    start += s;
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// HF Llama RMSNorm: `w * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`.
+#[derive(Debug, Clone)]
+pub(crate) struct RmsNorm {
+    pub w: Tensor,
+    ones: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(src: &dyn WeightSource, name: &str, size: usize, eps: f64) -> Result<Self> {
+        let w = src.get(&format!("{name}.weight"), &[size], Init::Const(1.0))?;
+        let ones = Tensor::ones(size, DType::F32, w.device())?;
+        Ok(RmsNorm { w, ones, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor, differentiable: bool) -> Result<Tensor> {
+        let dtype = x.dtype();
+        if differentiable {
+            let xf = x.to_dtype(DType::F32)?;
+            let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+            let normed = xf.broadcast_mul(&(var + self.eps)?.sqrt()?.recip()?)?;
+            return Ok(normed.to_dtype(dtype)?.broadcast_mul(&self.w)?);
+        }
+        let x = x.contiguous()?;
+        if dtype == DType::F32 {
+            return Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps as f32)?);
+        }
+        let normed =
+            candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.ones, self.eps as f32)?;
+        Ok(normed.to_dtype(dtype)?.broadcast_mul(&self.w)?)
+    }
+}
+
+/// One sequence's part of a paged attention step.
+pub(crate) struct PagedSeq {
+    /// First row of this sequence in the step's concatenated tokens.
+    pub offset: usize,
+    /// Its number of new tokens.
+    pub n: usize,
+    /// Pool rows its new K/V go to.
+    pub new_rows: Vec<u32>,
+    /// Pool rows of all its slots, cached then new.
+    pub all_rows: Vec<u32>,
+    /// The same as a u32 tensor `[L]` (portable path only).
+    pub all_rows_t: Option<Tensor>,
+    /// Additive f32 mask `[n, L]`; `None` when every new token may see every slot.
+    pub mask: Option<Vec<f32>>,
+    /// The same as a tensor (portable path only).
+    pub mask_t: Option<Tensor>,
+}
+
+/// How attention finds its keys and values.
+pub(crate) enum AttnCtx<'a> {
+    /// Inference: `x: [N, H]`, K/V written to and read from the paged cache.
+    Paged {
+        cos: &'a Tensor,
+        sin: &'a Tensor,
+        seqs: &'a [PagedSeq],
+        cache: &'a PagedKvCache,
+        layer: usize,
+        /// Use the CPU kernels (matvec, paged attention) where they apply.
+        cpu_kernels: bool,
+    },
+    /// Training: `x: [B, T, H]`, causal self-attention without a cache, differentiable ops.
+    Train {
+        cos: &'a Tensor,
+        sin: &'a Tensor,
+        mask: &'a Tensor,
+    },
+}
+
+impl AttnCtx<'_> {
+    fn differentiable(&self) -> bool {
+        matches!(self, AttnCtx::Train { .. })
+    }
+    fn cpu_kernels(&self) -> bool {
+        matches!(
+            self,
+            AttnCtx::Paged {
+                cpu_kernels: true,
+                ..
+            }
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    qkv: Proj,
+    o: Linear,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+/// Softmax attention. `q: [b, n, n_kv, group, d]`, `k`, `v: [b, L, n_kv, d]`, `mask: [n, L]`
+/// additive f32. Returns `[b, n, n_kv * group * d]`. Scores and softmax in f32 like HF.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    differentiable: bool,
+) -> Result<Tensor> {
+    let (b, n, n_kv, g, d) = q.dims5()?;
+    let l = k.dim(1)?;
+    let dtype = q.dtype();
+    let qh = q
+        .permute((0, 2, 3, 1, 4))?
+        .contiguous()?
+        .reshape((b, n_kv, g * n, d))?;
+    let kh = k.transpose(1, 2)?.contiguous()?;
+    let vh = v.transpose(1, 2)?.contiguous()?;
+    let scores = (qh.matmul(&kh.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    let mut scores = scores.to_dtype(DType::F32)?.reshape((b, n_kv, g, n, l))?;
+    if let Some(mask) = mask {
+        scores = scores.broadcast_add(mask)?;
+    }
+    let probs = if differentiable {
+        candle_nn::ops::softmax(&scores, D::Minus1)?
+    } else {
+        candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+    };
+    let probs = probs.to_dtype(dtype)?.reshape((b, n_kv, g * n, l))?;
+    let out = probs.matmul(&vh)?.reshape((b, n_kv, g, n, d))?;
+    Ok(out
+        .permute((0, 3, 1, 2, 4))?
+        .reshape((b, n, n_kv * g * d))?)
+}
+
+impl Attention {
+    fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
+        let g = nh / nkv;
+        let fast = ctx.cpu_kernels();
+        let qkv = self.qkv.forward(x, fast)?;
+        let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
+        let out = match ctx {
+            AttnCtx::Paged {
+                cos,
+                sin,
+                seqs,
+                cache,
+                layer,
+                cpu_kernels,
+            } => {
+                let cpu = *cpu_kernels && x.device().is_cpu();
+                let n_tok = x.dim(0)?;
+                let q =
+                    rope::apply(&q.reshape((1, n_tok, nh, hd))?, cos, sin, false)?.squeeze(0)?;
+                let k =
+                    rope::apply(&k.reshape((1, n_tok, nkv, hd))?, cos, sin, false)?.squeeze(0)?;
+                let v = v.reshape((n_tok, nkv, hd))?;
+                let mut outs = Vec::with_capacity(seqs.len());
+                for s in seqs.iter() {
+                    cache.write(
+                        *layer,
+                        &s.new_rows,
+                        &k.narrow(0, s.offset, s.n)?,
+                        &v.narrow(0, s.offset, s.n)?,
+                    )?;
+                    let qs = q.narrow(0, s.offset, s.n)?;
+                    if cpu {
+                        let (kp, vp) = cache.pools(*layer);
+                        let shape = AttnShape {
+                            n: s.n,
+                            n_heads: nh,
+                            n_kv: nkv,
+                            head_dim: hd,
+                        };
+                        let mask = s.mask.as_deref();
+                        outs.push(cpu_attn::attend(&qs, kp, vp, &s.all_rows, mask, &shape)?);
+                        continue;
+                    }
+                    let rows = match &s.all_rows_t {
+                        Some(r) => r.clone(),
+                        None => Tensor::new(s.all_rows.as_slice(), x.device())?,
+                    };
+                    let mask = match (&s.mask_t, &s.mask) {
+                        (Some(m), _) => Some(m.clone()),
+                        (None, Some(m)) => {
+                            Some(Tensor::from_slice(m, (s.n, s.all_rows.len()), x.device())?)
+                        }
+                        (None, None) => None,
+                    };
+                    let (ks, vs) = cache.gather(*layer, &rows)?;
+                    let qs = qs.reshape((1, s.n, nkv, g, hd))?;
+                    let o = attend(
+                        &qs,
+                        &ks.unsqueeze(0)?,
+                        &vs.unsqueeze(0)?,
+                        mask.as_ref(),
+                        false,
+                    )?;
+                    outs.push(o.squeeze(0)?);
+                }
+                if outs.len() == 1 {
+                    outs.pop().expect("one output")
+                } else {
+                    Tensor::cat(&outs, 0)?
+                }
+            }
+            AttnCtx::Train { cos, sin, mask } => {
+                let (b, t, _) = x.dims3()?;
+                let q = rope::apply(&q.reshape((b, t, nh, hd))?, cos, sin, true)?;
+                let k = rope::apply(&k.reshape((b, t, nkv, hd))?, cos, sin, true)?;
+                let v = v.reshape((b, t, nkv, hd))?;
+                attend(&q.reshape((b, t, nkv, g, hd))?, &k, &v, Some(mask), true)?
+            }
+        };
+        self.o.forward_with(&out, fast)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_up: Proj,
+    down: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
+        let gu = self.gate_up.forward(x, fast)?;
+        let h = (gu[0].silu()? * &gu[1])?;
+        self.down.forward_with(&h, fast)
+    }
+}
+
+/// Shapes of one decoder layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LayerDims {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+}
+
+/// A Llama decoder layer; the EAGLE head's has no input norm.
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderLayer {
+    input_norm: Option<RmsNorm>,
+    attn: Attention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// Loads `{prefix}.self_attn.*`, `{prefix}.mlp.*` and the norms.
+    pub fn load(
+        src: &dyn WeightSource,
+        prefix: &str,
+        d: LayerDims,
+        input_norm: bool,
+    ) -> Result<Self> {
+        let h = d.hidden;
+        let (q_out, kv_out) = (d.n_heads * d.head_dim, d.n_kv * d.head_dim);
+        let fuse = src.fuse();
+        let input_norm = if input_norm {
+            Some(RmsNorm::load(
+                src,
+                &format!("{prefix}.input_layernorm"),
+                h,
+                d.eps,
+            )?)
+        } else {
+            None
+        };
+        let a = format!("{prefix}.self_attn");
+        let qkv = Proj::new(
+            vec![
+                Linear::load(src, &format!("{a}.q_proj"), q_out, h, false)?,
+                Linear::load(src, &format!("{a}.k_proj"), kv_out, h, false)?,
+                Linear::load(src, &format!("{a}.v_proj"), kv_out, h, false)?,
+            ],
+            fuse,
+        )?;
+        let o = Linear::load(src, &format!("{a}.o_proj"), h, q_out, false)?;
+        let post_norm =
+            RmsNorm::load(src, &format!("{prefix}.post_attention_layernorm"), h, d.eps)?;
+        let m = format!("{prefix}.mlp");
+        let gate_up = Proj::new(
+            vec![
+                Linear::load(src, &format!("{m}.gate_proj"), d.intermediate, h, false)?,
+                Linear::load(src, &format!("{m}.up_proj"), d.intermediate, h, false)?,
+            ],
+            fuse,
+        )?;
+        let down = Linear::load(src, &format!("{m}.down_proj"), h, d.intermediate, false)?;
+        Ok(DecoderLayer {
+            input_norm,
+            attn: Attention {
+                qkv,
+                o,
+                n_heads: d.n_heads,
+                n_kv: d.n_kv,
+                head_dim: d.head_dim,
+            },
+            post_norm,
+            mlp: Mlp { gate_up, down },
+        })
+    }
+
+    /// Every weight tensor of the layer (for packing).
+    pub fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut out = Vec::new();
+        if let Some(n) = &mut self.input_norm {
+            out.push(&mut n.w);
+        }
+        self.attn.qkv.tensors_mut(&mut out);
+        self.attn.o.tensors_mut(&mut out);
+        out.push(&mut self.post_norm.w);
+        self.mlp.gate_up.tensors_mut(&mut out);
+        self.mlp.down.tensors_mut(&mut out);
+        out
+    }
+
+    pub fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
+        let diff = ctx.differentiable();
+        let h = match &self.input_norm {
+            Some(norm) => norm.forward(x, diff)?,
+            None => x.clone(),
+        };
+        let x = (x + self.attn.forward(&h, ctx)?)?;
+        let h = self.post_norm.forward(&x, diff)?;
+        Ok((&x + self.mlp.forward(&h, ctx.cpu_kernels())?)?)
+    }
+}

@@ -1,0 +1,569 @@
+//! The Llama decoder: embedding → decoder layers over the paged KV cache → final RMSNorm on
+//! the requested rows; `logits` applies the LM head.
+
+use crate::cache::{PagedKvCache, SeqId};
+use crate::candle_dtype;
+use crate::error::{invalid, ModelError, Result};
+use crate::layer::{AttnCtx, DecoderLayer, LayerDims, Linear, PagedSeq, RmsNorm};
+use crate::rope::Rope;
+use crate::unshard;
+use crate::weights::{MapSource, WeightSource};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Init;
+use kestrel_core::{Mapping, ModelConfig};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Which rows of a sequence's new tokens a forward returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputRows {
+    All,
+    Last,
+    Rows(Vec<usize>),
+}
+
+impl OutputRows {
+    pub(crate) fn resolve(&self, n: usize) -> Result<Vec<usize>> {
+        match self {
+            OutputRows::All => Ok((0..n).collect()),
+            OutputRows::Last => Ok(vec![n - 1]),
+            OutputRows::Rows(rows) => {
+                if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+                    return Err(invalid(format!(
+                        "output row {bad} is out of range for {n} new tokens"
+                    )));
+                }
+                Ok(rows.clone())
+            }
+        }
+    }
+}
+
+/// One sequence's part of a forward step.
+#[derive(Debug, Clone)]
+pub struct SeqInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// RoPE positions of the tokens (explicit: never inferred from the cache length).
+    pub positions: &'a [u32],
+    /// `n×n` row-major over this call's new tokens, `true` = may attend; `None` = causal.
+    /// Every new token always sees all of the sequence's previously cached slots.
+    pub mask: Option<&'a [bool]>,
+    pub output_rows: OutputRows,
+}
+
+/// What the paged step needs to know of one sequence, whatever the model.
+pub(crate) struct StepSeq<'a> {
+    pub seq: SeqId,
+    pub n: usize,
+    pub positions: &'a [u32],
+    pub mask: Option<&'a [bool]>,
+    pub output_rows: &'a OutputRows,
+}
+
+/// A validated, cache-reserved step: per-sequence attention plans, RoPE tables, the
+/// concatenated output rows and the lengths to commit once the forward succeeded.
+pub(crate) struct Step {
+    pub seqs: Vec<PagedSeq>,
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// Rows of the concatenated tokens to return, or `None` for all of them in order.
+    pub out_rows: Option<Tensor>,
+    pub commit: Vec<(SeqId, usize)>,
+}
+
+pub(crate) fn check_cache(
+    cache: &PagedKvCache,
+    layers: usize,
+    n_kv: usize,
+    head_dim: usize,
+    dtype: DType,
+    who: &str,
+) -> Result<()> {
+    if cache.num_layers() != layers
+        || cache.n_kv_heads() != n_kv
+        || cache.head_dim() != head_dim
+        || cache.dtype() != dtype
+    {
+        return Err(invalid(format!(
+            "KV cache ({} layers, {} KV heads, head_dim {}, {:?}) does not fit the {who} \
+             ({layers} layers, {n_kv} KV heads, head_dim {head_dim}, {dtype:?})",
+            cache.num_layers(),
+            cache.n_kv_heads(),
+            cache.head_dim(),
+            cache.dtype()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn prepare_step(
+    inputs: &[StepSeq],
+    rope: &Rope,
+    cache: &mut PagedKvCache,
+    dtype: DType,
+    device: &Device,
+) -> Result<Step> {
+    if inputs.is_empty() {
+        return Err(invalid("empty batch"));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut positions = Vec::new();
+    for s in inputs {
+        if s.n == 0 {
+            return Err(invalid(format!("sequence {:?} brings no tokens", s.seq)));
+        }
+        if !seen.insert(s.seq) {
+            return Err(invalid(format!(
+                "sequence {:?} appears twice in one batch",
+                s.seq
+            )));
+        }
+        if s.positions.len() != s.n {
+            return Err(invalid(format!(
+                "sequence {:?}: {} positions for {} tokens",
+                s.seq,
+                s.positions.len(),
+                s.n
+            )));
+        }
+        if let Some(m) = s.mask {
+            if m.len() != s.n * s.n {
+                return Err(invalid(format!(
+                    "sequence {:?}: mask has {} entries, expected {}x{}",
+                    s.seq,
+                    m.len(),
+                    s.n,
+                    s.n
+                )));
+            }
+        }
+        positions.extend_from_slice(s.positions);
+    }
+    let requests: Vec<(SeqId, usize)> = inputs.iter().map(|s| (s.seq, s.n)).collect();
+    cache.reserve(&requests)?;
+
+    let mut seqs = Vec::with_capacity(inputs.len());
+    let mut out_rows = Vec::new();
+    let mut all_out = true;
+    let mut commit = Vec::with_capacity(inputs.len());
+    let mut offset = 0;
+    for s in inputs {
+        let past = cache.seq_len(s.seq)?;
+        let total = past + s.n;
+        let rows = s.output_rows.resolve(s.n)?;
+        if rows.len() != s.n || rows.iter().enumerate().any(|(i, &r)| i != r) {
+            all_out = false;
+        }
+        out_rows.extend(rows.iter().map(|&r| (offset + r) as u32));
+        let new_rows = cache.slot_rows(s.seq, past, s.n)?;
+        let all_rows = cache.slot_rows(s.seq, 0, total)?;
+        let all_rows_t = if device.is_cpu() {
+            None
+        } else {
+            Some(Tensor::new(all_rows.as_slice(), device)?)
+        };
+        let mask = if s.n == 1 && s.mask.is_none_or(|m| m[0]) {
+            None
+        } else {
+            let mut m = vec![0f32; s.n * total];
+            for i in 0..s.n {
+                for j in 0..s.n {
+                    let allowed = match s.mask {
+                        Some(mask) => mask[i * s.n + j],
+                        None => j <= i,
+                    };
+                    if !allowed {
+                        m[i * total + past + j] = f32::MIN;
+                    }
+                }
+            }
+            Some(m)
+        };
+        let mask_t = match &mask {
+            Some(m) if !device.is_cpu() => Some(Tensor::from_slice(m, (s.n, total), device)?),
+            _ => None,
+        };
+        seqs.push(PagedSeq {
+            offset,
+            n: s.n,
+            new_rows,
+            all_rows,
+            all_rows_t,
+            mask,
+            mask_t,
+        });
+        commit.push((s.seq, total));
+        offset += s.n;
+    }
+    let (cos, sin) = rope.cos_sin(&positions, dtype, device)?;
+    let out_rows = if all_out {
+        None
+    } else {
+        let n = out_rows.len();
+        Some(Tensor::from_vec(out_rows, n, device)?)
+    };
+    Ok(Step {
+        seqs,
+        cos,
+        sin,
+        out_rows,
+        commit,
+    })
+}
+
+/// A Llama-family decoder.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+    cpu_kernels: bool,
+}
+
+pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
+    cfg.validate().map_err(ModelError::Config)?;
+    if cfg.attention_bias || cfg.mlp_bias {
+        return Err(ModelError::Config(
+            "attention_bias / mlp_bias are not supported (Llama checkpoints have none)".into(),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn layer_dims(cfg: &ModelConfig) -> LayerDims {
+    LayerDims {
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        n_heads: cfg.num_attention_heads,
+        n_kv: cfg.num_kv_heads(),
+        head_dim: cfg.head_dim(),
+        eps: cfg.rms_norm_eps,
+    }
+}
+
+/// HF names and full shapes of every tensor a Llama checkpoint holds.
+pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let h = cfg.hidden_size;
+    let i = cfg.intermediate_size;
+    let q = cfg.num_attention_heads * cfg.head_dim();
+    let kv = cfg.num_kv_heads() * cfg.head_dim();
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        out.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+impl Llama {
+    /// Loads per-rank safetensors files (HF names, sliced per `mapping`), reassembling the
+    /// full tensors on one device.
+    pub fn load(
+        cfg: &ModelConfig,
+        mapping: Mapping,
+        rank_files: &[PathBuf],
+        dtype: kestrel_core::DType,
+        device: &Device,
+    ) -> Result<Self> {
+        check_supported(cfg)?;
+        let tensors = unshard::load_unsharded(cfg, mapping, rank_files, &expected_tensors(cfg))?;
+        let origin = format!(
+            "checkpoint files {}",
+            rank_files
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Self::build(cfg, &tensors, &origin, candle_dtype(dtype), device)
+    }
+
+    /// Builds a model from HF-named full tensors held in memory.
+    pub fn from_tensors(
+        cfg: &ModelConfig,
+        tensors: BTreeMap<String, Tensor>,
+        dtype: kestrel_core::DType,
+        device: &Device,
+    ) -> Result<Self> {
+        check_supported(cfg)?;
+        Self::build(
+            cfg,
+            &tensors,
+            "in-memory tensors",
+            candle_dtype(dtype),
+            device,
+        )
+    }
+
+    /// A model with deterministic random weights (benchmarks and tests): linear weights
+    /// uniform with PyTorch's `1/sqrt(fan_in)` bound, embeddings of unit scale, norm weights
+    /// around 1.
+    pub fn random(
+        cfg: &ModelConfig,
+        seed: u64,
+        dtype: kestrel_core::DType,
+        device: &Device,
+    ) -> Result<Self> {
+        check_supported(cfg)?;
+        let tensors = random_tensors(cfg, seed)?;
+        Self::build(cfg, &tensors, "random tensors", candle_dtype(dtype), device)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        tensors: &BTreeMap<String, Tensor>,
+        origin: &str,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let src = MapSource {
+            map: tensors,
+            origin,
+            dtype,
+            device,
+        };
+        let h = cfg.hidden_size;
+        let embed = src.get(
+            "model.embed_tokens.weight",
+            &[cfg.vocab_size, h],
+            Init::Const(0.0),
+        )?;
+        let dims = layer_dims(cfg);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| DecoderLayer::load(&src, &format!("model.layers.{l}"), dims, true))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&src, "model.norm", h, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear {
+                w: embed.clone(),
+                b: None,
+            }
+        } else {
+            Linear::load(&src, "lm_head", cfg.vocab_size, h, false)?
+        };
+        let mut model = Llama {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope: Rope::new(cfg.head_dim(), cfg.rope_theta, cfg.rope_scaling.as_ref()),
+            dtype,
+            device: device.clone(),
+            cpu_kernels: true,
+        };
+        model.pack_weights()?;
+        Ok(model)
+    }
+
+    /// On CPU, moves all weights into one huge-page-backed buffer (see `arena`).
+    fn pack_weights(&mut self) -> Result<()> {
+        if !self.device.is_cpu() {
+            return Ok(());
+        }
+        let tied = self.cfg.tie_word_embeddings;
+        let mut all: Vec<&mut Tensor> = vec![&mut self.embed];
+        for layer in &mut self.layers {
+            all.extend(layer.tensors_mut());
+        }
+        all.push(&mut self.norm.w);
+        if !tied {
+            self.lm_head.tensors_mut(&mut all);
+        }
+        crate::arena::pack(&mut all)?;
+        if tied {
+            self.lm_head.w = self.embed.clone();
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Whether CPU forwards may use the hand-written kernels (matrix-vector products for few
+    /// rows, paged attention). On by default; off runs the portable candle ops that CUDA uses.
+    pub fn set_cpu_kernels(&mut self, enabled: bool) {
+        self.cpu_kernels = enabled;
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// The token embedding `[vocab, hidden]`.
+    pub fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// A KV cache shaped for this model.
+    pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+        PagedKvCache::new(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_kv_heads(),
+            self.cfg.head_dim(),
+            num_blocks,
+            block_size,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Embeds token ids `[n]` → `[n, hidden]`, checking them against the vocabulary.
+    pub(crate) fn embed_ids(
+        embed: &Tensor,
+        tokens: &[u32],
+        vocab: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let ids = Tensor::from_slice(tokens, tokens.len(), device)?;
+        Ok(embed.index_select(&ids, 0)?)
+    }
+
+    /// Runs one step over the batch; returns the final-normed hidden states of the
+    /// requested rows of all sequences, concatenated: `[total_rows, hidden]`.
+    pub fn forward(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
+        if self.device.is_cpu() && self.cpu_kernels {
+            // One hop into rayon's pool per step, so the kernels' parallel loops join on
+            // worker threads instead of blocking the caller on a lock per operation.
+            return rayon::scope(|_| self.forward_impl(batch, cache));
+        }
+        self.forward_impl(batch, cache)
+    }
+
+    fn forward_impl(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
+        check_cache(
+            cache,
+            self.cfg.num_hidden_layers,
+            self.cfg.num_kv_heads(),
+            self.cfg.head_dim(),
+            self.dtype,
+            "model",
+        )?;
+        let mut tokens = Vec::new();
+        for s in batch {
+            if s.tokens.len() != s.positions.len() {
+                return Err(invalid(format!(
+                    "sequence {:?}: {} tokens but {} positions",
+                    s.seq,
+                    s.tokens.len(),
+                    s.positions.len()
+                )));
+            }
+            tokens.extend_from_slice(s.tokens);
+        }
+        let steps: Vec<StepSeq> = batch
+            .iter()
+            .map(|s| StepSeq {
+                seq: s.seq,
+                n: s.tokens.len(),
+                positions: s.positions,
+                mask: s.mask,
+                output_rows: &s.output_rows,
+            })
+            .collect();
+        let step = prepare_step(&steps, &self.rope, cache, self.dtype, &self.device)?;
+        let mut x = Self::embed_ids(&self.embed, &tokens, self.cfg.vocab_size, &self.device)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let ctx = AttnCtx::Paged {
+                cos: &step.cos,
+                sin: &step.sin,
+                seqs: &step.seqs,
+                cache,
+                layer: l,
+                cpu_kernels: self.cpu_kernels,
+            };
+            x = layer.forward(&x, &ctx)?;
+        }
+        if let Some(rows) = &step.out_rows {
+            x = x.index_select(rows, 0)?;
+        }
+        let out = self.norm.forward(&x, false)?;
+        for (seq, len) in step.commit {
+            cache.set_len(seq, len)?;
+        }
+        Ok(out)
+    }
+
+    /// LM head over hidden states `[rows, hidden]` → f32 logits `[rows, vocab]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .lm_head
+            .forward_with(hidden, self.cpu_kernels)?
+            .to_dtype(DType::F32)?)
+    }
+}
+
+/// SplitMix64: deterministic, dependency-free random numbers for `Llama::random`.
+pub(crate) struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+    }
+}
+
+pub(crate) fn random_tensor(
+    rng: &mut SplitMix,
+    shape: &[usize],
+    center: f32,
+    scale: f32,
+) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| center + scale * rng.unit()).collect();
+    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+}
+
+/// Random HF-named tensors for `cfg` (f32, CPU).
+pub fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<BTreeMap<String, Tensor>> {
+    let mut rng = SplitMix(seed);
+    let mut out = BTreeMap::new();
+    for (name, shape) in expected_tensors(cfg) {
+        let t = if shape.len() == 1 {
+            random_tensor(&mut rng, &shape, 1.0, 0.2)?
+        } else if name.contains("embed_tokens") {
+            random_tensor(&mut rng, &shape, 0.0, 1.0)?
+        } else {
+            random_tensor(&mut rng, &shape, 0.0, 1.0 / (shape[1] as f32).sqrt())?
+        };
+        out.insert(name, t);
+    }
+    Ok(out)
+}

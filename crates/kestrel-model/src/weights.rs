@@ -1,0 +1,100 @@
+//! Where a model's weights come from: an in-memory map of named tensors (inference, tests,
+//! loaded checkpoints) or a candle `VarBuilder` (trainable `Var`s for the EAGLE head).
+
+use crate::error::{ModelError, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Init, VarBuilder};
+use std::collections::BTreeMap;
+
+pub(crate) trait WeightSource {
+    /// The tensor `name` of exactly `shape`, in the source's dtype and device.
+    fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor>;
+    /// Like `get`, but `None` when the tensor is absent.
+    fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>>;
+    /// Whether projections may be fused at load (not for trainable `Var`s, whose updates a
+    /// fused copy would not see).
+    fn fuse(&self) -> bool;
+    fn dtype(&self) -> DType;
+    fn device(&self) -> &Device;
+}
+
+pub(crate) struct MapSource<'a> {
+    pub map: &'a BTreeMap<String, Tensor>,
+    pub origin: &'a str,
+    pub dtype: DType,
+    pub device: &'a Device,
+}
+
+impl WeightSource for MapSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], _init: Init) -> Result<Tensor> {
+        self.get_opt(name, shape)?
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                origin: self.origin.to_string(),
+            })
+    }
+
+    fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        let Some(t) = self.map.get(name) else {
+            return Ok(None);
+        };
+        if t.dims() != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                origin: self.origin.to_string(),
+                expected: shape.to_vec(),
+                got: t.dims().to_vec(),
+            });
+        }
+        Ok(Some(
+            t.to_device(self.device)?
+                .to_dtype(self.dtype)?
+                .contiguous()?,
+        ))
+    }
+
+    fn fuse(&self) -> bool {
+        true
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn device(&self) -> &Device {
+        self.device
+    }
+}
+
+pub(crate) struct VarSource<'a> {
+    pub vb: &'a VarBuilder<'a>,
+}
+
+impl WeightSource for VarSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        Ok(self.vb.get_with_hints(shape.to_vec(), name, init)?)
+    }
+    fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        if self.vb.contains_tensor(name) {
+            Ok(Some(self.vb.get(shape.to_vec(), name)?))
+        } else {
+            Ok(None)
+        }
+    }
+    fn fuse(&self) -> bool {
+        false
+    }
+    fn dtype(&self) -> DType {
+        self.vb.dtype()
+    }
+    fn device(&self) -> &Device {
+        self.vb.device()
+    }
+}
+
+/// The usual init of a linear weight with `fan_in` inputs (PyTorch's default bound).
+pub(crate) fn linear_init(fan_in: usize) -> Init {
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    Init::Uniform {
+        lo: -bound,
+        up: bound,
+    }
+}

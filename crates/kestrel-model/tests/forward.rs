@@ -1,0 +1,466 @@
+//! Forward-pass equivalences of the Llama decoder on CPU/f32 against a naive reference and
+//! against itself (batched vs alone, prefill vs decode, tree + compact vs causal, rollback).
+
+mod common;
+
+use candle_core::Device;
+use common::*;
+use kestrel_core::{DType, ModelConfig};
+use kestrel_model::llama::random_tensors;
+use kestrel_model::{Llama, ModelError, OutputRows, PagedKvCache, SeqId, SeqInput};
+
+const SEED: u64 = 11;
+
+fn model(cfg: &ModelConfig) -> (Llama, Weights) {
+    let m = Llama::random(cfg, SEED, DType::F32, &Device::Cpu).unwrap();
+    (m, Weights::new(&random_tensors(cfg, SEED).unwrap()))
+}
+
+fn toks(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 17 + salt * 7 + 3) % 61)
+        .collect()
+}
+
+fn positions(start: usize, n: usize) -> Vec<u32> {
+    (start as u32..(start + n) as u32).collect()
+}
+
+/// Feeds `tokens` causally at positions continuing the sequence; returns all rows.
+fn feed(m: &Llama, cache: &mut PagedKvCache, seq: SeqId, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let start = cache.seq_len(seq).unwrap();
+    let pos = positions(start, tokens.len());
+    let out = m
+        .forward(
+            &[SeqInput {
+                seq,
+                tokens,
+                positions: &pos,
+                mask: None,
+                output_rows: OutputRows::All,
+            }],
+            cache,
+        )
+        .unwrap();
+    rows(&out)
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    let d = max_abs_diff(a, b);
+    assert!(d <= tol, "{what}: max abs diff {d} > {tol}");
+}
+
+#[test]
+fn paged_forward_with_block_churn_matches_naive_reference() {
+    for (name, cfg) in all_cfgs() {
+        let (mut m, w) = model(&cfg);
+        // Block sizes 2..4 with the CPU kernels; block size 3 also through the portable
+        // candle path that CUDA runs.
+        for (block_size, kernels) in [(2, true), (3, true), (4, true), (3, false)] {
+            m.set_cpu_kernels(kernels);
+            let name = &format!("{name} kernels {kernels}");
+            let mut cache = m.new_cache(40, block_size).unwrap();
+            // Churn: interleave sequences and free one so later block tables are scattered.
+            let a = cache.add_sequence();
+            let b = cache.add_sequence();
+            let c = cache.add_sequence();
+            let ta = toks(13, 1);
+            let tc = toks(9, 3);
+            feed(&m, &mut cache, a, &ta[..3]);
+            feed(&m, &mut cache, b, &toks(7, 2));
+            feed(&m, &mut cache, c, &tc[..5]);
+            cache.free_sequence(b).unwrap();
+            let d = cache.add_sequence();
+            let td = toks(11, 4);
+            // Batched varlen steps mixing prefill chunks and single-token decodes.
+            let chunks: [(usize, usize, usize, usize); 4] =
+                [(3, 7, 0, 4), (7, 8, 4, 5), (8, 11, 5, 8), (11, 13, 8, 11)];
+            for (a0, a1, d0, d1) in chunks {
+                let pa = positions(a0, a1 - a0);
+                let pd = positions(d0, d1 - d0);
+                let out = m
+                    .forward(
+                        &[
+                            SeqInput {
+                                seq: a,
+                                tokens: &ta[a0..a1],
+                                positions: &pa,
+                                mask: None,
+                                output_rows: OutputRows::All,
+                            },
+                            SeqInput {
+                                seq: d,
+                                tokens: &td[d0..d1],
+                                positions: &pd,
+                                mask: None,
+                                output_rows: OutputRows::Last,
+                            },
+                        ],
+                        &mut cache,
+                    )
+                    .unwrap();
+                let got = rows(&out);
+                assert_eq!(got.len(), (a1 - a0) + 1);
+                let ref_a = causal(&cfg, &w, &ta[..a1]);
+                for (i, r) in got[..a1 - a0].iter().enumerate() {
+                    assert_close(
+                        r,
+                        &ref_a[a0 + i],
+                        1e-4,
+                        &format!("{name} bs{block_size} seq a row {}", a0 + i),
+                    );
+                }
+                let ref_d = causal(&cfg, &w, &td[..d1]);
+                assert_close(
+                    &got[a1 - a0],
+                    &ref_d[d1 - 1],
+                    1e-4,
+                    &format!("{name} bs{block_size} seq d"),
+                );
+                // Logits through the LM head (tied or not).
+                let logits = rows(&m.logits(&out).unwrap());
+                assert_close(
+                    &logits[a1 - a0],
+                    &llama_logits(&cfg, &w, &ref_d[d1 - 1]),
+                    1e-4,
+                    "logits",
+                );
+            }
+            // d's blocks came from the freed b and fresh ones: not one contiguous run.
+            let table = cache.block_table(d).unwrap().to_vec();
+            assert!(
+                table.windows(2).any(|p| p[1] != p[0] + 1),
+                "{name}: table {table:?} is contiguous"
+            );
+            // c is untouched by the others' traffic.
+            let more = feed(&m, &mut cache, c, &tc[5..]);
+            let ref_c = causal(&cfg, &w, &tc);
+            assert_close(&more[3], &ref_c[8], 1e-4, &format!("{name} seq c"));
+        }
+    }
+}
+
+#[test]
+fn batched_varlen_equals_each_sequence_alone() {
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let seqs = [toks(5, 1), toks(1, 2), toks(9, 3)];
+        let mut batched = m.new_cache(32, 4).unwrap();
+        let ids: Vec<SeqId> = seqs.iter().map(|_| batched.add_sequence()).collect();
+        // A common prefix step, then a mixed step.
+        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.len())).collect();
+        let batch: Vec<SeqInput> = seqs
+            .iter()
+            .zip(&ids)
+            .zip(&pos)
+            .map(|((t, &seq), p)| SeqInput {
+                seq,
+                tokens: t,
+                positions: p,
+                mask: None,
+                output_rows: OutputRows::All,
+            })
+            .collect();
+        let together = rows(&m.forward(&batch, &mut batched).unwrap());
+        let mut alone = Vec::new();
+        for s in &seqs {
+            let mut cache = m.new_cache(32, 4).unwrap();
+            let id = cache.add_sequence();
+            alone.extend(feed(&m, &mut cache, id, s));
+        }
+        assert_eq!(together.len(), alone.len());
+        for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
+            assert_close(a, b, 1e-5, &format!("{name} row {i}"));
+        }
+    }
+}
+
+#[test]
+fn prefill_at_once_equals_token_by_token_decode() {
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let t = toks(12, 5);
+        let mut c1 = m.new_cache(16, 2).unwrap();
+        let s1 = c1.add_sequence();
+        let pos = positions(0, t.len());
+        let out = m
+            .forward(
+                &[SeqInput {
+                    seq: s1,
+                    tokens: &t,
+                    positions: &pos,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                }],
+                &mut c1,
+            )
+            .unwrap();
+        let prefill = rows(&out).pop().unwrap();
+        let mut c2 = m.new_cache(16, 2).unwrap();
+        let s2 = c2.add_sequence();
+        let mut last = Vec::new();
+        for &tok in &t {
+            last = feed(&m, &mut c2, s2, &[tok]).pop().unwrap();
+        }
+        assert_close(&prefill, &last, 1e-5, name);
+        assert_eq!(c1.seq_len(s1).unwrap(), 12);
+        assert_eq!(c2.seq_len(s2).unwrap(), 12);
+    }
+}
+
+#[test]
+fn tree_forward_then_compact_equals_causal_path() {
+    for ((name, cfg), kernels) in all_cfgs()
+        .into_iter()
+        .flat_map(|c| [(c.clone(), true), (c, false)])
+    {
+        let (mut m, w) = model(&cfg);
+        m.set_cpu_kernels(kernels);
+        let name = &format!("{name} kernels {kernels}");
+        let prefix = toks(6, 7);
+        // Tree: 0 root; 1, 2 children of 0; 3, 4 children of 1; 5 child of 2.
+        let tree = [9u32, 14, 23, 31, 40, 52];
+        let parent = [usize::MAX, 0, 0, 1, 1, 2];
+        let depth = [0u32, 1, 1, 2, 2, 2];
+        let n = tree.len();
+        let is_ancestor = |i: usize, j: usize| {
+            let mut k = i;
+            loop {
+                if k == j {
+                    return true;
+                }
+                if parent[k] == usize::MAX {
+                    return false;
+                }
+                k = parent[k];
+            }
+        };
+        let mask: Vec<bool> = (0..n * n).map(|ij| is_ancestor(ij / n, ij % n)).collect();
+        let base = prefix.len();
+        let pos: Vec<u32> = depth.iter().map(|d| base as u32 + d).collect();
+
+        let mut cache = m.new_cache(24, 3).unwrap();
+        let s = cache.add_sequence();
+        feed(&m, &mut cache, s, &prefix);
+        let out = m
+            .forward(
+                &[SeqInput {
+                    seq: s,
+                    tokens: &tree,
+                    positions: &pos,
+                    mask: Some(&mask),
+                    output_rows: OutputRows::All,
+                }],
+                &mut cache,
+            )
+            .unwrap();
+        let got = rows(&out);
+        // Each node's output equals the causal run over prefix + its root path.
+        for node in [3usize, 5] {
+            let mut path = vec![node];
+            while parent[*path.last().unwrap()] != usize::MAX {
+                path.push(parent[*path.last().unwrap()]);
+            }
+            path.reverse();
+            let mut seq = prefix.clone();
+            seq.extend(path.iter().map(|&k| tree[k]));
+            let want = causal(&cfg, &w, &seq);
+            assert_close(
+                &got[node],
+                want.last().unwrap(),
+                1e-4,
+                &format!("{name} node {node}"),
+            );
+        }
+        // Accept root → 1 → 4, compact, and decode one more token.
+        let kept = [0usize, 1, 4];
+        cache.compact(s, base, &kept).unwrap();
+        assert_eq!(cache.seq_len(s).unwrap(), base + 3);
+        let next = feed(&m, &mut cache, s, &[33]).pop().unwrap();
+
+        let mut fresh = m.new_cache(24, 3).unwrap();
+        let f = fresh.add_sequence();
+        let mut seq = prefix.clone();
+        seq.extend(kept.iter().map(|&k| tree[k]));
+        feed(&m, &mut fresh, f, &seq);
+        let want = feed(&m, &mut fresh, f, &[33]).pop().unwrap();
+        assert_close(&next, &want, 1e-5, &format!("{name} after compact"));
+    }
+}
+
+#[test]
+fn truncate_rollback_equals_never_fed() {
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let prefix = toks(7, 9);
+        let mut cache = m.new_cache(12, 2).unwrap();
+        let s = cache.add_sequence();
+        feed(&m, &mut cache, s, &prefix);
+        let free_before = cache.free_blocks();
+        feed(&m, &mut cache, s, &[1, 2, 3, 4, 5]);
+        cache.truncate(s, prefix.len() + 1).unwrap();
+        assert_eq!(
+            cache.free_blocks(),
+            free_before,
+            "{name}: whole blocks past the end are freed"
+        );
+        let got = feed(&m, &mut cache, s, &[50, 51]);
+
+        let mut fresh = m.new_cache(12, 2).unwrap();
+        let f = fresh.add_sequence();
+        let mut seq = prefix.clone();
+        seq.push(1);
+        feed(&m, &mut fresh, f, &seq);
+        let want = feed(&m, &mut fresh, f, &[50, 51]);
+        for (a, b) in got.iter().zip(&want) {
+            assert_close(a, b, 1e-5, name);
+        }
+    }
+}
+
+#[test]
+fn half_precision_stays_close_to_f32() {
+    let cfg = tiny_cfg(4, 2, false, true);
+    let f32m = Llama::random(&cfg, SEED, DType::F32, &Device::Cpu).unwrap();
+    for kernels in [true, false] {
+        let t = toks(10, 2);
+        let run = |m: &Llama| {
+            let mut cache = m.new_cache(16, 4).unwrap();
+            let s = cache.add_sequence();
+            let mut out = feed(m, &mut cache, s, &t[..8]);
+            out.extend(feed(m, &mut cache, s, &t[8..9]));
+            out.extend(feed(m, &mut cache, s, &t[9..]));
+            out
+        };
+        let want = run(&f32m);
+        for (dtype, tol) in [(DType::F16, 0.02f32), (DType::BF16, 0.1)] {
+            let mut m = Llama::random(&cfg, SEED, dtype, &Device::Cpu).unwrap();
+            m.set_cpu_kernels(kernels);
+            assert_eq!(m.dtype(), kestrel_model::candle_dtype(dtype));
+            let got = run(&m);
+            for (a, b) in got.iter().zip(&want) {
+                let scale = b.iter().map(|v| v.abs()).fold(0.0, f32::max);
+                let d = max_abs_diff(a, b);
+                assert!(
+                    d <= tol * scale.max(1.0),
+                    "{dtype} kernels {kernels}: diff {d} (scale {scale})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let cfg = tiny_cfg(4, 2, true, false);
+    let (m, _) = model(&cfg);
+    let mut cache = m.new_cache(3, 2).unwrap();
+    let s = cache.add_sequence();
+    let t = toks(7, 1);
+    let pos = positions(0, 7);
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: s,
+                tokens: &t,
+                positions: &pos,
+                mask: None,
+                output_rows: OutputRows::All,
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelError::OutOfBlocks { needed: 4, free: 3 }),
+        "{err}"
+    );
+    assert_eq!(cache.seq_len(s).unwrap(), 0);
+    assert_eq!(cache.free_blocks(), 3);
+
+    let bad_tok = [1000u32];
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: s,
+                tokens: &bad_tok,
+                positions: &[0],
+                mask: None,
+                output_rows: OutputRows::All,
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("1000"), "{err}");
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: s,
+                tokens: &[1, 2],
+                positions: &[0],
+                mask: None,
+                output_rows: OutputRows::All,
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::InvalidInput(_)), "{err}");
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: s,
+                tokens: &[1, 2],
+                positions: &[0, 1],
+                mask: None,
+                output_rows: OutputRows::Rows(vec![2]),
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("output row 2"), "{err}");
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: s,
+                tokens: &[1, 2],
+                positions: &[0, 1],
+                mask: Some(&[true]),
+                output_rows: OutputRows::All,
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("mask"), "{err}");
+    let err = m
+        .forward(
+            &[SeqInput {
+                seq: SeqId(99),
+                tokens: &[1],
+                positions: &[0],
+                mask: None,
+                output_rows: OutputRows::All,
+            }],
+            &mut cache,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelError::UnknownSequence(SeqId(99))),
+        "{err}"
+    );
+    // A cache of the wrong geometry is refused.
+    let mut wrong =
+        PagedKvCache::new(1, 2, 8, 4, 2, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let w = wrong.add_sequence();
+    assert!(m
+        .forward(
+            &[SeqInput {
+                seq: w,
+                tokens: &[1],
+                positions: &[0],
+                mask: None,
+                output_rows: OutputRows::All
+            }],
+            &mut wrong
+        )
+        .is_err());
+    assert_eq!(cache.seq_len(s).unwrap(), 0);
+}
