@@ -1,1 +1,147 @@
-fn main() {}
+//! `spec-run`: generate with an engine (TensorRT-LLM's `run.py`).
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use kestrel::cli::exit_on_error;
+use kestrel::prompts::read_prompt_file;
+use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
+use kestrel_runtime::{
+    generate, ChatMessage, DecodeMode, Engine, GenerationParams, NoSink, TextCodec, TokenSink,
+};
+use kestrel_spec::SamplingParams;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "spec-run",
+    version,
+    about = "Generate text with a Kestrel engine"
+)]
+struct Args {
+    /// Engine directory written by spec-build.
+    #[arg(long)]
+    engine_dir: PathBuf,
+    /// Directory with tokenizer.json (and chat_template.jinja); defaults to the engine's.
+    #[arg(long)]
+    tokenizer_dir: Option<PathBuf>,
+    /// A prompt; repeat the flag for a batch.
+    #[arg(long)]
+    input_text: Vec<String>,
+    /// Prompts from a file: a JSON list of strings, or JSONL with one string or {"prompt": …} per line.
+    #[arg(long)]
+    input_file: Option<PathBuf>,
+    /// Wrap each prompt as a user turn with the chat template.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 64)]
+    max_output_len: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    random_seed: u64,
+    /// Stop id; defaults to the model's eos ids.
+    #[arg(long)]
+    end_id: Option<u32>,
+    /// Accepted for compatibility: outputs are not padded.
+    #[arg(long)]
+    pad_id: Option<u32>,
+    /// Only 1: speculative decoding has no beam search.
+    #[arg(long, default_value_t = 1)]
+    num_beams: usize,
+    /// Print tokens as they are committed.
+    #[arg(long)]
+    streaming: bool,
+    /// Report tokens/s and time to first token.
+    #[arg(long)]
+    run_profiling: bool,
+    /// Write inputs, outputs and stats as JSON.
+    #[arg(long)]
+    output_json: Option<PathBuf>,
+    /// cpu, or cuda:N (needs a build with the cuda feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+fn run(args: Args) -> Result<()> {
+    if args.num_beams != 1 {
+        bail!(
+            "--num_beams {} is not supported: speculative decoding decodes with one beam",
+            args.num_beams
+        );
+    }
+    let mut texts = args.input_text.clone();
+    if let Some(file) = &args.input_file {
+        texts.extend(read_prompt_file(file)?);
+    }
+    if texts.is_empty() {
+        bail!("no input: give --input_text TEXT (repeatable) or --input_file FILE");
+    }
+    let device = kestrel_runtime::device::parse(&args.device)?;
+    let engine = Engine::load(&args.engine_dir, &device)?;
+    let tokenizer_dir = args
+        .tokenizer_dir
+        .clone()
+        .unwrap_or_else(|| args.engine_dir.clone());
+    let codec = TextCodec::load(&tokenizer_dir, &engine.config)?;
+
+    let mut prompts = Vec::with_capacity(texts.len());
+    for text in &texts {
+        let rendered = if args.chat {
+            let template = codec.chat_template.as_ref().with_context(|| {
+                format!(
+                    "--chat needs a chat template, but {} has no chat_template.jinja",
+                    tokenizer_dir.display()
+                )
+            })?;
+            template
+                .render(&[ChatMessage::user(text)], true)
+                .map_err(anyhow::Error::msg)?
+        } else {
+            text.clone()
+        };
+        prompts.push(codec.encode(&rendered)?);
+    }
+    let end_ids = match args.end_id {
+        Some(id) => vec![id],
+        None => engine.config.eos_token_ids(),
+    };
+    let params = GenerationParams {
+        max_output_len: args.max_output_len,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.random_seed,
+        },
+        end_ids,
+    };
+    let mode = DecodeMode::Plain;
+    let mut printer = StreamPrinter::new(&codec, prompts.len());
+    let sink: &mut dyn TokenSink = if args.streaming {
+        &mut printer
+    } else {
+        &mut NoSink
+    };
+    let (outputs, timings) = generate(&engine, &mode, &prompts, &params, sink)?;
+    if args.streaming {
+        printer.finish();
+    }
+    print_outputs(&codec, &texts, &outputs)?;
+    if args.run_profiling {
+        Profile::new(&timings, &outputs).print();
+    }
+    if let Some(path) = &args.output_json {
+        write_output_json(path, &codec, &texts, &prompts, &outputs, &timings)?;
+    }
+    Ok(())
+}
+
+fn main() {
+    exit_on_error("spec-run", run(Args::parse()));
+}

@@ -1,1 +1,84 @@
-//! Placeholder until this crate's work lands.
+//! `spec-build`: turns a converted checkpoint into an engine.
+//!
+//! An engine is a directory with the versioned plan (`plan.bin`, and `plan.json` for people),
+//! the weights of every rank in the layout the runtime memory-maps, and the tokenizer files.
+//! Building validates the limits against the model and the speculative mode, checks every
+//! weight's name, dtype and shape, and records the kernel chosen for each op on the target
+//! device. The same inputs give a byte-identical engine.
+
+mod error;
+mod kernels;
+mod options;
+mod weights;
+
+pub use error::BuildError;
+pub use kernels::{choose_kernels, TargetDevice};
+pub use options::{BuildOptions, GemmPlugin};
+
+use kestrel_core::checkpoint::{self, read_checkpoint_config};
+use kestrel_core::plan::{BuildLimits, EnginePlan, PLAN_FILE, PLAN_JSON_FILE};
+use kestrel_core::{AtomicDir, SpeculativeMode};
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+
+/// What a successful build produced.
+#[derive(Debug)]
+pub struct BuildSummary {
+    pub output_dir: PathBuf,
+    pub plan: EnginePlan,
+}
+
+pub fn build_engine(opts: &BuildOptions) -> Result<BuildSummary, BuildError> {
+    let (model, meta) = read_checkpoint_config(&opts.checkpoint_dir)?;
+    let limits = opts.limits(&model, &meta)?;
+    let kernels = choose_kernels(opts.target_device, meta.dtype, opts)?;
+
+    let out = AtomicDir::new(&opts.output_dir).map_err(|e| BuildError::io(&opts.output_dir, e))?;
+    let weights = weights::copy_rank_files(&opts.checkpoint_dir, out.path(), &model, &meta)?;
+    for name in [checkpoint::TOKENIZER_FILE, checkpoint::CHAT_TEMPLATE_FILE] {
+        let src = opts.checkpoint_dir.join(name);
+        if src.exists() {
+            std::fs::copy(&src, out.path().join(name)).map_err(|e| BuildError::io(&src, e))?;
+        }
+    }
+
+    let config_path = opts.checkpoint_dir.join(checkpoint::CONFIG_FILE);
+    let config_bytes = std::fs::read(&config_path).map_err(|e| BuildError::io(&config_path, e))?;
+    let plan = EnginePlan {
+        model_config_json: serde_json::to_string(&model).expect("config serialises"),
+        eagle_head_config_json: match (&meta.eagle, opts.speculative_mode) {
+            (Some(eagle), SpeculativeMode::Eagle) => {
+                Some(serde_json::to_string(&eagle.head_config).expect("head config serialises"))
+            }
+            _ => None,
+        },
+        dtype: meta.dtype,
+        mapping: meta.mapping,
+        limits,
+        speculative_mode: opts.speculative_mode,
+        target_device: opts.target_device.to_string(),
+        kernels,
+        weights,
+        source_checkpoint_sha256: hex(&Sha256::digest(&config_bytes)),
+    };
+    write(&out, PLAN_FILE, &plan.to_bytes())?;
+    write(&out, PLAN_JSON_FILE, plan.to_pretty_json().as_bytes())?;
+    out.commit()
+        .map_err(|e| BuildError::io(&opts.output_dir, e))?;
+    Ok(BuildSummary {
+        output_dir: opts.output_dir.clone(),
+        plan,
+    })
+}
+
+fn write(out: &AtomicDir, name: &str, bytes: &[u8]) -> Result<(), BuildError> {
+    let path = out.path().join(name);
+    std::fs::write(&path, bytes).map_err(|e| BuildError::io(&path, e))
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Re-exported so callers can name the limits type without depending on core directly.
+pub type Limits = BuildLimits;

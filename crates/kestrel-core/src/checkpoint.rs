@@ -87,10 +87,12 @@ pub fn read_checkpoint_config(dir: &Path) -> Result<(ModelConfig, CheckpointMeta
             meta.format, meta.version
         )));
     }
-    let config: ModelConfig = serde_json::from_value(value).map_err(|source| CoreError::Json {
-        path: shown.clone(),
-        source,
-    })?;
+    let config: ModelConfig = serde_json::from_value::<ModelConfig>(value)
+        .map_err(|source| CoreError::Json {
+            path: shown.clone(),
+            source,
+        })?
+        .normalized();
     config
         .validate()
         .map_err(|e| CoreError::config(format!("{shown}: {e}")))?;

@@ -31,6 +31,24 @@ fn default_original_max_pos() -> usize {
     8192
 }
 
+/// transformers 5's `rope_parameters`: the theta and, unless `rope_type` is "default", the
+/// scaling of the older `rope_scaling` key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeParameters {
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_type: Option<String>,
+    #[serde(default)]
+    pub factor: Option<f64>,
+    #[serde(default = "default_low_freq_factor")]
+    pub low_freq_factor: f64,
+    #[serde(default = "default_high_freq_factor")]
+    pub high_freq_factor: f64,
+    #[serde(default = "default_original_max_pos")]
+    pub original_max_position_embeddings: usize,
+}
+
 /// One id or a list of ids: HF writes `eos_token_id` either way.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -70,6 +88,10 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
+    /// transformers ≥ 5 writes RoPE settings here instead of `rope_theta`/`rope_scaling`;
+    /// [`ModelConfig::normalized`] folds it into those two fields.
+    #[serde(default, skip_serializing)]
+    pub rope_parameters: Option<RopeParameters>,
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
@@ -120,9 +142,33 @@ impl ModelConfig {
             path: path.display().to_string(),
             source,
         })?;
+        let cfg = cfg.normalized();
         cfg.validate()
             .map_err(|e| CoreError::config(format!("{}: {e}", path.display())))?;
         Ok(cfg)
+    }
+
+    /// Folds transformers 5's `rope_parameters` into `rope_theta` and `rope_scaling`, so the
+    /// rest of Kestrel reads one spelling.
+    pub fn normalized(mut self) -> Self {
+        if let Some(p) = self.rope_parameters.take() {
+            if let Some(theta) = p.rope_theta {
+                self.rope_theta = theta;
+            }
+            match p.rope_type.as_deref() {
+                None | Some("default") => {}
+                Some(kind) => {
+                    self.rope_scaling = Some(RopeScaling {
+                        rope_type: kind.to_string(),
+                        factor: p.factor.unwrap_or(1.0),
+                        low_freq_factor: p.low_freq_factor,
+                        high_freq_factor: p.high_freq_factor,
+                        original_max_position_embeddings: p.original_max_position_embeddings,
+                    })
+                }
+            }
+        }
+        self
     }
 
     pub fn num_kv_heads(&self) -> usize {
@@ -183,20 +229,20 @@ impl ModelConfig {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads()) {
             return Err(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_kv_heads()
             ));
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
                 "hidden_size ({}) must be a multiple of num_attention_heads ({})",
                 self.hidden_size, self.num_attention_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "head_dim ({}) must be even for RoPE",
                 self.head_dim()
@@ -233,6 +279,35 @@ mod tests {
         assert_eq!(cfg.rope_theta, 10000.0);
         assert!(!cfg.tie_word_embeddings);
         assert_eq!(cfg.validate(), Ok(()));
+    }
+
+    #[test]
+    fn transformers5_rope_parameters_are_folded_in() {
+        let cfg = parse(
+            r#"{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": 2, "num_attention_heads": 4,
+            "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}}"#,
+        )
+        .normalized();
+        assert_eq!(cfg.rope_theta, 500000.0);
+        let s = cfg.rope_scaling.unwrap();
+        assert_eq!(
+            (
+                s.rope_type.as_str(),
+                s.factor,
+                s.original_max_position_embeddings
+            ),
+            ("llama3", 8.0, 64)
+        );
+        let plain = parse(
+            r#"{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": 2, "num_attention_heads": 4,
+            "rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}"#,
+        )
+        .normalized();
+        assert_eq!((plain.rope_theta, plain.rope_scaling), (20000.0, None));
     }
 
     #[test]
@@ -285,11 +360,12 @@ impl EagleHeadConfig {
             path: path.display().to_string(),
             source,
         })?;
-        let cfg: EagleHeadConfig =
+        let mut cfg: EagleHeadConfig =
             serde_json::from_str(&text).map_err(|source| CoreError::Json {
                 path: path.display().to_string(),
                 source,
             })?;
+        cfg.llama = cfg.llama.normalized();
         cfg.llama
             .validate()
             .map_err(|e| CoreError::config(format!("{}: {e}", path.display())))?;

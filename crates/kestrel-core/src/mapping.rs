@@ -50,13 +50,13 @@ impl Mapping {
             ("intermediate_size", cfg.intermediate_size),
         ];
         for (name, value) in checks {
-            if value % tp != 0 {
+            if !value.is_multiple_of(tp) {
                 return Err(format!(
                     "{name} ({value}) is not divisible by --tp_size {tp}: choose a tp_size that divides it"
                 ));
             }
         }
-        if kv % tp != 0 && tp % kv != 0 {
+        if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
             return Err(format!(
                 "num_key_value_heads ({kv}) and --tp_size {tp} must divide one another"
             ));

@@ -96,10 +96,12 @@ pub struct EnginePlan {
 
 impl EnginePlan {
     pub fn model_config(&self) -> Result<ModelConfig> {
-        serde_json::from_str(&self.model_config_json).map_err(|source| CoreError::Json {
-            path: "plan model config".into(),
-            source,
-        })
+        serde_json::from_str::<ModelConfig>(&self.model_config_json)
+            .map(ModelConfig::normalized)
+            .map_err(|source| CoreError::Json {
+                path: "plan model config".into(),
+                source,
+            })
     }
 
     /// Encodes the plan as `plan.bin` bytes (header, digest, payload).

@@ -1,0 +1,166 @@
+//! Loading an engine directory: plan, weights (on the chosen device), tokenizer, chat template.
+
+use crate::chat::ChatTemplate;
+use crate::error::{Result, RuntimeError};
+use candle_core::Device;
+use kestrel_core::checkpoint::{CHAT_TEMPLATE_FILE, EAGLE_PREFIX, TOKENIZER_FILE};
+use kestrel_core::{EagleHeadConfig, EnginePlan, ModelConfig, SpeculativeMode};
+use kestrel_model::{EagleHead, Llama};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
+
+pub struct Engine {
+    pub dir: PathBuf,
+    pub plan: EnginePlan,
+    pub config: ModelConfig,
+    pub model: Llama,
+    pub eagle: Option<EagleHead>,
+    pub device: Device,
+}
+
+/// The tokenizer and chat template an engine (or `--tokenizer_dir`) carries.
+pub struct TextCodec {
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl Engine {
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let plan = EnginePlan::load(dir)?;
+        check_device(&plan, device)?;
+        let config = plan.model_config()?;
+        let rank_files: Vec<PathBuf> = plan.weights.iter().map(|w| dir.join(&w.file)).collect();
+        for file in &rank_files {
+            if !file.is_file() {
+                return Err(RuntimeError::Engine(format!(
+                    "{}: weight file is missing: the engine is incomplete; rebuild it with spec-build",
+                    file.display()
+                )));
+            }
+        }
+        let model = Llama::load(&config, plan.mapping, &rank_files, plan.dtype, device)?;
+        let eagle = match (&plan.eagle_head_config_json, plan.speculative_mode) {
+            (Some(json), SpeculativeMode::Eagle) => {
+                let head_cfg: EagleHeadConfig = serde_json::from_str(json).map_err(|e| {
+                    RuntimeError::Engine(format!(
+                        "{}: bad EAGLE head config in the plan: {e}",
+                        dir.display()
+                    ))
+                })?;
+                Some(load_eagle_head(
+                    &head_cfg,
+                    &plan,
+                    &rank_files,
+                    &model,
+                    device,
+                )?)
+            }
+            _ => None,
+        };
+        Ok(Engine {
+            dir: dir.to_path_buf(),
+            plan,
+            config,
+            model,
+            eagle,
+            device: device.clone(),
+        })
+    }
+
+    /// Total KV-cache blocks for the engine's limits: every sequence of a full batch at
+    /// max_seq_len plus one verification step of max_draft_len + 1 tokens.
+    pub fn kv_blocks(&self) -> usize {
+        let l = &self.plan.limits;
+        let per_seq = (l.max_seq_len + l.max_draft_len + 1).div_ceil(l.tokens_per_block);
+        l.max_batch_size * per_seq
+    }
+}
+
+/// The head's tensors live in the rank files under "eagle."; a single-device run takes rank
+/// 0's copy when the engine is not sharded.
+fn load_eagle_head(
+    head_cfg: &EagleHeadConfig,
+    plan: &EnginePlan,
+    rank_files: &[PathBuf],
+    base: &Llama,
+    device: &Device,
+) -> Result<EagleHead> {
+    if plan.mapping.tp_size != 1 {
+        return Err(RuntimeError::Engine(
+            "EAGLE engines with tp_size > 1 cannot run on a single device yet: build the EAGLE engine with --tp_size 1".into(),
+        ));
+    }
+    let all = candle_core::safetensors::load(&rank_files[0], &Device::Cpu)?;
+    let tensors: BTreeMap<String, candle_core::Tensor> = all
+        .into_iter()
+        .filter_map(|(name, t)| name.strip_prefix(EAGLE_PREFIX).map(|n| (n.to_string(), t)))
+        .collect();
+    Ok(EagleHead::from_tensors(
+        head_cfg, tensors, base, plan.dtype, device,
+    )?)
+}
+
+fn check_device(plan: &EnginePlan, device: &Device) -> Result<()> {
+    let on_cuda = device.is_cuda();
+    let built_for_cuda = plan.target_device.starts_with("cuda");
+    if on_cuda != built_for_cuda {
+        let running = if on_cuda { "a CUDA device" } else { "the CPU" };
+        return Err(RuntimeError::Engine(format!(
+            "the engine was built for {} but is running on {running}: rebuild it with spec-build --target_device {}",
+            plan.target_device,
+            if on_cuda { "cuda:sm_XY" } else { "cpu" }
+        )));
+    }
+    Ok(())
+}
+
+impl TextCodec {
+    /// Reads `tokenizer.json` and `chat_template.jinja` from `dir`.
+    pub fn load(dir: &Path, config: &ModelConfig) -> Result<Self> {
+        let path = dir.join(TOKENIZER_FILE);
+        let tokenizer = Tokenizer::from_file(&path).map_err(|e| {
+            RuntimeError::Tokenizer(format!(
+                "{}: cannot load the tokenizer ({e}): pass --tokenizer_dir with a tokenizer.json",
+                path.display()
+            ))
+        })?;
+        let template_path = dir.join(CHAT_TEMPLATE_FILE);
+        let chat_template = if template_path.is_file() {
+            let source = std::fs::read_to_string(&template_path).map_err(|e| {
+                RuntimeError::Tokenizer(format!("{}: {e}", template_path.display()))
+            })?;
+            let token = |id: Option<u32>| {
+                id.and_then(|id| tokenizer.id_to_token(id))
+                    .unwrap_or_default()
+            };
+            let bos = token(config.bos_token_id);
+            let eos = token(config.eos_token_ids().first().copied());
+            Some(ChatTemplate::new(&source, &bos, &eos).map_err(|e| {
+                RuntimeError::Tokenizer(format!("{}: {e}", template_path.display()))
+            })?)
+        } else {
+            None
+        };
+        Ok(TextCodec {
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        // The chat template (or the user) supplies special tokens; HF's default for Llama
+        // tokenizers converted from GGUF adds none either.
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| RuntimeError::Tokenizer(format!("cannot tokenize input: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| RuntimeError::Tokenizer(format!("cannot decode output: {e}")))
+    }
+}

@@ -1,0 +1,7 @@
+//! The `kestrel` package holds the thin command-line binaries; this library holds the little
+//! they share (error reporting, prompt files, console and JSON reports), so that each binary
+//! stays a flag parser over library calls.
+
+pub mod cli;
+pub mod prompts;
+pub mod report;
