@@ -4,6 +4,8 @@
 
 pub mod chat;
 pub mod device;
+mod draft_target;
+mod eagle;
 pub mod engine;
 pub mod error;
 mod generate;
@@ -19,9 +21,50 @@ pub use request::{
 };
 
 /// How to decode.
-#[derive(Debug, Clone)]
-pub enum DecodeMode {
+pub enum DecodeMode<'a> {
     Plain,
+    /// EAGLE-1 (static tree) or EAGLE-2 (dynamic tree) with the engine's own draft head.
+    Eagle(EagleOptions),
+    /// A separate draft engine proposes `draft_len` tokens that the target verifies.
+    DraftTarget {
+        draft: &'a Engine,
+        options: DraftTargetOptions,
+    },
+}
+
+/// The tree EAGLE drafts, and how drafts are accepted.
+#[derive(Debug, Clone)]
+pub struct EagleOptions {
+    pub tree: EagleTreeKind,
+    pub acceptance: Acceptance,
+}
+
+#[derive(Debug, Clone)]
+pub enum EagleTreeKind {
+    /// EAGLE-1: a validated `eagle_choices` tree.
+    Static(kestrel_spec::EagleTree),
+    /// EAGLE-2: expand the best `top_k` nodes per layer, keep the best `max_draft_len` nodes.
+    Dynamic { top_k: usize },
+}
+
+/// How drafted tokens are accepted. Under greedy sampling every rule is argmax matching.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Acceptance {
+    /// Accept while the draft equals the target's own choice (greedy: its argmax).
+    TokenMatch,
+    /// TensorRT-LLM's typical acceptance with `--eagle_posterior_threshold ε` (lossy).
+    Typical { posterior_threshold: f32 },
+    /// Rejection sampling that keeps the target distribution exactly.
+    Exact,
+}
+
+/// `--draft_target_model_config "[draft_len,[draft devices],[target devices],use_logits]"`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftTargetOptions {
+    pub draft_len: usize,
+    /// true: speculative (rejection) sampling on both models' distributions; false: accept
+    /// while the draft token equals the target's own sampled token.
+    pub use_logits: bool,
 }
 
 /// Generates for every prompt (token ids) with `mode`, streaming committed tokens to `sink`.
@@ -35,6 +78,15 @@ pub fn generate(
     match mode {
         DecodeMode::Plain => {
             let mut decoder = plain::PlainDecoder::new(engine)?;
+            generate::drive(engine, &mut decoder, prompts, params, sink)
+        }
+        DecodeMode::Eagle(options) => {
+            let mut decoder = eagle::EagleDecoder::new(engine, options.clone())?;
+            generate::drive(engine, &mut decoder, prompts, params, sink)
+        }
+        DecodeMode::DraftTarget { draft, options } => {
+            let mut decoder =
+                draft_target::DraftTargetDecoder::new(engine, draft, options.clone())?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }
