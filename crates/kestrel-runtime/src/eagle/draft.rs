@@ -1,0 +1,337 @@
+//! Drafting a token tree per sequence with the EAGLE head: EAGLE-1's static `eagle_choices`
+//! tree or EAGLE-2's dynamic tree, level by level, batched over the sequences.
+
+use super::feed::{feed_trees, TreeFeed};
+use crate::error::{Result, RuntimeError};
+use candle_core::Tensor;
+use kestrel_model::{EagleHead, Llama, PagedKvCache, SeqId};
+use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
+use kestrel_spec::sampling::{self, SamplingParams};
+use kestrel_spec::{EagleTree, SeqRng, TreeBuffers};
+use std::borrow::Cow;
+
+/// Where one sequence's tree grows from.
+pub(crate) struct DraftRoot {
+    pub seq: SeqId,
+    /// Committed pairs in the head cache.
+    pub committed: usize,
+    /// Head position of the last committed pair (the root's); depth-d nodes sit at +d.
+    pub root_pos: usize,
+    /// The last committed token: the tree's root.
+    pub token: u32,
+    /// The head's output for the last committed pair (`[1, hidden]`).
+    pub output: Tensor,
+}
+
+/// A drafted tree: node tokens (root first), its structure and, when the children were
+/// sampled, the draft distribution at every node (`num_nodes × vocab`, zero rows for leaves).
+pub(crate) struct DraftedTree<'t> {
+    pub tokens: Vec<u32>,
+    pub buffers: Cow<'t, TreeBuffers>,
+    pub draft_probs: Option<Vec<f32>>,
+}
+
+/// How children are chosen from the head's distribution at a node.
+pub(crate) enum ChildChoice<'a> {
+    /// The k most likely tokens (greedy, token-match and typical acceptance).
+    TopK,
+    /// k tokens drawn without replacement from the warped draft distribution (exact
+    /// rejection sampling needs to know the proposal).
+    Sample(&'a SamplingParams),
+}
+
+pub(crate) struct Drafter<'a> {
+    pub head: &'a EagleHead,
+    pub base: &'a Llama,
+    pub cache: &'a mut PagedKvCache,
+}
+
+impl Drafter<'_> {
+    pub fn draft_static<'t>(
+        &mut self,
+        tree: &'t EagleTree,
+        roots: &[DraftRoot],
+        choice: &ChildChoice,
+        rngs: &mut [&mut SeqRng],
+    ) -> Result<Vec<DraftedTree<'t>>> {
+        let buf = tree.buffers();
+        let n = buf.num_nodes();
+        let vocab = self.base.config().vocab_size;
+        let mut tokens: Vec<Vec<u32>> = roots.iter().map(|r| vec![r.token; n]).collect();
+        let mut outputs: Vec<Vec<Option<Tensor>>> = roots
+            .iter()
+            .map(|r| {
+                let mut o = vec![None; n];
+                o[0] = Some(r.output.clone());
+                o
+            })
+            .collect();
+        let mut probs: Vec<Option<Vec<f32>>> = roots
+            .iter()
+            .map(|_| matches!(choice, ChildChoice::Sample(_)).then(|| vec![0f32; n * vocab]))
+            .collect();
+        for level in buf.draft_levels() {
+            if level.depth > 0 {
+                let fed: Vec<usize> = (1..n)
+                    .filter(|&i| buf.depths()[i] <= level.depth && !buf.is_leaf(i))
+                    .collect();
+                let want: Vec<usize> = level
+                    .expand
+                    .iter()
+                    .map(|e| {
+                        fed.iter()
+                            .position(|f| f == e)
+                            .expect("expanded nodes are fed")
+                    })
+                    .collect();
+                let feeds: Vec<TreeFeed> = roots
+                    .iter()
+                    .zip(&tokens)
+                    .map(|(r, t)| TreeFeed {
+                        seq: r.seq,
+                        committed: r.committed,
+                        root_pos: r.root_pos,
+                        nodes: fed.clone(),
+                        tokens: fed.iter().map(|&i| t[i]).collect(),
+                        parents: fed.iter().map(|&i| buf.parents()[i].unwrap_or(0)).collect(),
+                        depths: fed.iter().map(|&i| buf.depths()[i]).collect(),
+                        want: want.clone(),
+                    })
+                    .collect();
+                let outs = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+                for (s, out) in outs.iter().enumerate() {
+                    for (j, &e) in level.expand.iter().enumerate() {
+                        outputs[s][e] = Some(out.narrow(0, j, 1)?);
+                    }
+                }
+            }
+            let rows = self.logits_of(&outputs, &level.expand)?;
+            for (s, seq_rows) in rows.chunks(level.expand.len()).enumerate() {
+                let mut children = Vec::with_capacity(seq_rows.len());
+                for (row, &node) in seq_rows.iter().zip(&level.expand) {
+                    children.push(match choice {
+                        ChildChoice::TopK => top_k(row, level.top_k)
+                            .into_iter()
+                            .map(|(t, _)| t)
+                            .collect(),
+                        ChildChoice::Sample(params) => {
+                            let q = sampling::probs(row, params);
+                            let picked = sample_without_replacement(&q, level.top_k, rngs[s]);
+                            if let Some(p) = probs[s].as_mut() {
+                                p[node * vocab..(node + 1) * vocab].copy_from_slice(&q);
+                            }
+                            picked
+                        }
+                    });
+                }
+                for pick in &level.picks {
+                    tokens[s][pick.node] = children[pick.parent_slot][pick.rank];
+                }
+            }
+        }
+        Ok(tokens
+            .into_iter()
+            .zip(probs)
+            .map(|(tokens, draft_probs)| DraftedTree {
+                tokens,
+                buffers: Cow::Borrowed(buf),
+                draft_probs,
+            })
+            .collect())
+    }
+
+    /// EAGLE-2: N drafts from the root, then `layers - 1` expansions of the best N frontier
+    /// nodes by cumulative log-probability; the best `max_draft_len` candidates form the tree.
+    pub fn draft_dynamic(
+        &mut self,
+        cfg: &DynamicTreeConfig,
+        roots: &[DraftRoot],
+    ) -> Result<Vec<DraftedTree<'static>>> {
+        let bad = |e: kestrel_spec::DynamicTreeError| RuntimeError::InvalidRequest(e.to_string());
+        let top = cfg.top_k;
+        let mut builders = Vec::with_capacity(roots.len());
+        // Node id 0 is the root; candidate c has node id c + 1.
+        let mut outputs: Vec<Vec<Option<Tensor>>> = Vec::with_capacity(roots.len());
+        let root_rows = self.logits_of(
+            &roots
+                .iter()
+                .map(|r| vec![Some(r.output.clone())])
+                .collect::<Vec<_>>(),
+            &[0],
+        )?;
+        for row in &root_rows {
+            let mut b = DynamicTreeBuilder::new(cfg.clone()).map_err(bad)?;
+            let (t, lp) = top_k_logp(row, top);
+            b.push_root_layer(&t, &lp).map_err(bad)?;
+            builders.push(b);
+        }
+        for r in roots {
+            let mut o = vec![None; cfg.num_candidates() + 1];
+            o[0] = Some(r.output.clone());
+            outputs.push(o);
+        }
+        for _layer in 1..cfg.num_layers {
+            let mut feeds = Vec::with_capacity(roots.len());
+            for (r, b) in roots.iter().zip(&builders) {
+                let frontier = b.frontier().to_vec();
+                let mut fed: Vec<usize> = frontier.iter().flat_map(|&c| b.ancestors(c)).collect();
+                fed.sort_unstable();
+                fed.dedup();
+                let cands = b.candidates();
+                let want = frontier
+                    .iter()
+                    .map(|c| fed.iter().position(|f| f == c).expect("frontier is fed"))
+                    .collect();
+                feeds.push(TreeFeed {
+                    seq: r.seq,
+                    committed: r.committed,
+                    root_pos: r.root_pos,
+                    nodes: fed.iter().map(|&c| c + 1).collect(),
+                    tokens: fed.iter().map(|&c| cands[c].token).collect(),
+                    parents: fed
+                        .iter()
+                        .map(|&c| cands[c].parent.map_or(0, |p| p + 1))
+                        .collect(),
+                    depths: fed.iter().map(|&c| cands[c].depth).collect(),
+                    want,
+                });
+            }
+            let outs = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+            let mut ids_per_seq = Vec::with_capacity(roots.len());
+            for (s, out) in outs.iter().enumerate() {
+                let frontier = builders[s].frontier().to_vec();
+                for (j, &c) in frontier.iter().enumerate() {
+                    outputs[s][c + 1] = Some(out.narrow(0, j, 1)?);
+                }
+                ids_per_seq.push(frontier.iter().map(|&c| c + 1).collect::<Vec<_>>());
+            }
+            let rows = self.logits_of_ids(&outputs, &ids_per_seq)?;
+            let mut offset = 0;
+            for (s, b) in builders.iter_mut().enumerate() {
+                let k = ids_per_seq[s].len();
+                let (mut toks, mut lps) =
+                    (Vec::with_capacity(k * top), Vec::with_capacity(k * top));
+                for row in &rows[offset..offset + k] {
+                    let (t, lp) = top_k_logp(row, top);
+                    toks.extend(t);
+                    lps.extend(lp);
+                }
+                offset += k;
+                b.push_layer(&toks, &lps).map_err(bad)?;
+            }
+        }
+        builders
+            .iter()
+            .zip(roots)
+            .map(|(b, r)| {
+                let tree = b.finish(r.token).map_err(bad)?;
+                let buffers = tree.buffers().clone();
+                Ok(DraftedTree {
+                    tokens: tree.tokens,
+                    buffers: Cow::Owned(buffers),
+                    draft_probs: None,
+                })
+            })
+            .collect()
+    }
+
+    /// Head logits (f32, host) of the given nodes of every sequence, sequence-major.
+    fn logits_of(&self, outputs: &[Vec<Option<Tensor>>], nodes: &[usize]) -> Result<Vec<Vec<f32>>> {
+        let ids: Vec<Vec<usize>> = outputs.iter().map(|_| nodes.to_vec()).collect();
+        self.logits_of_ids(outputs, &ids)
+    }
+
+    fn logits_of_ids(
+        &self,
+        outputs: &[Vec<Option<Tensor>>],
+        ids: &[Vec<usize>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let rows: Vec<Tensor> = outputs
+            .iter()
+            .zip(ids)
+            .flat_map(|(o, ids)| {
+                ids.iter()
+                    .map(|&i| o[i].clone().expect("node was expanded"))
+            })
+            .collect();
+        let hidden = Tensor::cat(&rows, 0)?;
+        Ok(self.base.logits(&hidden)?.to_vec2::<f32>()?)
+    }
+}
+
+/// The k largest entries, best first (lower token id first on ties).
+pub(crate) fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(row.len());
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, row[i as usize])).collect()
+}
+
+/// Top-k tokens with their log-probabilities under softmax(row).
+fn top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max
+        + row
+            .iter()
+            .map(|&x| ((x - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
+    top_k(row, k)
+        .into_iter()
+        .map(|(t, l)| (t, (l - lse).min(0.0)))
+        .unzip()
+}
+
+/// k distinct tokens drawn without replacement from `q`; once q is exhausted the rest repeat
+/// the first draw (never reached by exact acceptance, which stops when q is used up).
+fn sample_without_replacement(q: &[f32], k: usize, rng: &mut SeqRng) -> Vec<u32> {
+    let mut q = q.to_vec();
+    let mut out = Vec::with_capacity(k);
+    for _ in 0..k {
+        if q.iter().all(|&x| x <= 0.0) {
+            let filler = out.first().copied().unwrap_or(0);
+            out.push(filler);
+            continue;
+        }
+        let t = sampling::sample(&q, rng);
+        q[t as usize] = 0.0;
+        out.push(t);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_orders_by_value_then_id() {
+        assert_eq!(
+            top_k(&[0.5, 2.0, 2.0, -1.0, 1.0], 3),
+            vec![(1, 2.0), (2, 2.0), (4, 1.0)]
+        );
+    }
+
+    #[test]
+    fn top_k_logp_are_log_softmax() {
+        let (t, lp) = top_k_logp(&[0.0, 0.0f32.ln_1p(), 1.0], 2);
+        assert_eq!(t, vec![2, 0]);
+        let z = 2.0 + std::f32::consts::E;
+        assert!((lp[0] - (std::f32::consts::E / z).ln()).abs() < 1e-6);
+        assert!((lp[1] - (1.0 / z).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sampling_without_replacement_gives_distinct_tokens() {
+        let mut rng = SeqRng::new(7, 0);
+        let picked = sample_without_replacement(&[0.1, 0.2, 0.3, 0.4], 4, &mut rng);
+        let mut sorted = picked.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![0, 1, 2, 3]);
+    }
+}

@@ -1,0 +1,101 @@
+//! Feeding draft-tree nodes to the EAGLE head.
+//!
+//! The head's KV cache holds only committed pairs. To draft one tree level, the nodes that
+//! lead to that level (the expanded nodes and their ancestors) are fed in one forward with an
+//! ancestor mask, their outputs read, and the cache truncated back to the committed pairs.
+//! Re-feeding the few ancestors costs little and keeps rejected branches out of the cache
+//! without a mask over previously cached slots (TensorRT-LLM's EagleNets re-feed likewise).
+
+use crate::error::Result;
+use candle_core::Tensor;
+use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows, PagedKvCache, SeqId};
+
+/// Node ids are local to one sequence's tree; id 0 is the root, whose output is the head's
+/// prediction from the committed pairs.
+pub(crate) struct TreeFeed {
+    pub seq: SeqId,
+    /// Committed head pairs: the cache length to return to.
+    pub committed: usize,
+    /// Head position of the root's pair; a node at depth d sits at `root_pos + d`.
+    pub root_pos: usize,
+    /// Nodes to feed (never the root), parents before children.
+    pub nodes: Vec<usize>,
+    pub tokens: Vec<u32>,
+    pub parents: Vec<usize>,
+    pub depths: Vec<usize>,
+    /// Indices into `nodes` whose outputs are wanted.
+    pub want: Vec<usize>,
+}
+
+/// Runs one head forward over every sequence's feed; returns, per sequence, the outputs of
+/// its wanted nodes (`[want.len(), hidden]`). `outputs[s][id]` must hold the output of each
+/// fed node's parent (the feature it is paired with).
+pub(crate) fn feed_trees(
+    head: &EagleHead,
+    base: &Llama,
+    cache: &mut PagedKvCache,
+    feeds: &[TreeFeed],
+    outputs: &[Vec<Option<Tensor>>],
+) -> Result<Vec<Tensor>> {
+    let mut positions = Vec::with_capacity(feeds.len());
+    let mut masks = Vec::with_capacity(feeds.len());
+    let mut features = Vec::with_capacity(feeds.len());
+    for (feed, outs) in feeds.iter().zip(outputs) {
+        positions.push(
+            feed.depths
+                .iter()
+                .map(|&d| (feed.root_pos + d) as u32)
+                .collect::<Vec<u32>>(),
+        );
+        masks.push(ancestor_mask(feed));
+        let rows: Vec<Tensor> = feed
+            .parents
+            .iter()
+            .map(|&p| {
+                outs[p]
+                    .clone()
+                    .expect("a fed node's parent has been expanded")
+            })
+            .collect();
+        features.push(Tensor::cat(&rows, 0)?);
+    }
+    let batch: Vec<EagleSeqInput> = feeds
+        .iter()
+        .enumerate()
+        .map(|(i, f)| EagleSeqInput {
+            seq: f.seq,
+            tokens: &f.tokens,
+            features: features[i].clone(),
+            positions: &positions[i],
+            mask: Some(&masks[i]),
+            output_rows: OutputRows::Rows(f.want.clone()),
+        })
+        .collect();
+    let out = head.forward(base, &batch, cache)?;
+    let mut per_seq = Vec::with_capacity(feeds.len());
+    let mut offset = 0;
+    for f in feeds {
+        cache.truncate(f.seq, f.committed)?;
+        per_seq.push(out.narrow(0, offset, f.want.len())?);
+        offset += f.want.len();
+    }
+    Ok(per_seq)
+}
+
+/// Row i, column j: node j is node i or one of its ancestors (among the fed nodes).
+fn ancestor_mask(feed: &TreeFeed) -> Vec<bool> {
+    let n = feed.nodes.len();
+    let mut mask = vec![false; n * n];
+    for i in 0..n {
+        let mut cur = feed.nodes[i];
+        loop {
+            if let Some(j) = feed.nodes.iter().position(|&x| x == cur) {
+                mask[i * n + j] = true;
+                cur = feed.parents[j];
+            } else {
+                break;
+            }
+        }
+    }
+    mask
+}

@@ -1,0 +1,290 @@
+//! EAGLE-1 (static tree) and EAGLE-2 (dynamic tree) speculative decoding.
+//!
+//! Per step and sequence: the head consumes the newly committed (token, feature) pairs and
+//! predicts the next feature; a tree is drafted from it; the target verifies the whole tree
+//! in one forward with the tree's ancestor mask and depth positions; the accepted path's KV
+//! slots are compacted into place and the rest dropped; the accepted tokens and the target's
+//! bonus token are committed. The features are the target's final-normed hidden states, so
+//! the next step's pairs come straight out of the verification forward.
+
+mod accept;
+mod draft;
+mod feed;
+
+use crate::engine::Engine;
+use crate::error::{Result, RuntimeError};
+use crate::generate::{positions, sample_rows, Decoder};
+use crate::request::{GenerationParams, RunTimings, TokenSink};
+use crate::sequence::Sequence;
+use crate::{Acceptance, EagleOptions, EagleTreeKind};
+use candle_core::Tensor;
+use draft::{ChildChoice, DraftRoot, Drafter};
+use kestrel_model::{EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput};
+use kestrel_spec::dynamic::DynamicTreeConfig;
+use kestrel_spec::SeqRng;
+use std::time::Instant;
+
+pub(crate) struct EagleDecoder<'e> {
+    engine: &'e Engine,
+    head: &'e EagleHead,
+    options: EagleOptions,
+    dynamic: Option<DynamicTreeConfig>,
+    base_cache: PagedKvCache,
+    head_cache: PagedKvCache,
+}
+
+/// Committed (token, feature) pairs the head has not consumed yet.
+struct Pending {
+    tokens: Vec<u32>,
+    features: Tensor,
+    /// Head position of the first pair.
+    start: usize,
+}
+
+impl<'e> EagleDecoder<'e> {
+    pub fn new(engine: &'e Engine, options: EagleOptions) -> Result<Self> {
+        let head = engine.eagle.as_ref().ok_or_else(|| {
+            RuntimeError::InvalidRequest(format!(
+                "{} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle from a checkpoint converted with --eagle_model_dir",
+                engine.dir.display()
+            ))
+        })?;
+        let limits = &engine.plan.limits;
+        let dynamic = match &options.tree {
+            EagleTreeKind::Static(_) => None,
+            EagleTreeKind::Dynamic { top_k } => {
+                let cfg = DynamicTreeConfig {
+                    top_k: *top_k,
+                    num_layers: limits.num_eagle_layers,
+                    max_draft_len: limits.max_draft_len,
+                    max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
+                };
+                cfg.validate()
+                    .map_err(|e| RuntimeError::InvalidRequest(e.to_string()))?;
+                Some(cfg)
+            }
+        };
+        let blocks = engine.kv_blocks();
+        let block = limits.tokens_per_block;
+        Ok(EagleDecoder {
+            engine,
+            head,
+            options,
+            dynamic,
+            base_cache: engine.model.new_cache(blocks, block)?,
+            head_cache: head.new_cache(blocks, block)?,
+        })
+    }
+
+    /// The head consumes every live sequence's pending pairs; returns each one's draft root.
+    fn advance_head(
+        &mut self,
+        live: &[usize],
+        seqs: &[Sequence],
+        head_ids: &[SeqId],
+        pending: &[Option<Pending>],
+    ) -> Result<Vec<DraftRoot>> {
+        let pos: Vec<Vec<u32>> = live
+            .iter()
+            .map(|&i| {
+                let p = pending[i]
+                    .as_ref()
+                    .expect("live sequences have pending pairs");
+                positions(p.start, p.tokens.len())
+            })
+            .collect();
+        let batch: Vec<EagleSeqInput> = live
+            .iter()
+            .zip(&pos)
+            .map(|(&i, p)| {
+                let pend = pending[i].as_ref().expect("checked above");
+                EagleSeqInput {
+                    seq: head_ids[i],
+                    tokens: &pend.tokens,
+                    features: pend.features.clone(),
+                    positions: p,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                }
+            })
+            .collect();
+        let out = self
+            .head
+            .forward(&self.engine.model, &batch, &mut self.head_cache)?;
+        live.iter()
+            .enumerate()
+            .map(|(row, &i)| {
+                let committed = self.head_cache.seq_len(head_ids[i])?;
+                Ok(DraftRoot {
+                    seq: head_ids[i],
+                    committed,
+                    root_pos: committed - 1,
+                    token: *seqs[i].tokens.last().expect("non-empty"),
+                    output: out.narrow(0, row, 1)?,
+                })
+            })
+            .collect()
+    }
+}
+
+impl Decoder for EagleDecoder<'_> {
+    fn run_batch(
+        &mut self,
+        seqs: &mut [Sequence],
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
+    ) -> Result<()> {
+        let model = &self.engine.model;
+        let start = Instant::now();
+        let base_ids: Vec<SeqId> = seqs
+            .iter()
+            .map(|_| self.base_cache.add_sequence())
+            .collect();
+        let head_ids: Vec<SeqId> = seqs
+            .iter()
+            .map(|_| self.head_cache.add_sequence())
+            .collect();
+
+        // Prefill: every prompt position's feature feeds the head; the last one's logits
+        // give the first token.
+        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.tokens.len())).collect();
+        let batch: Vec<SeqInput> = seqs
+            .iter()
+            .zip(&base_ids)
+            .zip(&pos)
+            .map(|((s, &seq), p)| SeqInput {
+                seq,
+                tokens: &s.tokens,
+                positions: p,
+                mask: None,
+                output_rows: OutputRows::All,
+            })
+            .collect();
+        let hidden = model.forward(&batch, &mut self.base_cache)?;
+        let mut lasts = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for s in seqs.iter() {
+            offset += s.tokens.len();
+            lasts.push(hidden.narrow(0, offset - 1, 1)?);
+        }
+        let logits = model.logits(&Tensor::cat(&lasts, 0)?)?;
+        let mut pending: Vec<Option<Pending>> = Vec::with_capacity(seqs.len());
+        let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let first = sample_rows(&logits, &mut all, params)?;
+        let ttft = start.elapsed().as_secs_f64();
+        timings.prefill_s += ttft;
+        let mut offset = 0;
+        for (s, t) in all.iter_mut().zip(first) {
+            let n = s.tokens.len();
+            s.stats.time_to_first_token_s = ttft;
+            s.commit(&[t], params, sink);
+            let mut tokens = s.tokens[1..n].to_vec();
+            tokens.push(t);
+            pending.push(Some(Pending {
+                tokens,
+                features: hidden.narrow(0, offset, n)?,
+                start: 0,
+            }));
+            offset += n;
+        }
+
+        loop {
+            for (i, s) in seqs.iter().enumerate() {
+                if !s.is_live() && self.base_cache.contains(base_ids[i]) {
+                    self.base_cache.free_sequence(base_ids[i])?;
+                    self.head_cache.free_sequence(head_ids[i])?;
+                    pending[i] = None;
+                }
+            }
+            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            if live.is_empty() {
+                break;
+            }
+
+            let draft_start = Instant::now();
+            let roots = self.advance_head(&live, seqs, &head_ids, &pending)?;
+            let mut drafter = Drafter {
+                head: self.head,
+                base: model,
+                cache: &mut self.head_cache,
+            };
+            let trees = match (&self.options.tree, &self.dynamic) {
+                (EagleTreeKind::Static(tree), _) => {
+                    let choice = if self.options.acceptance == Acceptance::Exact
+                        && !params.sampling.is_greedy()
+                    {
+                        ChildChoice::Sample(&params.sampling)
+                    } else {
+                        ChildChoice::TopK
+                    };
+                    let mut rngs: Vec<&mut SeqRng> = seqs
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(i, _)| live.contains(i))
+                        .map(|(_, s)| &mut s.rng)
+                        .collect();
+                    drafter.draft_static(tree, &roots, &choice, &mut rngs)?
+                }
+                (EagleTreeKind::Dynamic { .. }, Some(cfg)) => drafter.draft_dynamic(cfg, &roots)?,
+                (EagleTreeKind::Dynamic { .. }, None) => unreachable!("validated in new"),
+            };
+            timings.draft_s += draft_start.elapsed().as_secs_f64();
+
+            // Verify every tree in one target forward.
+            let verify_start = Instant::now();
+            let bases: Vec<usize> = live.iter().map(|&i| seqs[i].tokens.len() - 1).collect();
+            let pos: Vec<Vec<u32>> = trees
+                .iter()
+                .zip(&bases)
+                .map(|(t, &b)| t.buffers.depths().iter().map(|&d| (b + d) as u32).collect())
+                .collect();
+            let batch: Vec<SeqInput> = live
+                .iter()
+                .zip(&trees)
+                .zip(&pos)
+                .map(|((&i, t), p)| SeqInput {
+                    seq: base_ids[i],
+                    tokens: &t.tokens,
+                    positions: p,
+                    mask: Some(t.buffers.mask()),
+                    output_rows: OutputRows::All,
+                })
+                .collect();
+            let hidden = model.forward(&batch, &mut self.base_cache)?;
+            let logits = model.logits(&hidden)?.to_vec2::<f32>()?;
+            let mut offset = 0;
+            for ((&i, tree), &base_len) in live.iter().zip(&trees).zip(&bases) {
+                let n = tree.tokens.len();
+                let s = &mut seqs[i];
+                let acc = accept::accept_tree(
+                    tree,
+                    &logits[offset..offset + n],
+                    self.options.acceptance,
+                    &params.sampling,
+                    &mut s.rng,
+                )?;
+                self.base_cache
+                    .compact(base_ids[i], base_len, &acc.accepted_nodes)?;
+                let kept_rows: Vec<u32> = acc
+                    .accepted_nodes
+                    .iter()
+                    .map(|&r| (offset + r) as u32)
+                    .collect();
+                let rows = Tensor::new(kept_rows.as_slice(), hidden.device())?;
+                s.stats.draft_tokens += n - 1;
+                s.stats.accepted_draft_tokens += acc.accepted_len;
+                s.stats.record_step(acc.tokens.len());
+                s.commit(&acc.tokens, params, sink);
+                pending[i] = Some(Pending {
+                    tokens: acc.tokens,
+                    features: hidden.index_select(&rows, 0)?,
+                    start: base_len,
+                });
+                offset += n;
+            }
+            timings.verify_s += verify_start.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+}

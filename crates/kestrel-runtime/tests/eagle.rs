@@ -1,0 +1,367 @@
+//! EAGLE-1/EAGLE-2 decoding is lossless: greedy output equals plain greedy output token for
+//! token (with heads that agree often and rarely, static and dynamic trees, batches), and
+//! exact sampling follows the target distribution.
+
+mod support;
+
+use candle_core::Device;
+use kestrel_runtime::{
+    generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams,
+    NoSink, SequenceOutput,
+};
+use kestrel_spec::tree::TreeLimits;
+use kestrel_spec::{EagleTree, SamplingParams};
+use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
+
+fn greedy(max_output_len: usize) -> GenerationParams {
+    GenerationParams {
+        max_output_len,
+        sampling: SamplingParams::greedy(),
+        end_ids: vec![],
+    }
+}
+
+fn run(
+    engine: &Engine,
+    mode: &DecodeMode,
+    prompts: &[Vec<u32>],
+    params: &GenerationParams,
+) -> Vec<SequenceOutput> {
+    generate(engine, mode, prompts, params, &mut NoSink)
+        .unwrap()
+        .0
+}
+
+fn ids(outputs: &[SequenceOutput]) -> Vec<Vec<u32>> {
+    outputs.iter().map(|o| o.output_ids.clone()).collect()
+}
+
+fn limits() -> TreeLimits {
+    TreeLimits {
+        num_eagle_layers: 4,
+        max_non_leaves_per_layer: 10,
+        max_draft_len: 63,
+        max_top_k: 10,
+    }
+}
+
+fn static_mode(preset: &str) -> DecodeMode<'static> {
+    DecodeMode::Eagle(EagleOptions {
+        tree: EagleTreeKind::Static(EagleTree::from_preset(preset, &limits()).unwrap()),
+        acceptance: Acceptance::TokenMatch,
+    })
+}
+
+fn dynamic_mode(top_k: usize) -> DecodeMode<'static> {
+    DecodeMode::Eagle(EagleOptions {
+        tree: EagleTreeKind::Dynamic { top_k },
+        acceptance: Acceptance::TokenMatch,
+    })
+}
+
+fn mean_tokens_per_step(outputs: &[SequenceOutput]) -> f64 {
+    outputs.iter().map(|o| o.stats.tokens_per_step).sum::<f64>() / outputs.len() as f64
+}
+
+/// Plain greedy output of `engine` and each EAGLE mode's output must be identical.
+fn assert_lossless(engine: &Engine, modes: &[(&str, DecodeMode)], len: usize) -> Vec<f64> {
+    let prompts = prompts();
+    let plain = ids(&run(engine, &DecodeMode::Plain, &prompts, &greedy(len)));
+    assert!(plain.iter().all(|o| o.len() == len));
+    modes
+        .iter()
+        .map(|(name, mode)| {
+            let out = run(engine, mode, &prompts, &greedy(len));
+            assert_eq!(
+                ids(&out),
+                plain,
+                "{name} differs from plain greedy decoding"
+            );
+            mean_tokens_per_step(&out)
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_eagle_equals_plain_with_an_agreeing_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let modes = [
+        ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
+        ("chain_4", static_mode("chain_4")),
+        ("small_8", static_mode("small_8")),
+        ("eagle2 top 4", dynamic_mode(4)),
+        ("eagle2 top 10", dynamic_mode(10)),
+    ];
+    let tau = assert_lossless(&engine, &modes, 48);
+    // The head agrees often, so every tree commits several tokens per target call.
+    for (t, (name, _)) in tau.iter().zip(&modes) {
+        assert!(
+            *t > 2.0,
+            "{name}: only {t:.2} tokens per step with an agreeing head"
+        );
+    }
+}
+
+#[test]
+fn greedy_eagle_equals_plain_with_a_random_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::tiny_config(2);
+    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let head = random_head(&cfg, 6);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let modes = [
+        ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
+        ("small_8", static_mode("small_8")),
+        ("eagle2 top 3", dynamic_mode(3)),
+    ];
+    assert_lossless(&engine, &modes, 40);
+}
+
+/// Random valid trees: every prefix present, ranks below 4, depth ≤ 4, ≤ 24 nodes.
+fn random_tree(seed: u64) -> Vec<Vec<usize>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut tree: Vec<Vec<usize>> = vec![vec![0]];
+    let target = rng.random_range(1..24);
+    while tree.len() < target {
+        let parent = tree[rng.random_range(0..tree.len())].clone();
+        if parent.len() >= 4 {
+            continue;
+        }
+        let mut child = parent;
+        child.push(rng.random_range(0..4));
+        // Ranks must be contiguous prefixes of the head's top-k for EAGLE drafting to be
+        // meaningful, but any rank below top-k is valid; add the missing lower siblings.
+        let last = *child.last().unwrap();
+        for r in 0..=last {
+            let mut sibling = child.clone();
+            *sibling.last_mut().unwrap() = r;
+            if !tree.contains(&sibling) {
+                tree.push(sibling);
+            }
+        }
+    }
+    tree
+}
+
+#[test]
+fn greedy_eagle_equals_plain_on_random_trees() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(21);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let modes: Vec<(String, DecodeMode)> = (0..6)
+        .map(|seed| {
+            let choices = random_tree(seed);
+            let tree =
+                EagleTree::new(&choices, &limits()).unwrap_or_else(|e| panic!("{choices:?}: {e}"));
+            (
+                format!("{choices:?}"),
+                DecodeMode::Eagle(EagleOptions {
+                    tree: EagleTreeKind::Static(tree),
+                    acceptance: Acceptance::TokenMatch,
+                }),
+            )
+        })
+        .collect();
+    let named: Vec<(&str, DecodeMode)> = modes
+        .into_iter()
+        .map(|(n, m)| (Box::leak(n.into_boxed_str()) as &str, m))
+        .collect();
+    assert_lossless(&engine, &named, 32);
+}
+
+#[test]
+fn typical_acceptance_at_temperature_zero_is_greedy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(3);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let typical = DecodeMode::Eagle(EagleOptions {
+        tree: EagleTreeKind::Static(EagleTree::from_preset("mc_sim_7b_63", &limits()).unwrap()),
+        acceptance: Acceptance::Typical {
+            posterior_threshold: 0.09,
+        },
+    });
+    assert_lossless(&engine, &[("typical", typical)], 24);
+}
+
+/// The exact target distribution of the second generated token, marginalised over the first.
+fn second_token_distribution(engine: &Engine, prompt: &[u32], temperature: f32) -> Vec<f64> {
+    use kestrel_model::{OutputRows, SeqInput};
+    let model = &engine.model;
+    let probs_after = |tokens: &[u32]| -> Vec<f64> {
+        let mut cache = model.new_cache(16, 8).unwrap();
+        let seq = cache.add_sequence();
+        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+        let h = model
+            .forward(
+                &[SeqInput {
+                    seq,
+                    tokens,
+                    positions: &pos,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                }],
+                &mut cache,
+            )
+            .unwrap();
+        let logits: Vec<f32> = model
+            .logits(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let p = kestrel_spec::sampling::probs(
+            &logits,
+            &SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+            },
+        );
+        p.iter().map(|&x| x as f64).collect()
+    };
+    let first = probs_after(prompt);
+    let mut second = vec![0f64; first.len()];
+    for (t0, &p0) in first.iter().enumerate() {
+        if p0 < 1e-9 {
+            continue;
+        }
+        let mut ctx = prompt.to_vec();
+        ctx.push(t0 as u32);
+        for (t1, p1) in probs_after(&ctx).iter().enumerate() {
+            second[t1] += p0 * p1;
+        }
+    }
+    second
+}
+
+#[test]
+fn exact_sampling_follows_the_target_distribution() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(8);
+    let spec = EngineSpec {
+        max_batch_size: 16,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompt = vec![3u32, 17, 9];
+    let temperature = 1.5;
+    let expected = second_token_distribution(&engine, &prompt, temperature);
+    let mode = DecodeMode::Eagle(EagleOptions {
+        tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
+        acceptance: Acceptance::Exact,
+    });
+    let batch = vec![prompt.clone(); 16];
+    let mut counts = vec![0u64; expected.len()];
+    let rounds = 250;
+    for seed in 0..rounds {
+        let params = GenerationParams {
+            max_output_len: 2,
+            sampling: SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed,
+            },
+            end_ids: vec![],
+        };
+        for out in run(&engine, &mode, &batch, &params) {
+            counts[out.output_ids[1] as usize] += 1;
+        }
+    }
+    let n = (rounds * 16) as f64;
+    // Pool bins with small expectations, then a chi-square test at p = 0.001.
+    let (mut stat, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
+    for (c, p) in counts.iter().zip(&expected) {
+        let e = p * n;
+        if e < 5.0 {
+            pool_obs += *c as f64;
+            pool_exp += e;
+            continue;
+        }
+        stat += (*c as f64 - e).powi(2) / e;
+        df += 1;
+    }
+    if pool_exp > 0.0 {
+        stat += (pool_obs - pool_exp).powi(2) / pool_exp.max(1e-9);
+        df += 1;
+    }
+    let df = df - 1;
+    // Wilson–Hilferty approximation of the 0.999 quantile.
+    let k = df as f64;
+    let z = 3.090_232;
+    let critical = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    assert!(
+        stat < critical,
+        "chi-square {stat:.1} ≥ {critical:.1} with {df} degrees of freedom"
+    );
+}
+
+#[test]
+fn eagle2_refuses_top_k_beyond_the_engine_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(1);
+    let spec = EngineSpec {
+        max_non_leaves_per_layer: 4,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let err = generate(
+        &engine,
+        &dynamic_mode(5),
+        &prompts(),
+        &greedy(4),
+        &mut NoSink,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        kestrel_spec::DynamicTreeConfig {
+            top_k: 5,
+            num_layers: 4,
+            max_draft_len: 63,
+            max_non_leaves_per_layer: 4
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+    );
+}
+
+#[test]
+fn eagle_needs_an_engine_with_a_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::tiny_config(1);
+    let base = kestrel_model::llama::random_tensors(&cfg, 2).unwrap();
+    let spec = EngineSpec {
+        mode: kestrel_core::SpeculativeMode::None,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir.path(), &cfg, &base, None, &spec);
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let err = generate(
+        &engine,
+        &static_mode("chain_4"),
+        &prompts(),
+        &greedy(4),
+        &mut NoSink,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle from a checkpoint converted with --eagle_model_dir",
+            engine_dir.display()
+        )
+    );
+}

@@ -1,0 +1,187 @@
+//! Tiny engines for runtime tests, built through the real checkpoint → spec-build path.
+
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use kestrel_build::{build_engine, BuildOptions, GemmPlugin, TargetDevice};
+use kestrel_core::checkpoint::{
+    checkpoint_config_json, rank_file_name, CheckpointMeta, EagleMeta, CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION, CONFIG_FILE, EAGLE_PREFIX,
+};
+use kestrel_core::{DType as KDType, EagleHeadConfig, Mapping, ModelConfig, SpeculativeMode};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub fn tiny_config(layers: usize) -> ModelConfig {
+    serde_json::from_str(&format!(
+        r#"{{"vocab_size": 48, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": {layers}, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "eos_token_id": 47, "bos_token_id": 0,
+            "max_position_embeddings": 512}}"#
+    ))
+    .unwrap()
+}
+
+pub fn head_config(cfg: &ModelConfig) -> EagleHeadConfig {
+    let mut llama = cfg.clone();
+    llama.num_hidden_layers = 1;
+    EagleHeadConfig { llama, bias: true }
+}
+
+/// A head that predicts the base model well: fc passes the token embedding through, and its
+/// layer is the base's first layer with attention switched off (the base's attention is made
+/// weak and its final norm uniform, so the head's greedy choice mostly equals the target's).
+pub fn agreeing_pair(
+    seed: u64,
+) -> (
+    ModelConfig,
+    BTreeMap<String, Tensor>,
+    BTreeMap<String, Tensor>,
+) {
+    let cfg = tiny_config(1);
+    let mut base = kestrel_model::llama::random_tensors(&cfg, seed).unwrap();
+    let h = cfg.hidden_size;
+    let o = "model.layers.0.self_attn.o_proj.weight".to_string();
+    base.insert(o.clone(), (base[&o].clone() * 0.05).unwrap());
+    base.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(h, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let mut head = BTreeMap::new();
+    let eye = Tensor::eye(h, DType::F32, &Device::Cpu).unwrap();
+    let zeros = Tensor::zeros((h, h), DType::F32, &Device::Cpu).unwrap();
+    head.insert("fc.weight".into(), Tensor::cat(&[&eye, &zeros], 1).unwrap());
+    head.insert(
+        "fc.bias".into(),
+        Tensor::zeros(h, DType::F32, &Device::Cpu).unwrap(),
+    );
+    for name in [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ] {
+        head.insert(
+            format!("layers.0.{name}.weight"),
+            base[&format!("model.layers.0.{name}.weight")].clone(),
+        );
+    }
+    head.insert(
+        "layers.0.self_attn.o_proj.weight".into(),
+        base[&o].zeros_like().unwrap(),
+    );
+    head.insert(
+        "layers.0.post_attention_layernorm.weight".into(),
+        base["model.layers.0.post_attention_layernorm.weight"].clone(),
+    );
+    (cfg, base, head)
+}
+
+/// A random head: it rarely agrees with the base.
+pub fn random_head(cfg: &ModelConfig, seed: u64) -> BTreeMap<String, Tensor> {
+    let head_cfg = head_config(cfg);
+    let mut one = head_cfg.llama.clone();
+    one.tie_word_embeddings = true;
+    let layer = kestrel_model::llama::random_tensors(&one, seed).unwrap();
+    let mut head: BTreeMap<String, Tensor> = layer
+        .into_iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix("model.layers.0.")
+                .filter(|n| !n.starts_with("input_layernorm"))
+                .map(|n| (format!("layers.0.{n}"), v))
+        })
+        .collect();
+    let h = cfg.hidden_size;
+    head.insert(
+        "fc.weight".into(),
+        Tensor::randn(0f32, 0.2, (h, 2 * h), &Device::Cpu).unwrap(),
+    );
+    head.insert(
+        "fc.bias".into(),
+        Tensor::zeros(h, DType::F32, &Device::Cpu).unwrap(),
+    );
+    head
+}
+
+pub struct EngineSpec {
+    pub mode: SpeculativeMode,
+    pub max_batch_size: usize,
+    pub max_draft_len: usize,
+    pub num_eagle_layers: usize,
+    pub max_non_leaves_per_layer: usize,
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        EngineSpec {
+            mode: SpeculativeMode::Eagle,
+            max_batch_size: 4,
+            max_draft_len: 63,
+            num_eagle_layers: 4,
+            max_non_leaves_per_layer: 10,
+        }
+    }
+}
+
+/// Writes a one-rank f32 checkpoint and builds an engine from it under `dir`.
+pub fn build(
+    dir: &Path,
+    cfg: &ModelConfig,
+    base: &BTreeMap<String, Tensor>,
+    head: Option<&BTreeMap<String, Tensor>>,
+    spec: &EngineSpec,
+) -> PathBuf {
+    let ckpt = dir.join("checkpoint");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let mut all: HashMap<String, Tensor> = base.clone().into_iter().collect();
+    let eagle = head.map(|h| {
+        for (k, v) in h {
+            all.insert(format!("{EAGLE_PREFIX}{k}"), v.clone());
+        }
+        EagleMeta {
+            max_draft_len: spec.max_draft_len,
+            num_eagle_layers: spec.num_eagle_layers,
+            max_non_leaves_per_layer: spec.max_non_leaves_per_layer,
+            head_config: head_config(cfg),
+        }
+    });
+    candle_core::safetensors::save(&all, ckpt.join(rank_file_name(0))).unwrap();
+    let meta = CheckpointMeta {
+        format: CHECKPOINT_FORMAT.into(),
+        version: CHECKPOINT_VERSION,
+        dtype: KDType::F32,
+        mapping: Mapping::new(1),
+        source_files: vec![],
+        eagle,
+    };
+    std::fs::write(ckpt.join(CONFIG_FILE), checkpoint_config_json(cfg, &meta)).unwrap();
+    let engine = dir.join("engine");
+    build_engine(&BuildOptions {
+        checkpoint_dir: ckpt,
+        output_dir: engine.clone(),
+        max_batch_size: spec.max_batch_size,
+        max_input_len: 64,
+        max_seq_len: 256,
+        max_beam_width: 1,
+        speculative_mode: spec.mode,
+        max_draft_len: (spec.mode != SpeculativeMode::None).then_some(spec.max_draft_len),
+        tokens_per_block: 8,
+        use_paged_context_fmha: true,
+        gemm_plugin: GemmPlugin::Auto,
+        target_device: TargetDevice::Cpu,
+    })
+    .unwrap();
+    engine
+}
+
+/// Deterministic prompts of different lengths over the tiny vocabulary (no end id).
+pub fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![3, 17, 9],
+        vec![5, 1, 44, 20, 20, 8, 31],
+        vec![12; 1],
+        vec![7, 30, 2, 19, 40, 11, 6, 25, 13, 38, 4],
+    ]
+}
