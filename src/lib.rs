@@ -3,5 +3,7 @@
 //! stays a flag parser over library calls.
 
 pub mod cli;
+pub mod decoding;
+pub mod draft_config;
 pub mod prompts;
 pub mod report;

@@ -3,10 +3,11 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kestrel::cli::exit_on_error;
+use kestrel::decoding::{eagle_mode, EagleFlags};
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
 use kestrel_runtime::{
-    generate, ChatMessage, DecodeMode, Engine, GenerationParams, NoSink, TextCodec, TokenSink,
+    generate, ChatMessage, Engine, GenerationParams, NoSink, TextCodec, TokenSink,
 };
 use kestrel_spec::SamplingParams;
 use std::path::PathBuf;
@@ -66,6 +67,24 @@ struct Args {
     /// cpu, or cuda:N (needs a build with the cuda feature).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Decode without speculation even with an EAGLE engine (the baseline).
+    #[arg(long)]
+    no_speculation: bool,
+    /// EAGLE-1 tree: a JSON list of paths, a preset name or a JSON file (default mc_sim_7b_63).
+    #[arg(long)]
+    eagle_choices: Option<String>,
+    /// Typical acceptance with this ε (lossy, as TensorRT-LLM; alpha = sqrt ε).
+    #[arg(long)]
+    eagle_posterior_threshold: Option<f32>,
+    /// EAGLE-2: build the tree while decoding.
+    #[arg(long)]
+    eagle_use_dynamic_tree: bool,
+    /// EAGLE-2: nodes expanded per layer and children per node.
+    #[arg(long)]
+    eagle_dynamic_tree_max_top_k: Option<usize>,
+    /// Acceptance under sampling: token_match (default), typical or exact.
+    #[arg(long)]
+    eagle_sampling: Option<String>,
 }
 
 fn run(args: Args) -> Result<()> {
@@ -121,7 +140,14 @@ fn run(args: Args) -> Result<()> {
         },
         end_ids,
     };
-    let mode = DecodeMode::Plain;
+    let eagle_flags = EagleFlags {
+        eagle_choices: args.eagle_choices.clone(),
+        eagle_posterior_threshold: args.eagle_posterior_threshold,
+        eagle_use_dynamic_tree: args.eagle_use_dynamic_tree,
+        eagle_dynamic_tree_max_top_k: args.eagle_dynamic_tree_max_top_k,
+        eagle_sampling: args.eagle_sampling.clone(),
+    };
+    let mode = eagle_mode(&engine, &eagle_flags, args.no_speculation)?;
     let mut printer = StreamPrinter::new(&codec, prompts.len());
     let sink: &mut dyn TokenSink = if args.streaming {
         &mut printer

@@ -1,0 +1,103 @@
+//! Turning spec-run's decoding flags into a [`DecodeMode`], with the conflicts named.
+
+use anyhow::{bail, Context, Result};
+use kestrel_core::SpeculativeMode;
+use kestrel_runtime::{Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine};
+use kestrel_spec::tree::{TreeLimits, DEFAULT_MAX_TOP_K, DEFAULT_PRESET};
+use kestrel_spec::EagleTree;
+use std::path::Path;
+
+/// spec-run's EAGLE flags, as TensorRT-LLM's run.py spells them.
+#[derive(Debug, Clone, Default)]
+pub struct EagleFlags {
+    /// A JSON list of paths, a preset name (configs/eagle_choices) or a JSON file.
+    pub eagle_choices: Option<String>,
+    pub eagle_posterior_threshold: Option<f32>,
+    pub eagle_use_dynamic_tree: bool,
+    pub eagle_dynamic_tree_max_top_k: Option<usize>,
+    /// token_match, typical or exact.
+    pub eagle_sampling: Option<String>,
+}
+
+/// The mode an engine runs in unless told otherwise: EAGLE engines speculate.
+pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<DecodeMode<'static>> {
+    let any_eagle_flag = flags.eagle_choices.is_some()
+        || flags.eagle_posterior_threshold.is_some()
+        || flags.eagle_use_dynamic_tree
+        || flags.eagle_dynamic_tree_max_top_k.is_some()
+        || flags.eagle_sampling.is_some();
+    if plain {
+        if any_eagle_flag {
+            bail!("--no_speculation cannot be combined with --eagle_* flags");
+        }
+        return Ok(DecodeMode::Plain);
+    }
+    if engine.plan.speculative_mode != SpeculativeMode::Eagle {
+        if any_eagle_flag {
+            bail!(
+                "--eagle_* flags need an EAGLE engine, but {} was built with --speculative_decoding_mode {}",
+                engine.dir.display(),
+                engine.plan.speculative_mode.as_str()
+            );
+        }
+        return Ok(DecodeMode::Plain);
+    }
+    let acceptance = acceptance(flags)?;
+    let limits = &engine.plan.limits;
+    let tree = if flags.eagle_use_dynamic_tree {
+        if flags.eagle_choices.is_some() {
+            bail!("--eagle_choices cannot be combined with --eagle_use_dynamic_tree: EAGLE-2 builds its tree while decoding");
+        }
+        let top_k = flags
+            .eagle_dynamic_tree_max_top_k
+            .context("--eagle_use_dynamic_tree needs --eagle_dynamic_tree_max_top_k N")?;
+        EagleTreeKind::Dynamic { top_k }
+    } else {
+        if flags.eagle_dynamic_tree_max_top_k.is_some() {
+            bail!("--eagle_dynamic_tree_max_top_k needs --eagle_use_dynamic_tree");
+        }
+        let tree_limits = TreeLimits {
+            num_eagle_layers: limits.num_eagle_layers,
+            max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
+            max_draft_len: limits.max_draft_len,
+            max_top_k: DEFAULT_MAX_TOP_K,
+        };
+        let spec = flags.eagle_choices.as_deref().unwrap_or(DEFAULT_PRESET);
+        EagleTreeKind::Static(static_tree(spec, &tree_limits)?)
+    };
+    Ok(DecodeMode::Eagle(EagleOptions { tree, acceptance }))
+}
+
+fn acceptance(flags: &EagleFlags) -> Result<Acceptance> {
+    let named = flags.eagle_sampling.as_deref();
+    match (named, flags.eagle_posterior_threshold) {
+        (None | Some("typical"), Some(eps)) => {
+            if !(eps > 0.0 && eps < 1.0) {
+                bail!("--eagle_posterior_threshold {eps} must be in (0, 1) (TensorRT-LLM's default is 0.09)");
+            }
+            Ok(Acceptance::Typical { posterior_threshold: eps })
+        }
+        (Some("typical"), None) => bail!("--eagle_sampling typical needs --eagle_posterior_threshold ε"),
+        (Some(other), Some(_)) => bail!(
+            "--eagle_posterior_threshold selects typical acceptance and cannot be combined with --eagle_sampling {other}"
+        ),
+        (None | Some("token_match"), None) => Ok(Acceptance::TokenMatch),
+        (Some("exact"), None) => Ok(Acceptance::Exact),
+        (Some(other), None) => bail!("unknown --eagle_sampling '{other}': expected token_match, typical or exact"),
+    }
+}
+
+/// `spec` is JSON (`[[0], [1], …]`), a JSON file, or a preset name.
+fn static_tree(spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
+    let trimmed = spec.trim();
+    let tree = if trimmed.starts_with('[') {
+        EagleTree::from_json(trimmed, limits)
+    } else if Path::new(trimmed).is_file() {
+        let json = std::fs::read_to_string(trimmed)
+            .with_context(|| format!("--eagle_choices {trimmed}: cannot read it"))?;
+        EagleTree::from_json(&json, limits)
+    } else {
+        EagleTree::from_preset(trimmed, limits)
+    };
+    tree.map_err(anyhow::Error::from)
+}
