@@ -19,13 +19,20 @@ pub struct EagleFlags {
     pub eagle_sampling: Option<String>,
 }
 
+impl EagleFlags {
+    /// Whether any EAGLE flag was given.
+    pub fn any(&self) -> bool {
+        self.eagle_choices.is_some()
+            || self.eagle_posterior_threshold.is_some()
+            || self.eagle_use_dynamic_tree
+            || self.eagle_dynamic_tree_max_top_k.is_some()
+            || self.eagle_sampling.is_some()
+    }
+}
+
 /// The mode an engine runs in unless told otherwise: EAGLE engines speculate.
 pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<DecodeMode<'static>> {
-    let any_eagle_flag = flags.eagle_choices.is_some()
-        || flags.eagle_posterior_threshold.is_some()
-        || flags.eagle_use_dynamic_tree
-        || flags.eagle_dynamic_tree_max_top_k.is_some()
-        || flags.eagle_sampling.is_some();
+    let any_eagle_flag = flags.any();
     if plain {
         if any_eagle_flag {
             bail!("--no_speculation cannot be combined with --eagle_* flags");

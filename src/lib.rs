@@ -2,6 +2,7 @@
 //! they share (error reporting, prompt files, console and JSON reports), so that each binary
 //! stays a flag parser over library calls.
 
+pub mod bench;
 pub mod cli;
 pub mod decoding;
 pub mod draft_config;

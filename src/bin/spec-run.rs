@@ -4,10 +4,12 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kestrel::cli::exit_on_error;
 use kestrel::decoding::{eagle_mode, EagleFlags};
+use kestrel::draft_config::DraftTargetModelConfig;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
 use kestrel_runtime::{
-    generate, ChatMessage, Engine, GenerationParams, NoSink, TextCodec, TokenSink,
+    generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
+    TextCodec, TokenSink,
 };
 use kestrel_spec::SamplingParams;
 use std::path::PathBuf;
@@ -85,6 +87,12 @@ struct Args {
     /// Acceptance under sampling: token_match (default), typical or exact.
     #[arg(long)]
     eagle_sampling: Option<String>,
+    /// Draft engine for draft-target decoding (the target is --engine_dir).
+    #[arg(long)]
+    draft_engine_dir: Option<PathBuf>,
+    /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".
+    #[arg(long)]
+    draft_target_model_config: Option<String>,
 }
 
 fn run(args: Args) -> Result<()> {
@@ -101,8 +109,27 @@ fn run(args: Args) -> Result<()> {
     if texts.is_empty() {
         bail!("no input: give --input_text TEXT (repeatable) or --input_file FILE");
     }
-    let device = kestrel_runtime::device::parse(&args.device)?;
+    let dtm = match (&args.draft_engine_dir, &args.draft_target_model_config) {
+        (Some(_), Some(cfg)) => Some(DraftTargetModelConfig::parse(cfg).map_err(anyhow::Error::msg)?),
+        (Some(_), None) => bail!("--draft_engine_dir needs --draft_target_model_config \"[draft_len,[draft devices],[target devices],use_logits]\""),
+        (None, Some(_)) => bail!("--draft_target_model_config needs --draft_engine_dir"),
+        (None, None) => None,
+    };
+    let target_device = match &dtm {
+        Some(c) => c.target_devices[0].clone(),
+        None => args.device.clone(),
+    };
+    let device = kestrel_runtime::device::parse(&target_device)?;
     let engine = Engine::load(&args.engine_dir, &device)?;
+    let draft = match (&dtm, &args.draft_engine_dir) {
+        (Some(c), Some(dir)) => {
+            let draft = Engine::load(dir, &kestrel_runtime::device::parse(&c.draft_devices[0])?)?;
+            c.validate_against(draft.plan.mapping.tp_size, engine.plan.mapping.tp_size)
+                .map_err(anyhow::Error::msg)?;
+            Some(draft)
+        }
+        _ => None,
+    };
     let tokenizer_dir = args
         .tokenizer_dir
         .clone()
@@ -147,7 +174,21 @@ fn run(args: Args) -> Result<()> {
         eagle_dynamic_tree_max_top_k: args.eagle_dynamic_tree_max_top_k,
         eagle_sampling: args.eagle_sampling.clone(),
     };
-    let mode = eagle_mode(&engine, &eagle_flags, args.no_speculation)?;
+    let mode = match (&draft, &dtm) {
+        (Some(draft), Some(c)) => {
+            if eagle_flags.any() || args.no_speculation {
+                bail!("--draft_engine_dir cannot be combined with --eagle_* flags or --no_speculation");
+            }
+            DecodeMode::DraftTarget {
+                draft,
+                options: DraftTargetOptions {
+                    draft_len: c.draft_len,
+                    use_logits: c.use_logits,
+                },
+            }
+        }
+        _ => eagle_mode(&engine, &eagle_flags, args.no_speculation)?,
+    };
     let mut printer = StreamPrinter::new(&codec, prompts.len());
     let sink: &mut dyn TokenSink = if args.streaming {
         &mut printer

@@ -1,30 +1,476 @@
-//! Draft-target speculative decoding (being written; see issue 4).
+//! Draft-target speculative decoding (Leviathan et al. 2023; TensorRT-LLM's
+//! `draft_tokens_external` mode): a separate, smaller draft engine proposes up to `draft_len`
+//! tokens autoregressively, the target scores the last committed token and all drafts in one
+//! causal forward, and the drafts are accepted by rejection sampling (`use_logits`) or by
+//! matching the target's own tokens. Both KV caches are then rolled back to the committed
+//! sequence.
+//!
+//! Cache invariant between steps, per sequence of `L` committed tokens: the target cache holds
+//! the first `L − 1` tokens (the last committed token is fed by the next verification), the
+//! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
+//! and the bonus token are both fed by the next step's first draft forward).
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::Decoder;
+use crate::generate::{positions, sample_rows, Decoder};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::DraftTargetOptions;
+use kestrel_core::checkpoint::TOKENIZER_FILE;
+use kestrel_core::SpeculativeMode;
+use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
+use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
+use kestrel_spec::sampling::{argmax, probs, sample};
+use std::path::Path;
+use std::time::Instant;
 
-pub(crate) struct DraftTargetDecoder;
+pub(crate) struct DraftTargetDecoder<'e> {
+    target: &'e Engine,
+    draft: &'e Engine,
+    options: DraftTargetOptions,
+    target_cache: PagedKvCache,
+    draft_cache: PagedKvCache,
+}
 
-impl DraftTargetDecoder {
-    pub fn new(_target: &Engine, _draft: &Engine, _options: DraftTargetOptions) -> Result<Self> {
-        Err(RuntimeError::InvalidRequest(
-            "draft-target decoding is not available yet".into(),
-        ))
+/// A sequence's handles in the two caches.
+#[derive(Clone, Copy)]
+struct Ids {
+    target: SeqId,
+    draft: SeqId,
+}
+
+/// One live sequence's drafts of the current step.
+struct Proposal {
+    /// Index into the batch.
+    index: usize,
+    /// Draft tokens wanted this step (may be 0 near the length limit).
+    k: usize,
+    tokens: Vec<u32>,
+    /// `k × vocab` draft distributions the tokens were drawn from (rejection sampling only).
+    q: Vec<f32>,
+}
+
+impl<'e> DraftTargetDecoder<'e> {
+    pub fn new(target: &'e Engine, draft: &'e Engine, options: DraftTargetOptions) -> Result<Self> {
+        check_compatible(target, draft, &options)?;
+        let target_cache = target
+            .model
+            .new_cache(target.kv_blocks(), target.plan.limits.tokens_per_block)?;
+        let draft_cache = draft
+            .model
+            .new_cache(draft.kv_blocks(), draft.plan.limits.tokens_per_block)?;
+        Ok(DraftTargetDecoder {
+            target,
+            draft,
+            options,
+            target_cache,
+            draft_cache,
+        })
+    }
+
+    fn run(
+        &mut self,
+        seqs: &mut [Sequence],
+        ids: &[Ids],
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
+    ) -> Result<()> {
+        self.prefill(seqs, ids, params, sink, timings)?;
+        loop {
+            self.free_finished(seqs, ids)?;
+            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            if live.is_empty() {
+                return Ok(());
+            }
+            let draft_start = Instant::now();
+            let proposals = self.propose(seqs, ids, &live, params)?;
+            timings.draft_s += draft_start.elapsed().as_secs_f64();
+            let verify_start = Instant::now();
+            self.verify(seqs, ids, &proposals, params, sink)?;
+            timings.verify_s += verify_start.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Both models read every prompt in one varlen forward each; the target's last row gives
+    /// the first token.
+    fn prefill(
+        &mut self,
+        seqs: &mut [Sequence],
+        ids: &[Ids],
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.tokens.len())).collect();
+        let batch: Vec<SeqInput> = seqs
+            .iter()
+            .zip(ids)
+            .zip(&pos)
+            .map(|((s, id), p)| SeqInput {
+                seq: id.target,
+                tokens: &s.tokens,
+                positions: p,
+                mask: None,
+                output_rows: OutputRows::Last,
+            })
+            .collect();
+        let model = &self.target.model;
+        let logits = model.logits(&model.forward(&batch, &mut self.target_cache)?)?;
+        let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let first = sample_rows(&logits, &mut all, params)?;
+        let ttft = start.elapsed().as_secs_f64();
+        for (s, t) in all.iter_mut().zip(first) {
+            s.stats.time_to_first_token_s = ttft;
+            s.commit(&[t], params, sink);
+        }
+
+        // The draft reads the prompts of the sequences that go on; the first generated token
+        // is fed by the first draft step.
+        let batch: Vec<SeqInput> = seqs
+            .iter()
+            .zip(ids)
+            .zip(&pos)
+            .filter(|((s, _), _)| s.is_live())
+            .map(|((s, id), p)| SeqInput {
+                seq: id.draft,
+                tokens: &s.tokens[..s.prompt_len],
+                positions: p,
+                mask: None,
+                output_rows: OutputRows::Last,
+            })
+            .collect();
+        if !batch.is_empty() {
+            self.draft.model.forward(&batch, &mut self.draft_cache)?;
+        }
+        timings.prefill_s += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn free_finished(&mut self, seqs: &[Sequence], ids: &[Ids]) -> Result<()> {
+        for (s, id) in seqs.iter().zip(ids) {
+            if !s.is_live() {
+                free(&mut self.target_cache, id.target)?;
+                free(&mut self.draft_cache, id.draft)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The draft proposes `k` tokens for each live sequence: one batched draft forward per
+    /// draft position. The first forward of a step also feeds the committed tokens the draft
+    /// cache lacks (the last committed token, and the last draft after a fully accepted step).
+    fn propose(
+        &mut self,
+        seqs: &mut [Sequence],
+        ids: &[Ids],
+        live: &[usize],
+        params: &GenerationParams,
+    ) -> Result<Vec<Proposal>> {
+        let greedy = params.sampling.is_greedy();
+        let keep_q = self.options.use_logits && !greedy;
+        let mut proposals: Vec<Proposal> = live
+            .iter()
+            .map(|&i| {
+                let k = self
+                    .options
+                    .draft_len
+                    .min(seqs[i].remaining().saturating_sub(1));
+                Proposal {
+                    index: i,
+                    k,
+                    tokens: Vec::with_capacity(k),
+                    q: Vec::new(),
+                }
+            })
+            .collect();
+        let max_k = proposals.iter().map(|p| p.k).max().unwrap_or(0);
+        let model = &self.draft.model;
+        for j in 0..max_k {
+            let active: Vec<usize> = (0..proposals.len())
+                .filter(|&p| proposals[p].k > j)
+                .collect();
+            let mut inputs: Vec<(SeqId, Vec<u32>, Vec<u32>)> = Vec::with_capacity(active.len());
+            for &p in &active {
+                let prop = &proposals[p];
+                let s = &seqs[prop.index];
+                let id = ids[prop.index].draft;
+                let len = s.tokens.len();
+                if j == 0 {
+                    let cached = self.draft_cache.seq_len(id)?;
+                    if cached >= len {
+                        return Err(RuntimeError::Engine(format!(
+                            "draft KV cache of sequence {} holds {cached} tokens, but only {len} are committed and the last one is never cached before the step",
+                            s.index
+                        )));
+                    }
+                    inputs.push((
+                        id,
+                        s.tokens[cached..].to_vec(),
+                        positions(cached, len - cached),
+                    ));
+                } else {
+                    inputs.push((id, vec![prop.tokens[j - 1]], positions(len + j - 1, 1)));
+                }
+            }
+            let batch: Vec<SeqInput> = inputs
+                .iter()
+                .map(|(seq, tokens, pos)| SeqInput {
+                    seq: *seq,
+                    tokens,
+                    positions: pos,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                })
+                .collect();
+            let rows = model
+                .logits(&model.forward(&batch, &mut self.draft_cache)?)?
+                .to_vec2::<f32>()?;
+            for (&p, row) in active.iter().zip(&rows) {
+                let prop = &mut proposals[p];
+                let token = if greedy {
+                    argmax(row)
+                } else {
+                    let q = probs(row, &params.sampling);
+                    let token = sample(&q, &mut seqs[prop.index].rng);
+                    if keep_q {
+                        prop.q.extend_from_slice(&q);
+                    }
+                    token
+                };
+                prop.tokens.push(token);
+            }
+        }
+        Ok(proposals)
+    }
+
+    /// The target scores `[last committed, d_1..d_k]` of every live sequence in one forward;
+    /// the accepted drafts and the bonus token are committed and both caches rolled back.
+    fn verify(
+        &mut self,
+        seqs: &mut [Sequence],
+        ids: &[Ids],
+        proposals: &[Proposal],
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+    ) -> Result<()> {
+        let inputs: Vec<(Vec<u32>, Vec<u32>)> = proposals
+            .iter()
+            .map(|prop| {
+                let s = &seqs[prop.index];
+                let len = s.tokens.len();
+                let mut tokens = Vec::with_capacity(prop.k + 1);
+                tokens.push(s.tokens[len - 1]);
+                tokens.extend_from_slice(&prop.tokens);
+                (tokens, positions(len - 1, prop.k + 1))
+            })
+            .collect();
+        let batch: Vec<SeqInput> = proposals
+            .iter()
+            .zip(&inputs)
+            .map(|(prop, (tokens, pos))| SeqInput {
+                seq: ids[prop.index].target,
+                tokens,
+                positions: pos,
+                mask: None,
+                output_rows: OutputRows::All,
+            })
+            .collect();
+        let model = &self.target.model;
+        let rows = model
+            .logits(&model.forward(&batch, &mut self.target_cache)?)?
+            .to_vec2::<f32>()?;
+        let mut offset = 0;
+        for prop in proposals {
+            let target_rows = &rows[offset..offset + prop.k + 1];
+            offset += prop.k + 1;
+            let s = &mut seqs[prop.index];
+            let acceptance = self.accept(prop, target_rows, s, params)?;
+            let committed = s.commit(&acceptance.tokens, params, sink);
+            s.stats.record_step(committed);
+            s.stats.draft_tokens += prop.k;
+            s.stats.accepted_draft_tokens += acceptance.accepted_len.min(committed);
+
+            // Roll back to the committed sequence minus its last token (fed next step).
+            let keep = s.tokens.len() - 1;
+            let id = ids[prop.index];
+            self.target_cache.truncate(id.target, keep)?;
+            if self.draft_cache.seq_len(id.draft)? > keep {
+                self.draft_cache.truncate(id.draft, keep)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn accept(
+        &self,
+        prop: &Proposal,
+        target_rows: &[Vec<f32>],
+        s: &mut Sequence,
+        params: &GenerationParams,
+    ) -> Result<ChainAcceptance> {
+        let index = s.index;
+        let bad = |e: kestrel_spec::AcceptError| {
+            RuntimeError::Engine(format!("draft-target acceptance of sequence {index}: {e}"))
+        };
+        if self.options.use_logits && !params.sampling.is_greedy() {
+            let vocab = target_rows.first().map_or(0, Vec::len);
+            let p: Vec<f32> = target_rows
+                .iter()
+                .flat_map(|row| probs(row, &params.sampling))
+                .collect();
+            return draft_target(&prop.tokens, &prop.q, &p, vocab, &mut s.rng).map_err(bad);
+        }
+        // Token matching: the target's own token at each position (argmax, or a draw from
+        // its distribution), taken only as far as the drafts agree.
+        let mut target_tokens = Vec::with_capacity(prop.k + 1);
+        for (i, row) in target_rows.iter().enumerate() {
+            let t = if params.sampling.is_greedy() {
+                argmax(row)
+            } else {
+                sample(&probs(row, &params.sampling), &mut s.rng)
+            };
+            target_tokens.push(t);
+            if prop.tokens.get(i) != Some(&t) {
+                break;
+            }
+        }
+        let drafts = &prop.tokens[..target_tokens.len() - 1];
+        draft_target_token_match(drafts, &target_tokens).map_err(bad)
     }
 }
 
-impl Decoder for DraftTargetDecoder {
+fn free(cache: &mut PagedKvCache, seq: SeqId) -> Result<()> {
+    if cache.contains(seq) {
+        cache.free_sequence(seq)?;
+    }
+    Ok(())
+}
+
+impl Decoder for DraftTargetDecoder<'_> {
     fn run_batch(
         &mut self,
-        _: &mut [Sequence],
-        _: &GenerationParams,
-        _: &mut dyn TokenSink,
-        _: &mut RunTimings,
+        seqs: &mut [Sequence],
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
     ) -> Result<()> {
-        unreachable!("DraftTargetDecoder::new never succeeds yet")
+        let ids: Vec<Ids> = seqs
+            .iter()
+            .map(|_| Ids {
+                target: self.target_cache.add_sequence(),
+                draft: self.draft_cache.add_sequence(),
+            })
+            .collect();
+        let result = self.run(seqs, &ids, params, sink, timings);
+        // Whatever happened, the caches hold nothing of this batch afterwards.
+        for id in &ids {
+            free(&mut self.target_cache, id.target)?;
+            free(&mut self.draft_cache, id.draft)?;
+        }
+        result
     }
+}
+
+/// The checks TensorRT-LLM leaves to the user: a target built for external drafts, a draft
+/// length it can verify, a plain draft engine with the target's vocabulary and limits.
+fn check_compatible(target: &Engine, draft: &Engine, options: &DraftTargetOptions) -> Result<()> {
+    let tl = &target.plan.limits;
+    let dl = &draft.plan.limits;
+    if target.plan.speculative_mode != SpeculativeMode::DraftTokensExternal {
+        return Err(RuntimeError::Engine(format!(
+            "{}: the target engine was built with --speculative_decoding_mode {}, but draft-target decoding needs a target built for external draft tokens: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len K",
+            target.dir.display(),
+            target.plan.speculative_mode.as_str()
+        )));
+    }
+    if options.draft_len == 0 {
+        return Err(RuntimeError::InvalidRequest(
+            "--draft_target_model_config: draft_len must be at least 1".into(),
+        ));
+    }
+    if options.draft_len > tl.max_draft_len {
+        return Err(RuntimeError::InvalidRequest(format!(
+            "--draft_target_model_config: draft_len {} exceeds the target engine's max_draft_len {}: lower draft_len or rebuild the target with --speculative_decoding_mode draft_tokens_external --max_draft_len {}",
+            options.draft_len, tl.max_draft_len, options.draft_len
+        )));
+    }
+    if draft.plan.speculative_mode != SpeculativeMode::None {
+        return Err(RuntimeError::Engine(format!(
+            "{}: the draft engine was built with --speculative_decoding_mode {}: build the draft as a plain engine (--speculative_decoding_mode none)",
+            draft.dir.display(),
+            draft.plan.speculative_mode.as_str()
+        )));
+    }
+    if draft.config.vocab_size != target.config.vocab_size {
+        return Err(RuntimeError::Engine(format!(
+            "the draft engine {} has vocab_size {} but the target engine {} has vocab_size {}: draft-target decoding needs both models to share one vocabulary",
+            draft.dir.display(),
+            draft.config.vocab_size,
+            target.dir.display(),
+            target.config.vocab_size
+        )));
+    }
+    check_tokenizers(&draft.dir, &target.dir)?;
+    for (flag, d, t) in [
+        ("--max_batch_size", dl.max_batch_size, tl.max_batch_size),
+        ("--max_seq_len", dl.max_seq_len, tl.max_seq_len),
+    ] {
+        if d < t {
+            return Err(RuntimeError::Engine(format!(
+                "{}: the draft engine was built with {flag} {d}, smaller than the target engine's {t}: rebuild the draft with {flag} {t}",
+                draft.dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// When both engines carry a tokenizer, their vocabularies (token → id) must be identical.
+fn check_tokenizers(draft_dir: &Path, target_dir: &Path) -> Result<()> {
+    let (dp, tp) = (
+        draft_dir.join(TOKENIZER_FILE),
+        target_dir.join(TOKENIZER_FILE),
+    );
+    if !dp.is_file() || !tp.is_file() {
+        return Ok(());
+    }
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|e| RuntimeError::Tokenizer(format!("{}: {e}", p.display())))
+    };
+    if read(&dp)? == read(&tp)? {
+        return Ok(());
+    }
+    let vocab = |p: &Path| -> Result<std::collections::BTreeMap<String, u32>> {
+        let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| {
+            RuntimeError::Tokenizer(format!("{}: cannot load the tokenizer ({e})", p.display()))
+        })?;
+        Ok(tok.get_vocab(true).into_iter().collect())
+    };
+    let (dv, tv) = (vocab(&dp)?, vocab(&tp)?);
+    if dv == tv {
+        return Ok(());
+    }
+    let shown = |id: Option<&u32>| id.map_or("absent".to_string(), |i| format!("id {i}"));
+    let differing = dv
+        .iter()
+        .filter(|(t, id)| tv.get(*t) != Some(id))
+        .map(|(t, _)| t)
+        .chain(tv.keys().filter(|t| !dv.contains_key(*t)))
+        .min();
+    let detail = differing
+        .map(|t| {
+            format!(
+                " (token {t:?} is {} in the draft and {} in the target)",
+                shown(dv.get(t)),
+                shown(tv.get(t))
+            )
+        })
+        .unwrap_or_default();
+    Err(RuntimeError::Engine(format!(
+        "{} and {} have different vocabularies{detail}: draft-target decoding needs both models to share one tokenizer",
+        dp.display(),
+        tp.display()
+    )))
 }

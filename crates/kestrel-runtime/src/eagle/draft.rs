@@ -160,7 +160,7 @@ impl Drafter<'_> {
             &[0],
         )?;
         for row in &root_rows {
-            let mut b = DynamicTreeBuilder::new(cfg.clone()).map_err(bad)?;
+            let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
             let (t, lp) = top_k_logp(row, top);
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);

@@ -88,13 +88,9 @@ fn ancestor_mask(feed: &TreeFeed) -> Vec<bool> {
     let mut mask = vec![false; n * n];
     for i in 0..n {
         let mut cur = feed.nodes[i];
-        loop {
-            if let Some(j) = feed.nodes.iter().position(|&x| x == cur) {
-                mask[i * n + j] = true;
-                cur = feed.parents[j];
-            } else {
-                break;
-            }
+        while let Some(j) = feed.nodes.iter().position(|&x| x == cur) {
+            mask[i * n + j] = true;
+            cur = feed.parents[j];
         }
     }
     mask
