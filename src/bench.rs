@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 #[derive(Parser, Debug)]
 #[command(
     name = "spec-bench",
+    rename_all = "snake_case",
     version,
     about = "Benchmark plain and speculative decoding on one engine"
 )]

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(
     name = "spec-build",
+    rename_all = "snake_case",
     version,
     about = "Build a Kestrel engine from a converted checkpoint"
 )]

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(
     name = "spec-run",
+    rename_all = "snake_case",
     version,
     about = "Generate text with a Kestrel engine"
 )]
