@@ -262,6 +262,7 @@ impl EagleHead {
             cache,
             layer: 0,
             cpu_kernels: self.cpu_kernels,
+            matvec: true,
         };
         let mut x = self.layer.forward(&x, &ctx)?;
         if let Some(rows) = &step.out_rows {

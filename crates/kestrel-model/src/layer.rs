@@ -190,6 +190,9 @@ pub(crate) enum AttnCtx<'a> {
         layer: usize,
         /// Use the CPU kernels (matvec, paged attention) where they apply.
         cpu_kernels: bool,
+        /// Whether projections may take the matrix-vector kernel (batch-invariant rows) or
+        /// must take GEMM (a prompt's forward, the same call in every decoding mode).
+        matvec: bool,
     },
     /// Training: `x: [B, T, H]`, causal self-attention without a cache, differentiable ops.
     Train {
@@ -203,11 +206,12 @@ impl AttnCtx<'_> {
     fn differentiable(&self) -> bool {
         matches!(self, AttnCtx::Train { .. })
     }
-    fn cpu_kernels(&self) -> bool {
+    fn matvec(&self) -> bool {
         matches!(
             self,
             AttnCtx::Paged {
                 cpu_kernels: true,
+                matvec: true,
                 ..
             }
         )
@@ -262,7 +266,7 @@ impl Attention {
     fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
         let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
         let g = nh / nkv;
-        let fast = ctx.cpu_kernels();
+        let fast = ctx.matvec();
         let qkv = self.qkv.forward(x, fast)?;
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let out = match ctx {
@@ -273,6 +277,7 @@ impl Attention {
                 cache,
                 layer,
                 cpu_kernels,
+                ..
             } => {
                 let cpu = *cpu_kernels && x.device().is_cpu();
                 let n_tok = x.dim(0)?;
@@ -454,6 +459,6 @@ impl DecoderLayer {
         };
         let x = (x + self.attn.forward(&h, ctx)?)?;
         let h = self.post_norm.forward(&x, diff)?;
-        Ok((&x + self.mlp.forward(&h, ctx.cpu_kernels())?)?)
+        Ok((&x + self.mlp.forward(&h, ctx.matvec())?)?)
     }
 }

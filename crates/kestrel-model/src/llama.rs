@@ -451,16 +451,41 @@ impl Llama {
 
     /// Runs one step over the batch; returns the final-normed hidden states of the
     /// requested rows of all sequences, concatenated: `[total_rows, hidden]`.
+    ///
+    /// Projections of steps up to [`crate::matvec::MAX_ROWS`] rows take the batch-invariant
+    /// matrix-vector kernel on CPU, so a row's result does not depend on the step's other
+    /// rows: decode and tree-verification steps must use this.
     pub fn forward(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
+        self.forward_with(batch, cache, true)
+    }
+
+    /// [`Llama::forward`] for prompts: projections take GEMM, which prefills much faster.
+    /// Every decoding mode must run a prompt through this same call, so that the cached K/V
+    /// and the first token agree across modes.
+    pub fn forward_prompt(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
+        self.forward_with(batch, cache, false)
+    }
+
+    fn forward_with(
+        &self,
+        batch: &[SeqInput],
+        cache: &mut PagedKvCache,
+        matvec: bool,
+    ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
             // One hop into rayon's pool per step, so the kernels' parallel loops join on
             // worker threads instead of blocking the caller on a lock per operation.
-            return rayon::scope(|_| self.forward_impl(batch, cache));
+            return rayon::scope(|_| self.forward_impl(batch, cache, matvec));
         }
-        self.forward_impl(batch, cache)
+        self.forward_impl(batch, cache, matvec)
     }
 
-    fn forward_impl(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
+    fn forward_impl(
+        &self,
+        batch: &[SeqInput],
+        cache: &mut PagedKvCache,
+        matvec: bool,
+    ) -> Result<Tensor> {
         check_cache(
             cache,
             self.cfg.num_hidden_layers,
@@ -501,6 +526,7 @@ impl Llama {
                 cache,
                 layer: l,
                 cpu_kernels: self.cpu_kernels,
+                matvec,
             };
             x = layer.forward(&x, &ctx)?;
         }

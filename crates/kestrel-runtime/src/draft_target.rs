@@ -117,7 +117,7 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         let model = &self.target.model;
-        let logits = model.logits(&model.forward(&batch, &mut self.target_cache)?)?;
+        let logits = model.logits(&model.forward_prompt(&batch, &mut self.target_cache)?)?;
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;
         let ttft = start.elapsed().as_secs_f64();
@@ -142,7 +142,9 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         if !batch.is_empty() {
-            self.draft.model.forward(&batch, &mut self.draft_cache)?;
+            self.draft
+                .model
+                .forward_prompt(&batch, &mut self.draft_cache)?;
         }
         timings.prefill_s += start.elapsed().as_secs_f64();
         Ok(())

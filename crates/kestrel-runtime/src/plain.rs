@@ -48,7 +48,7 @@ impl Decoder for PlainDecoder<'_> {
                 output_rows: OutputRows::Last,
             })
             .collect();
-        let hidden = model.forward(&batch, &mut self.cache)?;
+        let hidden = model.forward_prompt(&batch, &mut self.cache)?;
         let logits = model.logits(&hidden)?;
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;

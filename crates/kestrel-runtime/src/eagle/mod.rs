@@ -161,7 +161,7 @@ impl Decoder for EagleDecoder<'_> {
                 output_rows: OutputRows::All,
             })
             .collect();
-        let hidden = model.forward(&batch, &mut self.base_cache)?;
+        let hidden = model.forward_prompt(&batch, &mut self.base_cache)?;
         let mut lasts = Vec::with_capacity(seqs.len());
         let mut offset = 0;
         for s in seqs.iter() {
