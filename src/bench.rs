@@ -49,7 +49,10 @@ pub struct ModeResult {
     pub mode: String,
     pub generated_tokens: usize,
     pub seconds: f64,
+    /// Tokens after each sequence's first, per second of decoding (prefill excluded).
     pub tokens_per_s: f64,
+    /// Prompt tokens per second of prefill.
+    pub prefill_tokens_per_s: f64,
     /// Tokens committed per target forward (τ; 1 for plain decoding).
     pub mean_accepted_len: f64,
     pub speedup_vs_plain: Option<f64>,
@@ -142,7 +145,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
         let steps: usize = outputs.iter().map(|o| o.stats.steps).sum();
         let ids: Vec<Vec<u32>> = outputs.iter().map(|o| o.output_ids.clone()).collect();
-        let tokens_per_s = generated as f64 / seconds;
+        let decoded = generated.saturating_sub(outputs.len());
+        let tokens_per_s = decoded as f64 / (seconds - prefill_s).max(f64::EPSILON);
+        let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
         let (speedup, same) = match &plain {
             Some((base, plain_ids)) => (Some(tokens_per_s / base), Some(&ids == plain_ids)),
             None => (None, None),
@@ -155,6 +160,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             generated_tokens: generated,
             seconds,
             tokens_per_s,
+            prefill_tokens_per_s: prompt_tokens as f64 / prefill_s.max(f64::EPSILON),
             mean_accepted_len: if steps == 0 {
                 0.0
             } else {
@@ -184,16 +190,25 @@ impl BenchReport {
             self.num_prompts, self.batch_size, self.max_output_len, self.device
         );
         println!(
-            "{:<22} {:>8} {:>9} {:>10} {:>6} {:>9} {:>9} {:>9}",
-            "mode", "tokens", "seconds", "tokens/s", "tau", "speedup", "draft s", "same"
+            "{:<22} {:>8} {:>9} {:>10} {:>10} {:>6} {:>9} {:>9} {:>6}",
+            "mode",
+            "tokens",
+            "seconds",
+            "decode t/s",
+            "prefill t/s",
+            "tau",
+            "speedup",
+            "draft s",
+            "same"
         );
         for r in &self.results {
             println!(
-                "{:<22} {:>8} {:>9.2} {:>10.2} {:>6.2} {:>9} {:>9.2} {:>9}",
+                "{:<22} {:>8} {:>9.2} {:>10.2} {:>10.1} {:>6.2} {:>9} {:>9.2} {:>6}",
                 r.mode,
                 r.generated_tokens,
                 r.seconds,
                 r.tokens_per_s,
+                r.prefill_tokens_per_s,
                 r.mean_accepted_len,
                 r.speedup_vs_plain
                     .map_or("-".into(), |s| format!("{s:.2}x")),
