@@ -99,7 +99,10 @@ fn static_tree(spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
     let trimmed = spec.trim();
     let tree = if trimmed.starts_with('[') {
         EagleTree::from_json(trimmed, limits)
-    } else if Path::new(trimmed).is_file() {
+    } else if trimmed.ends_with(".json") || trimmed.contains('/') {
+        if !Path::new(trimmed).is_file() {
+            bail!("--eagle_choices {trimmed}: no such file (give JSON paths, a preset name or an existing JSON file)");
+        }
         let json = std::fs::read_to_string(trimmed)
             .with_context(|| format!("--eagle_choices {trimmed}: cannot read it"))?;
         EagleTree::from_json(&json, limits)

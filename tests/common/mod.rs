@@ -1,0 +1,133 @@
+//! Helpers shared by the root package's integration tests: the binaries, fixture and model
+//! paths, and running the convert → build → run pipeline.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub const CONVERT: &str = env!("CARGO_BIN_EXE_convert-checkpoint");
+pub const BUILD: &str = env!("CARGO_BIN_EXE_spec-build");
+pub const RUN: &str = env!("CARGO_BIN_EXE_spec-run");
+
+/// The repository root (the root package's manifest directory).
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `tests/fixtures/<rel>`.
+pub fn fixture(rel: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(rel)
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("test paths are UTF-8")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Runs `bin` with `args`, capturing its output.
+pub fn exec(bin: &str, args: &[&str]) -> Output {
+    Command::new(bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"))
+}
+
+pub fn convert(args: &[&str]) -> Output {
+    exec(CONVERT, args)
+}
+
+pub fn spec_build(args: &[&str]) -> Output {
+    exec(BUILD, args)
+}
+
+pub fn spec_run(args: &[&str]) -> Output {
+    exec(RUN, args)
+}
+
+/// Runs convert-checkpoint, which must succeed with its one-line summary.
+pub fn convert_ok(args: &[&str]) {
+    let out = convert(args);
+    assert!(
+        out.status.success(),
+        "convert-checkpoint {args:?} failed: {}",
+        stderr(&out)
+    );
+    let stdout = stdout(&out);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stdout.starts_with("convert-checkpoint: wrote "), "{stdout}");
+}
+
+/// Runs spec-build, which must succeed with its one-line summary.
+pub fn build_ok(args: &[&str]) {
+    let out = spec_build(args);
+    assert!(
+        out.status.success(),
+        "spec-build {args:?} failed: {}",
+        stderr(&out)
+    );
+    let stdout = stdout(&out);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stdout.starts_with("Built engine "), "{stdout}");
+}
+
+/// Converts `--model_dir src` (plus `convert_args`) into `<work>/ckpt` and builds
+/// `<work>/engine` from it (plus `build_args`); returns the engine directory.
+pub fn pipeline(src: &Path, work: &Path, convert_args: &[&str], build_args: &[&str]) -> PathBuf {
+    let ckpt = work.join("ckpt");
+    let engine = work.join("engine");
+    let mut args = vec!["--model_dir", s(src), "--output_dir", s(&ckpt)];
+    args.extend_from_slice(convert_args);
+    convert_ok(&args);
+    let mut args = vec!["--checkpoint_dir", s(&ckpt), "--output_dir", s(&engine)];
+    args.extend_from_slice(build_args);
+    build_ok(&args);
+    engine
+}
+
+/// The failure of a tool run by its own error path: exit status 1, no panic, and stderr is
+/// exactly one line `<tool>: error: <message>`. Returns the message.
+pub fn one_line_error(tool: &str, out: &Output) -> String {
+    let err = stderr(out);
+    assert!(!err.contains("panicked"), "{tool} panicked: {err}");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{tool} exit status; stderr: {err}"
+    );
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{tool} wrote more than one line: {err}"
+    );
+    assert!(err.ends_with('\n'), "{err:?}");
+    let prefix = format!("{tool}: error: ");
+    err.strip_prefix(&prefix)
+        .unwrap_or_else(|| panic!("stderr does not start with {prefix:?}: {err}"))
+        .trim_end_matches('\n')
+        .to_string()
+}
+
+/// The SmolLM2-135M-Instruct Q4_1 GGUF: `$KESTREL_SMOLLM2_GGUF`, or
+/// `<repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf`. Fails with how to get it when absent.
+pub fn smollm2_gguf() -> PathBuf {
+    let p = match std::env::var_os("KESTREL_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        p.is_file(),
+        "this test needs the SmolLM2-135M-Instruct Q4_1 GGUF but {} does not exist: run \
+         tools/fetch-smollm2.sh (it puts the file at <repo>/models/), or set \
+         KESTREL_SMOLLM2_GGUF to the file",
+        p.display()
+    );
+    p
+}
