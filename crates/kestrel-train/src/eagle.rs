@@ -1,0 +1,915 @@
+//! EAGLE-1 head training by self-distillation.
+//!
+//! Pairs (EAGLE's layout): head position `i` of a sequence takes token `t[i+1]` and the base
+//! feature `f[i]` (plus uniform noise) and predicts `f[i+1]`; the loss covers the positions
+//! whose target feature belongs to the answer (`i + 1 >= prompt_len`), so the head learns what
+//! it drafts at inference. Loss = SmoothL1(pred, target) (mean over elements) + `ce_weight` ·
+//! CE(softmax(lm_head(target)), log_softmax(lm_head(pred))) with the frozen base LM head.
+//!
+//! Gradients of both terms with respect to the predicted features are closed-form
+//! (`clamp(pred - target, -1, 1) / (N·H)` and `ce_weight · (softmax(lm_head(pred)) - p) · W / N`),
+//! so the vocabulary-sized logits stay out of candle's autograd graph: they are computed in
+//! row chunks and dropped, and only `Σ pred · g` is back-propagated through the head.
+
+use crate::dataset::FeatureDataset;
+use crate::error::{file_err, invalid, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use kestrel_core::{AtomicDir, EagleHeadConfig, Mapping, ModelConfig};
+use kestrel_model::{EagleHead, Llama};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Files of a published EAGLE head directory.
+pub const HEAD_CONFIG_FILE: &str = "config.json";
+pub const HEAD_WEIGHTS_FILE: &str = "model.safetensors";
+pub const TRAIN_LOG_FILE: &str = "train_log.json";
+
+/// The frozen base model as the trainer needs it: the decoder (for the embedding), the LM
+/// head weight and the last decoder layer's weights (for the head's initialisation).
+pub struct FrozenBase<'a> {
+    pub model: &'a Llama,
+    /// `[vocab, hidden]` f32.
+    pub lm_head: Tensor,
+    /// The last decoder layer under the head's names (`layers.0.self_attn.q_proj.weight`, …,
+    /// and `layers.0.input_layernorm.weight`), f32.
+    pub last_layer: BTreeMap<String, Tensor>,
+}
+
+const LAYER_TENSORS: &[&str] = &[
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "post_attention_layernorm.weight",
+    "input_layernorm.weight",
+];
+
+fn full_shape(cfg: &ModelConfig, name: &str) -> Option<Vec<usize>> {
+    kestrel_model::llama::expected_tensors(cfg)
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, s)| s)
+}
+
+impl<'a> FrozenBase<'a> {
+    /// From HF-named full tensors (e.g. `kestrel_model::llama::random_tensors`).
+    pub fn from_tensors(model: &'a Llama, tensors: &BTreeMap<String, Tensor>) -> Result<Self> {
+        let cfg = model.config();
+        let get = |name: &str| {
+            tensors
+                .get(name)
+                .ok_or_else(|| invalid(format!("base tensor '{name}' is missing")))
+                .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?))
+        };
+        Self::assemble(model, cfg, get)
+    }
+
+    /// From an engine's (or checkpoint's) per-rank safetensors files.
+    pub fn from_rank_files(
+        model: &'a Llama,
+        mapping: Mapping,
+        rank_files: &[PathBuf],
+    ) -> Result<Self> {
+        let cfg = model.config();
+        if rank_files.len() != mapping.tp_size {
+            return Err(invalid(format!(
+                "{} rank files for tp_size {}",
+                rank_files.len(),
+                mapping.tp_size
+            )));
+        }
+        let mut files = Vec::with_capacity(rank_files.len());
+        for path in rank_files {
+            // SAFETY: mapped read-only; nothing writes an engine while it is being read.
+            let st = unsafe { MmapedSafetensors::new(path) }.map_err(|e| file_err(path, e))?;
+            files.push(st);
+        }
+        let origins: Vec<String> = rank_files.iter().map(|p| p.display().to_string()).collect();
+        let get = |name: &str| -> Result<Tensor> {
+            let full = full_shape(cfg, name)
+                .ok_or_else(|| invalid(format!("'{name}' is not a tensor of this model")))?;
+            let mut shards = Vec::with_capacity(files.len());
+            for (st, path) in files.iter().zip(rank_files) {
+                shards.push(
+                    st.load(name, &Device::Cpu)
+                        .map_err(|e| file_err(path, format!("tensor '{name}': {e}")))?,
+                );
+            }
+            let t = kestrel_model::unshard::unshard(cfg, &mapping, name, &full, &shards, &origins)?;
+            Ok(t.to_dtype(DType::F32)?)
+        };
+        Self::assemble(model, cfg, get)
+    }
+
+    fn assemble(
+        model: &'a Llama,
+        cfg: &ModelConfig,
+        get: impl Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let lm_head = if cfg.tie_word_embeddings {
+            get("model.embed_tokens.weight")?
+        } else {
+            get("lm_head.weight")?
+        };
+        let last = cfg.num_hidden_layers - 1;
+        let mut last_layer = BTreeMap::new();
+        for t in LAYER_TENSORS {
+            last_layer.insert(
+                format!("layers.0.{t}"),
+                get(&format!("model.layers.{last}.{t}"))?,
+            );
+        }
+        Ok(FrozenBase {
+            model,
+            lm_head: lm_head.contiguous()?,
+            last_layer,
+        })
+    }
+}
+
+/// The head's configuration for `base`: a one-layer Llama of the base's shapes, with
+/// `rope_theta` (and scaling) of the base written out explicitly.
+pub fn head_config(base: &ModelConfig, bias: bool) -> EagleHeadConfig {
+    let mut llama = base.clone();
+    llama.architectures = vec!["LlamaForCausalLM".into()];
+    llama.num_hidden_layers = 1;
+    llama.tie_word_embeddings = false;
+    llama.rope_parameters = None;
+    EagleHeadConfig { llama, bias }
+}
+
+/// Where the head's first weights come from.
+#[derive(Debug, Clone)]
+pub enum HeadInit {
+    /// The base's last decoder layer; `fc = [0 | I]` (feature passthrough), zero bias.
+    /// `out_scale` multiplies the layer's residual-branch outputs (`o_proj`, `down_proj`):
+    /// the base layer writes into a residual stream far larger than the normed feature the
+    /// head starts from, so 1.0 makes the first predictions overshoot; 0.0 starts the head
+    /// as the identity (`pred = feature`).
+    CopyLastLayer { out_scale: f64 },
+    /// Random (PyTorch-like uniform linear init, unit norms).
+    Random { seed: u64 },
+    /// Given tensors under the head's names (resuming from a checkpoint).
+    Tensors(BTreeMap<String, Tensor>),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub epochs: usize,
+    /// Peak learning rate (after warmup), AdamW.
+    pub lr: f64,
+    /// Linear warmup steps, then cosine decay to `lr · min_lr_ratio` at the last step.
+    pub warmup_steps: usize,
+    pub min_lr_ratio: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Longest window trained on; longer sequences keep their last `max_len` positions.
+    pub max_len: usize,
+    /// Amplitude `a` of the uniform `U(-a, a)` noise added to the input features.
+    pub noise: f32,
+    /// Weight of the distribution (CE) term.
+    pub ce_weight: f64,
+    /// Rows per chunk of vocabulary-sized logits (memory bound).
+    pub logits_chunk: usize,
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 4,
+            lr: 5e-4,
+            warmup_steps: 20,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.0,
+            grad_clip: 0.5,
+            batch_size: 8,
+            max_len: 512,
+            noise: 0.1,
+            ce_weight: 0.1,
+            logits_chunk: 256,
+            seed: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 || self.max_len < 2 || self.logits_chunk == 0 {
+            return Err(invalid(
+                "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
+            ));
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(invalid(format!("--lr {} must be positive", self.lr)));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
+        }
+        if !(self.noise >= 0.0 && self.noise.is_finite()) {
+            return Err(invalid("--noise must be non-negative"));
+        }
+        Ok(())
+    }
+
+    /// The learning rate of step `step` (0-based) of `total`.
+    pub fn lr_at(&self, step: usize, total: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = total.saturating_sub(self.warmup_steps).max(1);
+        let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+        let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+    }
+}
+
+/// One training or evaluation batch.
+pub struct Batch {
+    /// `[B, T]` u32: `t[i+1]`.
+    pub tokens: Tensor,
+    /// `[B, T, H]` f32: `f[i]` (+ noise).
+    pub features: Tensor,
+    /// Rows of the flattened `[B·T]` predictions that carry loss.
+    pub loss_rows: Tensor,
+    /// `[N, H]`: `f[i+1]` of those rows.
+    pub targets: Tensor,
+    pub n_rows: usize,
+}
+
+/// The window of head positions of sequence `s` trained on, and the first loss position.
+fn window(data: &FeatureDataset, s: usize, max_len: usize) -> Option<(usize, usize, usize)> {
+    let n = data.seq_len(s).checked_sub(1)?; // head positions 0..n
+    let first_loss = data.prompt_lens[s].max(1) - 1;
+    if n == 0 || first_loss >= n {
+        return None;
+    }
+    let start = n.saturating_sub(max_len);
+    Some((start, n, first_loss.max(start)))
+}
+
+/// Builds the batch of sequences `seqs`; `None` when none of them has a loss position.
+pub fn make_batch(
+    data: &FeatureDataset,
+    seqs: &[usize],
+    max_len: usize,
+    noise: f32,
+    rng: &mut ChaCha8Rng,
+) -> Result<Option<Batch>> {
+    let wins: Vec<(usize, (usize, usize, usize))> = seqs
+        .iter()
+        .filter_map(|&s| window(data, s, max_len).map(|w| (s, w)))
+        .collect();
+    if wins.is_empty() {
+        return Ok(None);
+    }
+    let h = data.hidden_size;
+    let t = wins.iter().map(|(_, (a, b, _))| b - a).max().unwrap_or(1);
+    let b = wins.len();
+    let mut tokens = vec![0u32; b * t];
+    let mut feats = Vec::with_capacity(b);
+    let mut loss_rows = Vec::new();
+    let mut target_rows = Vec::new();
+    for (row, &(s, (start, end, first_loss))) in wins.iter().enumerate() {
+        let off = data.offsets[s];
+        let toks = data.seq_tokens(s);
+        let len = end - start;
+        tokens[row * t..row * t + len].copy_from_slice(&toks[start + 1..end + 1]);
+        let f = data.features.narrow(0, off + start, len)?;
+        let f = if len < t {
+            Tensor::cat(
+                &[&f, &Tensor::zeros((t - len, h), DType::F32, &Device::Cpu)?],
+                0,
+            )?
+        } else {
+            f
+        };
+        feats.push(f);
+        for i in first_loss..end {
+            loss_rows.push((row * t + i - start) as u32);
+            target_rows.push((off + i + 1) as u32);
+        }
+    }
+    let mut features = Tensor::stack(&feats, 0)?;
+    if noise > 0.0 {
+        let data_noise: Vec<f32> = (0..b * t * h)
+            .map(|_| rng.random_range(-noise..noise))
+            .collect();
+        features = (features + Tensor::from_vec(data_noise, (b, t, h), &Device::Cpu)?)?;
+    }
+    let n_rows = loss_rows.len();
+    let targets = data
+        .features
+        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?;
+    Ok(Some(Batch {
+        tokens: Tensor::from_vec(tokens, (b, t), &Device::Cpu)?,
+        features,
+        loss_rows: Tensor::from_vec(loss_rows, n_rows, &Device::Cpu)?,
+        targets,
+        n_rows,
+    }))
+}
+
+/// Sums over the loss rows of one or more batches.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct LossSums {
+    pub rows: usize,
+    /// Σ over rows of the row's mean SmoothL1.
+    pub smooth_l1: f64,
+    /// Σ over rows of the cross-entropy.
+    pub ce: f64,
+    /// Rows where argmax(lm_head(pred)) == argmax(lm_head(target)).
+    pub top1: usize,
+}
+
+impl LossSums {
+    pub fn add(&mut self, o: &LossSums) {
+        self.rows += o.rows;
+        self.smooth_l1 += o.smooth_l1;
+        self.ce += o.ce;
+        self.top1 += o.top1;
+    }
+    pub fn mean(&self, ce_weight: f64) -> LossMeans {
+        let n = self.rows.max(1) as f64;
+        LossMeans {
+            loss: (self.smooth_l1 + ce_weight * self.ce) / n,
+            smooth_l1: self.smooth_l1 / n,
+            ce: self.ce / n,
+            top1: self.top1 as f64 / n,
+            rows: self.rows,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct LossMeans {
+    pub loss: f64,
+    pub smooth_l1: f64,
+    pub ce: f64,
+    /// Top-1 acceptance proxy.
+    pub top1: f64,
+    pub rows: usize,
+}
+
+/// Losses of predicted features against targets, with (when `grad_scale` is given) the
+/// gradient of `smooth_l1_mean + ce_weight · ce_mean` with respect to `pred` for a step of
+/// `grad_scale` loss rows.
+fn losses(
+    pred: &Tensor,
+    target: &Tensor,
+    lm_head: &Tensor,
+    ce_weight: f64,
+    chunk: usize,
+    grad_rows: Option<usize>,
+) -> Result<(LossSums, Option<Tensor>)> {
+    let (n, h) = pred.dims2()?;
+    let diff = (pred - target)?;
+    let a = diff.abs()?;
+    let m = a.clamp(0f64, 1f64)?;
+    let sl1 = ((m.sqr()? * 0.5)? + (&a - &m)?)?;
+    let smooth_l1 = sl1.sum_all()?.to_scalar::<f32>()? as f64 / h as f64;
+    let mut sums = LossSums {
+        rows: n,
+        smooth_l1,
+        ..Default::default()
+    };
+    let mut grads = Vec::new();
+    let w_t = lm_head.t()?;
+    let mut start = 0;
+    while start < n {
+        let len = chunk.min(n - start);
+        let p_rows = pred.narrow(0, start, len)?;
+        let t_rows = target.narrow(0, start, len)?;
+        let lp = p_rows.matmul(&w_t)?;
+        let lt = t_rows.matmul(&w_t)?;
+        let p = candle_nn::ops::softmax_last_dim(&lt)?;
+        let logq = candle_nn::ops::log_softmax(&lp, D::Minus1)?;
+        sums.ce -= (&p * &logq)?.sum_all()?.to_scalar::<f32>()? as f64;
+        sums.top1 += lp
+            .argmax(D::Minus1)?
+            .eq(&lt.argmax(D::Minus1)?)?
+            .to_dtype(DType::U32)?
+            .sum_all()?
+            .to_scalar::<u32>()? as usize;
+        if let Some(rows) = grad_rows {
+            let g = ((logq.exp()? - &p)? * (ce_weight / rows.max(1) as f64))?;
+            grads.push(g.matmul(lm_head)?);
+        }
+        start += len;
+    }
+    let grad = match grad_rows {
+        Some(rows) => {
+            let g_ce = Tensor::cat(&grads, 0)?;
+            let g_v = (diff.clamp(-1f64, 1f64)? * (1.0 / (rows.max(1) * h) as f64))?;
+            Some((g_v + g_ce)?)
+        }
+        None => None,
+    };
+    Ok((sums, grad))
+}
+
+/// Seeded random head weights: linear weights and biases uniform in `±1/sqrt(fan_in)`
+/// (PyTorch's default), norm weights 1.
+fn random_head(expected: &[(String, Vec<usize>)], seed: u64) -> Result<BTreeMap<String, Tensor>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = BTreeMap::new();
+    let fc_in = expected
+        .iter()
+        .find(|(n, _)| n == "fc.weight")
+        .map(|(_, s)| s[1])
+        .unwrap_or(1);
+    for (name, shape) in expected {
+        let n: usize = shape.iter().product();
+        let t = if name.ends_with("layernorm.weight") {
+            Tensor::ones(n, DType::F32, &Device::Cpu)?
+        } else {
+            let fan_in = if shape.len() == 2 { shape[1] } else { fc_in };
+            let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
+            let v: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
+            Tensor::from_vec(v, n, &Device::Cpu)?
+        };
+        out.insert(name.clone(), t.reshape(shape.as_slice())?);
+    }
+    Ok(out)
+}
+
+/// A head being trained: its variables, the head built over them and the optimiser.
+pub struct EagleTrainer<'b, 'a> {
+    base: &'b FrozenBase<'a>,
+    head_cfg: EagleHeadConfig,
+    varmap: VarMap,
+    head: EagleHead,
+    opt: AdamW,
+    pub cfg: TrainConfig,
+    pub step: usize,
+}
+
+impl<'b, 'a> EagleTrainer<'b, 'a> {
+    pub fn new(
+        base: &'b FrozenBase<'a>,
+        head_cfg: EagleHeadConfig,
+        init: HeadInit,
+        cfg: TrainConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        head_cfg
+            .check_compatible(base.model.config())
+            .map_err(invalid)?;
+        let varmap = VarMap::new();
+        let expected = EagleHead::expected_tensors(&head_cfg);
+        let initial: Option<BTreeMap<String, Tensor>> = match init {
+            HeadInit::CopyLastLayer { out_scale } => {
+                let h = head_cfg.llama.hidden_size;
+                let mut m = BTreeMap::new();
+                let eye = Tensor::eye(h, DType::F32, &Device::Cpu)?;
+                let zeros = Tensor::zeros((h, h), DType::F32, &Device::Cpu)?;
+                m.insert("fc.weight".to_string(), Tensor::cat(&[&zeros, &eye], 1)?);
+                if head_cfg.bias {
+                    m.insert(
+                        "fc.bias".to_string(),
+                        Tensor::zeros(h, DType::F32, &Device::Cpu)?,
+                    );
+                }
+                for (name, t) in &base.last_layer {
+                    let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")
+                    {
+                        (t * out_scale)?
+                    } else {
+                        t.clone()
+                    };
+                    m.insert(name.clone(), t);
+                }
+                Some(m)
+            }
+            HeadInit::Random { seed } => Some(random_head(&expected, seed)?),
+            HeadInit::Tensors(m) => Some(m),
+        };
+        if let Some(initial) = initial {
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| invalid("variable map lock poisoned"))?;
+            for (name, shape) in &expected {
+                let t = initial
+                    .get(name)
+                    .ok_or_else(|| invalid(format!("initial head weights lack tensor '{name}'")))?;
+                if t.dims() != shape.as_slice() {
+                    return Err(invalid(format!(
+                        "initial head tensor '{name}' has shape {:?}, expected {shape:?}",
+                        t.dims()
+                    )));
+                }
+                let t = t
+                    .to_dtype(DType::F32)?
+                    .to_device(&Device::Cpu)?
+                    .contiguous()?;
+                data.insert(name.clone(), Var::from_tensor(&t)?);
+            }
+        }
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let head = EagleHead::from_var_builder(&head_cfg, vb, base.model)?;
+        let opt = AdamW::new(
+            varmap.all_vars(),
+            ParamsAdamW {
+                lr: cfg.lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: 1e-8,
+                weight_decay: cfg.weight_decay,
+            },
+        )?;
+        Ok(EagleTrainer {
+            base,
+            head_cfg,
+            varmap,
+            head,
+            opt,
+            cfg,
+            step: 0,
+        })
+    }
+
+    pub fn head_config(&self) -> &EagleHeadConfig {
+        &self.head_cfg
+    }
+
+    /// Predicted features of the batch's loss rows, `[N, H]` (tracked for backprop).
+    fn predict(&self, batch: &Batch) -> Result<Tensor> {
+        let pred = self.head.forward_train(&batch.tokens, &batch.features)?;
+        let (b, t, h) = pred.dims3()?;
+        Ok(pred
+            .reshape((b * t, h))?
+            .index_select(&batch.loss_rows, 0)?)
+    }
+
+    /// One optimiser step on `batch` at learning rate `lr`; returns the batch's losses
+    /// (before the update) and the gradient norm (before clipping).
+    pub fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<(LossSums, f64)> {
+        let pred = self.predict(batch)?;
+        let (sums, grad) = losses(
+            &pred.detach(),
+            &batch.targets,
+            &self.base.lm_head,
+            self.cfg.ce_weight,
+            self.cfg.logits_chunk,
+            Some(batch.n_rows),
+        )?;
+        let grad = grad.ok_or_else(|| invalid("no gradient computed"))?;
+        let surrogate = (pred * grad)?.sum_all()?;
+        let mut grads = surrogate.backward()?;
+        let vars = self.varmap.all_vars();
+        let mut sq = 0f64;
+        for v in &vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            }
+        }
+        let norm = sq.sqrt();
+        if !norm.is_finite() {
+            return Err(invalid(format!(
+                "step {}: the gradient is not finite (norm {norm}): lower --lr",
+                self.step
+            )));
+        }
+        if self.cfg.grad_clip > 0.0 && norm > self.cfg.grad_clip {
+            let s = self.cfg.grad_clip / norm;
+            for v in &vars {
+                if let Some(g) = grads.remove(v.as_tensor()) {
+                    grads.insert(v.as_tensor(), (g * s)?);
+                }
+            }
+        }
+        self.opt.set_learning_rate(lr);
+        self.opt.step(&grads)?;
+        self.step += 1;
+        Ok((sums, norm))
+    }
+
+    /// Losses over `seqs` without noise or updates.
+    pub fn evaluate(&self, data: &FeatureDataset, seqs: &[usize]) -> Result<LossSums> {
+        let mut total = LossSums::default();
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        for group in seqs.chunks(self.cfg.batch_size) {
+            let Some(batch) = make_batch(data, group, self.cfg.max_len, 0.0, &mut rng)? else {
+                continue;
+            };
+            let pred = self.predict(&batch)?.detach();
+            let (sums, _) = losses(
+                &pred,
+                &batch.targets,
+                &self.base.lm_head,
+                self.cfg.ce_weight,
+                self.cfg.logits_chunk,
+                None,
+            )?;
+            total.add(&sums);
+        }
+        Ok(total)
+    }
+
+    /// The head's current weights under their checkpoint names (f32).
+    pub fn tensors(&self) -> Result<BTreeMap<String, Tensor>> {
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| invalid("variable map lock poisoned"))?;
+        Ok(data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect())
+    }
+
+    /// Writes the head in the published EAGLE layout (`config.json` + `model.safetensors`
+    /// in `dtype`, no `embed_tokens`), plus `extra` files, replacing `dir` atomically.
+    pub fn save(&self, dir: &Path, dtype: DType, extra: &[(&str, String)]) -> Result<()> {
+        save_head(&self.head_cfg, &self.tensors()?, dir, dtype, extra)
+    }
+}
+
+/// The published `config.json` of a head: the head config plus `torch_dtype`.
+pub fn head_config_json(head_cfg: &EagleHeadConfig, dtype: DType) -> String {
+    let mut v = serde_json::to_value(head_cfg).expect("config serialises");
+    let name = match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    };
+    v["torch_dtype"] = serde_json::Value::String(name.into());
+    serde_json::to_string_pretty(&v).expect("JSON prints")
+}
+
+/// Writes `tensors` as an EAGLE head directory (see [`EagleTrainer::save`]).
+pub fn save_head(
+    head_cfg: &EagleHeadConfig,
+    tensors: &BTreeMap<String, Tensor>,
+    dir: &Path,
+    dtype: DType,
+    extra: &[(&str, String)],
+) -> Result<()> {
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(invalid(format!(
+            "save dtype {dtype:?}: use float16, bfloat16 or float32"
+        )));
+    }
+    let mut map = HashMap::new();
+    for (name, shape) in EagleHead::expected_tensors(head_cfg) {
+        let t = tensors
+            .get(&name)
+            .ok_or_else(|| invalid(format!("head tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(invalid(format!(
+                "head tensor '{name}' has shape {:?}, expected {shape:?}",
+                t.dims()
+            )));
+        }
+        map.insert(name, t.to_dtype(dtype)?.contiguous()?);
+    }
+    let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
+    let weights = out.path().join(HEAD_WEIGHTS_FILE);
+    candle_core::safetensors::save(&map, &weights).map_err(|e| file_err(&weights, e))?;
+    let config = out.path().join(HEAD_CONFIG_FILE);
+    std::fs::write(&config, head_config_json(head_cfg, dtype)).map_err(|e| file_err(&config, e))?;
+    for (name, text) in extra {
+        let p = out.path().join(name);
+        std::fs::write(&p, text).map_err(|e| file_err(&p, e))?;
+    }
+    out.commit().map_err(|e| file_err(dir, e))?;
+    Ok(())
+}
+
+/// Reads a head directory written by [`save_head`] (or any EAGLE-1 head in safetensors):
+/// its config and f32 tensors, checked against the config.
+pub fn load_head(dir: &Path) -> Result<(EagleHeadConfig, BTreeMap<String, Tensor>)> {
+    let cfg = EagleHeadConfig::from_json_file(&dir.join(HEAD_CONFIG_FILE))?;
+    let path = dir.join(HEAD_WEIGHTS_FILE);
+    let all =
+        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| file_err(&path, e))?;
+    let mut out = BTreeMap::new();
+    for (name, shape) in EagleHead::expected_tensors(&cfg) {
+        let t = all
+            .get(&name)
+            .ok_or_else(|| file_err(&path, format!("tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(file_err(
+                &path,
+                format!(
+                    "tensor '{name}' has shape {:?}, expected {shape:?}",
+                    t.dims()
+                ),
+            ));
+        }
+        out.insert(name, t.to_dtype(DType::F32)?);
+    }
+    Ok((cfg, out))
+}
+
+/// One line of the training log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EpochLog {
+    /// 0 = before training.
+    pub epoch: usize,
+    pub steps: usize,
+    pub lr: f64,
+    /// Running means over the epoch's training batches (with feature noise).
+    pub train: Option<LossMeans>,
+    /// Held-out sequences, no noise.
+    pub val: Option<LossMeans>,
+    pub grad_norm: f64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainLog {
+    pub config: TrainConfig,
+    pub init: String,
+    pub train_sequences: usize,
+    pub val_sequences: usize,
+    pub train_loss_rows: usize,
+    pub epochs: Vec<EpochLog>,
+    /// Training-batch losses every `step_log_every` steps: (step, loss, top1).
+    pub steps: Vec<(usize, f64, f64)>,
+}
+
+/// Splits sequence indices into (train, validation), deterministically from `seed`.
+pub fn split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.shuffle(&mut ChaCha8Rng::seed_from_u64(seed ^ 0x5eed));
+    let mut n_val = (n as f64 * val_fraction.clamp(0.0, 1.0)).round() as usize;
+    if val_fraction > 0.0 && n >= 2 {
+        n_val = n_val.clamp(1, n - 1);
+    }
+    let val = idx.split_off(n - n_val);
+    (idx, val)
+}
+
+/// Batches of an epoch: shuffled, then grouped by length in windows of 16 batches so that
+/// little padding is trained on.
+pub fn epoch_batches(
+    data: &FeatureDataset,
+    train: &[usize],
+    batch_size: usize,
+    rng: &mut ChaCha8Rng,
+) -> Vec<Vec<usize>> {
+    let mut idx = train.to_vec();
+    idx.shuffle(rng);
+    let mut batches = Vec::new();
+    for group in idx.chunks(batch_size * 16) {
+        let mut g = group.to_vec();
+        g.sort_by_key(|&s| data.seq_len(s));
+        batches.extend(g.chunks(batch_size).map(<[usize]>::to_vec));
+    }
+    batches.shuffle(rng);
+    batches
+}
+
+/// Where and how [`train`] saves.
+pub struct SaveOptions<'p> {
+    pub output_dir: &'p Path,
+    pub dtype: DType,
+    /// Also written into the output directory (e.g. a README).
+    pub extra: Vec<(&'static str, String)>,
+}
+
+/// Trains for `trainer.cfg.epochs` epochs over `train`, evaluating on `val` before training
+/// and after every epoch, saving the head (and `train_log.json`) after every epoch.
+/// `log` receives one human-readable line per event.
+pub fn train(
+    trainer: &mut EagleTrainer,
+    data: &FeatureDataset,
+    train: &[usize],
+    val: &[usize],
+    init_name: &str,
+    save: Option<&SaveOptions>,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainLog> {
+    let cfg = trainer.cfg.clone();
+    if train.is_empty() {
+        return Err(invalid("no training sequences"));
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
+    let total = steps_per_epoch * cfg.epochs;
+    let train_rows: usize = train
+        .iter()
+        .filter_map(|&s| window(data, s, cfg.max_len).map(|(_, e, f)| e - f))
+        .sum();
+    let mut tlog = TrainLog {
+        config: cfg.clone(),
+        init: init_name.into(),
+        train_sequences: train.len(),
+        val_sequences: val.len(),
+        train_loss_rows: train_rows,
+        epochs: Vec::new(),
+        steps: Vec::new(),
+    };
+    let t0 = Instant::now();
+    let val_means = |t: &EagleTrainer| -> Result<Option<LossMeans>> {
+        if val.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(t.evaluate(data, val)?.mean(cfg.ce_weight)))
+    };
+    let v0 = val_means(trainer)?;
+    if let Some(v) = v0 {
+        log(&format!(
+            "epoch 0 (init: {init_name}): val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3} over {} rows",
+            v.loss, v.smooth_l1, v.ce, v.top1, v.rows
+        ));
+    }
+    tlog.epochs.push(EpochLog {
+        epoch: 0,
+        steps: 0,
+        lr: 0.0,
+        train: None,
+        val: v0,
+        grad_norm: 0.0,
+        seconds: t0.elapsed().as_secs_f64(),
+    });
+    let every = (steps_per_epoch / 10).max(1);
+    for epoch in 1..=cfg.epochs {
+        let te = Instant::now();
+        let mut sums = LossSums::default();
+        let mut window_sums = LossSums::default();
+        let mut last_norm = 0.0;
+        let mut lr = 0.0;
+        for (i, group) in epoch_batches(data, train, cfg.batch_size, &mut rng)
+            .iter()
+            .enumerate()
+        {
+            let Some(batch) = make_batch(data, group, cfg.max_len, cfg.noise, &mut rng)? else {
+                continue;
+            };
+            lr = cfg.lr_at(trainer.step, total);
+            let (s, norm) = trainer.train_step(&batch, lr)?;
+            last_norm = norm;
+            sums.add(&s);
+            window_sums.add(&s);
+            if (i + 1) % every == 0 {
+                let m = window_sums.mean(cfg.ce_weight);
+                tlog.steps.push((trainer.step, m.loss, m.top1));
+                log(&format!(
+                    "epoch {epoch} step {}/{} ({} total): loss {:.4} top-1 {:.3} lr {lr:.2e} |g| {norm:.3} [{:.0}s]",
+                    i + 1,
+                    steps_per_epoch,
+                    trainer.step,
+                    m.loss,
+                    m.top1,
+                    t0.elapsed().as_secs_f64()
+                ));
+                window_sums = LossSums::default();
+            }
+        }
+        let tm = sums.mean(cfg.ce_weight);
+        let vm = val_means(trainer)?;
+        let mut line = format!(
+            "epoch {epoch}/{}: train loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}",
+            cfg.epochs, tm.loss, tm.smooth_l1, tm.ce, tm.top1
+        );
+        if let Some(v) = vm {
+            line.push_str(&format!(
+                "; val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}",
+                v.loss, v.smooth_l1, v.ce, v.top1
+            ));
+        }
+        line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
+        log(&line);
+        tlog.epochs.push(EpochLog {
+            epoch,
+            steps: trainer.step,
+            lr,
+            train: Some(tm),
+            val: vm,
+            grad_norm: last_norm,
+            seconds: te.elapsed().as_secs_f64(),
+        });
+        if let Some(save) = save {
+            let mut extra: Vec<(&str, String)> =
+                save.extra.iter().map(|(n, t)| (*n, t.clone())).collect();
+            extra.push((
+                TRAIN_LOG_FILE,
+                serde_json::to_string_pretty(&tlog).expect("log serialises"),
+            ));
+            trainer.save(save.output_dir, save.dtype, &extra)?;
+            log(&format!("saved {}", save.output_dir.display()));
+        }
+    }
+    Ok(tlog)
+}

@@ -1,0 +1,419 @@
+//! EAGLE head training on a tiny random Llama (CPU, seconds).
+
+use candle_core::{DType, Device, Tensor, D};
+use kestrel_core::ModelConfig;
+use kestrel_model::llama::random_tensors;
+use kestrel_model::{EagleHead, Llama, OutputRows, SeqInput};
+use kestrel_train::eagle::{
+    head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
+    SaveOptions, TrainConfig,
+};
+use kestrel_train::FeatureDataset;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+
+fn tiny_config(tied: bool) -> ModelConfig {
+    serde_json::from_str(&format!(
+        r#"{{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": {tied}}}"#
+    ))
+    .unwrap()
+}
+
+struct Tiny {
+    model: Llama,
+    tensors: BTreeMap<String, Tensor>,
+}
+
+fn tiny(tied: bool) -> Tiny {
+    let cfg = tiny_config(tied);
+    Tiny {
+        model: Llama::random(&cfg, 7, kestrel_core::DType::F32, &Device::Cpu).unwrap(),
+        tensors: random_tensors(&cfg, 7).unwrap(),
+    }
+}
+
+/// Greedy continuations of random prompts: the distribution a self-distilled head sees.
+fn greedy_data(
+    model: &Llama,
+    n: usize,
+    prompt_len: usize,
+    answer_len: usize,
+) -> Vec<(Vec<u32>, usize)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let vocab = model.config().vocab_size as u32;
+    (0..n)
+        .map(|_| {
+            let mut toks: Vec<u32> = (0..prompt_len)
+                .map(|_| rng.random_range(0..vocab))
+                .collect();
+            let mut cache = model.new_cache(16, 8).unwrap();
+            let seq = cache.add_sequence();
+            let mut new = toks.clone();
+            let mut pos = 0u32;
+            for _ in 0..answer_len {
+                let positions: Vec<u32> = (pos..pos + new.len() as u32).collect();
+                let h = model
+                    .forward(
+                        &[SeqInput {
+                            seq,
+                            tokens: &new,
+                            positions: &positions,
+                            mask: None,
+                            output_rows: OutputRows::Last,
+                        }],
+                        &mut cache,
+                    )
+                    .unwrap();
+                pos += new.len() as u32;
+                let next = model
+                    .logits(&h)
+                    .unwrap()
+                    .argmax(D::Minus1)
+                    .unwrap()
+                    .to_vec1::<u32>()
+                    .unwrap()[0];
+                toks.push(next);
+                new = vec![next];
+            }
+            (toks, prompt_len)
+        })
+        .collect()
+}
+
+fn dataset(t: &Tiny, n: usize) -> FeatureDataset {
+    FeatureDataset::extract(
+        &t.model,
+        greedy_data(&t.model, n, 6, 20),
+        64,
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
+fn train_cfg(epochs: usize) -> TrainConfig {
+    TrainConfig {
+        epochs,
+        lr: 3e-3,
+        warmup_steps: 2,
+        batch_size: 4,
+        noise: 0.02,
+        grad_clip: 1.0,
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn training_lowers_the_loss_and_beats_the_untrained_head() {
+    let t = tiny(true);
+    let data = dataset(&t, 24);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let hc = head_config(t.model.config(), true);
+    let mut trainer =
+        EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, train_cfg(12)).unwrap();
+    let before = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+
+    // A few steps on one batch already lower that batch's loss.
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let batch = make_batch(&data, &all[..4], 512, 0.0, &mut rng)
+        .unwrap()
+        .unwrap();
+    let (first, _) = trainer.train_step(&batch, 3e-3).unwrap();
+    let mut last = first;
+    for _ in 0..5 {
+        last = trainer.train_step(&batch, 3e-3).unwrap().0;
+    }
+    let (f, l) = (first.mean(0.1).loss, last.mean(0.1).loss);
+    assert!(l < 0.9 * f, "loss {f} -> {l} over 6 steps");
+
+    let log = train(&mut trainer, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
+    let after = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    assert!(
+        after.loss < 0.6 * before.loss,
+        "loss {} -> {}",
+        before.loss,
+        after.loss
+    );
+    assert!(
+        after.top1 > before.top1 + 0.2,
+        "top-1 proxy {} -> {}",
+        before.top1,
+        after.top1
+    );
+    // The epoch log records a falling training loss.
+    let train_losses: Vec<f64> = log
+        .epochs
+        .iter()
+        .filter_map(|e| e.train.map(|m| m.loss))
+        .collect();
+    assert_eq!(train_losses.len(), 12);
+    assert!(train_losses[11] < train_losses[0], "{train_losses:?}");
+}
+
+#[test]
+fn copy_init_starts_from_the_last_layer_and_improves() {
+    let t = tiny(false);
+    let data = dataset(&t, 16);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let (train_idx, val_idx) = split(data.len(), 0.25, 0);
+    assert_eq!((train_idx.len(), val_idx.len()), (12, 4));
+    let hc = head_config(t.model.config(), false);
+    let mut trainer = EagleTrainer::new(
+        &base,
+        hc,
+        HeadInit::CopyLastLayer { out_scale: 0.0 },
+        train_cfg(8),
+    )
+    .unwrap();
+    let w = trainer.tensors().unwrap();
+    // Residual-branch outputs start at zero: the head starts as the identity on features.
+    for name in [
+        "layers.0.self_attn.o_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    ] {
+        let m = w[name].abs().unwrap().max_all().unwrap();
+        assert_eq!(m.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+    let q = &w["layers.0.self_attn.q_proj.weight"];
+    let diff = (q - &t.tensors["model.layers.1.self_attn.q_proj.weight"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0);
+    assert!(!w.contains_key("fc.bias"));
+    let all: Vec<usize> = (0..data.len()).collect();
+    let before = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    let log = train(
+        &mut trainer,
+        &data,
+        &train_idx,
+        &val_idx,
+        "copy",
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    let after = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    assert!(
+        after.loss < before.loss,
+        "loss {} -> {}",
+        before.loss,
+        after.loss
+    );
+    assert!(
+        after.top1 >= before.top1,
+        "top-1 {} -> {}",
+        before.top1,
+        after.top1
+    );
+    assert_eq!(log.epochs.len(), 9);
+    assert!(log.epochs[0].val.is_some() && log.epochs[0].train.is_none());
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+#[test]
+fn written_heads_reload_with_the_published_keys() {
+    let t = tiny(true);
+    let data = dataset(&t, 8);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    for bias in [true, false] {
+        let hc = head_config(t.model.config(), bias);
+        let mut trainer = EagleTrainer::new(
+            &base,
+            hc,
+            HeadInit::CopyLastLayer { out_scale: 1.0 },
+            train_cfg(1),
+        )
+        .unwrap();
+        let dir = tmp.path().join(format!("head-bias-{bias}"));
+        let save = SaveOptions {
+            output_dir: &dir,
+            dtype: DType::F16,
+            extra: vec![],
+        };
+        train(
+            &mut trainer,
+            &data,
+            &all,
+            &[],
+            "copy",
+            Some(&save),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert!(dir.join("train_log.json").is_file());
+
+        // The published layout, as convert-checkpoint's reader sees it.
+        let (cfg, tensors) = kestrel_formats::load_eagle_head(&dir).unwrap();
+        assert_eq!(cfg.bias, bias);
+        assert_eq!(cfg.llama.num_hidden_layers, 1);
+        assert_eq!(cfg.llama.rope_theta, 50000.0);
+        let mut want: Vec<String> = [
+            "fc.weight",
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if bias {
+            want.push("fc.bias".into());
+        }
+        want.sort();
+        let got: Vec<String> = tensors.keys().cloned().collect();
+        assert_eq!(got, want);
+        for (name, shape) in EagleHead::expected_tensors(&cfg) {
+            assert_eq!(tensors[&name].dims(), shape.as_slice(), "{name}");
+            assert_eq!(tensors[&name].dtype(), DType::F16, "{name}");
+        }
+        assert_eq!(tensors["fc.weight"].dims(), &[32, 64]);
+        assert_eq!(
+            tensors["layers.0.self_attn.k_proj.weight"].dims(),
+            &[16, 32]
+        );
+
+        // config.json spells out what the published heads carry.
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(json["bias"], serde_json::json!(bias));
+        assert_eq!(json["rope_theta"], serde_json::json!(50000.0));
+        assert_eq!(
+            json["architectures"],
+            serde_json::json!(["LlamaForCausalLM"])
+        );
+        assert_eq!(json["torch_dtype"], serde_json::json!("float16"));
+        assert_eq!(json["num_key_value_heads"], serde_json::json!(2));
+
+        // The reloaded head predicts what the trained one does (to f16 rounding), through
+        // the inference loader, and resuming continues from the same weights.
+        let trained = EagleHead::from_tensors(
+            &cfg,
+            trainer.tensors().unwrap(),
+            &t.model,
+            kestrel_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let reloaded = EagleHead::from_tensors(
+            &cfg,
+            tensors,
+            &t.model,
+            kestrel_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let batch = make_batch(&data, &all[..2], 512, 0.0, &mut rng)
+            .unwrap()
+            .unwrap();
+        let a = trained
+            .forward_train(&batch.tokens, &batch.features)
+            .unwrap();
+        let b = reloaded
+            .forward_train(&batch.tokens, &batch.features)
+            .unwrap();
+        assert!(max_diff(&a, &b) < 2e-2, "{}", max_diff(&a, &b));
+
+        let (rc, rt) = load_head(&dir).unwrap();
+        assert_eq!(rc.bias, bias);
+        let resumed = EagleTrainer::new(&base, rc, HeadInit::Tensors(rt), train_cfg(1)).unwrap();
+        let e1 = trainer.evaluate(&data, &all).unwrap().mean(0.1).loss;
+        let e2 = resumed.evaluate(&data, &all).unwrap().mean(0.1).loss;
+        assert!((e1 - e2).abs() < 1e-2 * e1.max(1e-3), "{e1} vs {e2}");
+    }
+}
+
+#[test]
+fn feature_cache_round_trips_and_batching_does_not_change_features() {
+    let t = tiny(true);
+    let seqs = greedy_data(&t.model, 5, 4, 9);
+    let one = FeatureDataset::extract(&t.model, seqs.clone(), 1, &mut |_, _| {}).unwrap();
+    let mut calls = 0;
+    let many = FeatureDataset::extract(&t.model, seqs, 1000, &mut |_, _| calls += 1).unwrap();
+    assert_eq!(calls, 1);
+    assert_eq!(one.tokens, many.tokens);
+    assert_eq!(one.offsets, vec![0, 13, 26, 39, 52, 65]);
+    assert!(max_diff(&one.features, &many.features) < 1e-4);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    many.save(&dir, DType::F32).unwrap();
+    assert!(FeatureDataset::exists(&dir));
+    let back = FeatureDataset::load(&dir).unwrap();
+    assert_eq!(
+        (back.tokens.clone(), back.offsets.clone()),
+        (many.tokens.clone(), many.offsets.clone())
+    );
+    assert_eq!(back.prompt_lens, vec![4; 5]);
+    assert_eq!(back.answer_tokens(), 45);
+    assert_eq!(max_diff(&back.features, &many.features), 0.0);
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let t = tiny(true);
+    let tmp = tempfile::tempdir().unwrap();
+    let err = FeatureDataset::load(&tmp.path().join("nowhere"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("meta.json") && err.contains("--stage data"),
+        "{err}"
+    );
+
+    let err = FeatureDataset::extract(&t.model, vec![(vec![1, 999], 1)], 64, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("999"), "{err}");
+
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let hc = head_config(t.model.config(), true);
+    let mut wrong = BTreeMap::new();
+    wrong.insert(
+        "fc.weight".to_string(),
+        Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let err = EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(wrong), train_cfg(1))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("fc.weight"), "{err}");
+    let bad_cfg = TrainConfig {
+        batch_size: 0,
+        ..train_cfg(1)
+    };
+    assert!(EagleTrainer::new(
+        &base,
+        hc,
+        HeadInit::CopyLastLayer { out_scale: 1.0 },
+        bad_cfg
+    )
+    .is_err());
+    assert!(load_head(tmp.path()).is_err());
+}
