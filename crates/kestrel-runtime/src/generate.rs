@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::request::{GenerationParams, RunTimings, SequenceOutput, TokenSink};
 use crate::sequence::{validate_prompts, Sequence};
 use candle_core::Tensor;
+use kestrel_model::{OutputRows, SeqId, SeqInput};
 use kestrel_spec::sampling;
 use std::time::Instant;
 
@@ -67,6 +68,32 @@ pub(crate) fn sample_rows(
         .zip(seqs.iter_mut())
         .map(|(row, s)| sampling::sample_token(row, &params.sampling, &mut s.rng))
         .collect())
+}
+
+/// Every sequence's whole prompt as one varlen prefill batch; `pos` must hold
+/// [`prompt_positions`] of the same sequences.
+pub(crate) fn prompt_batch<'a>(
+    seqs: &'a [Sequence],
+    ids: &[SeqId],
+    pos: &'a [Vec<u32>],
+    rows: OutputRows,
+) -> Vec<SeqInput<'a>> {
+    seqs.iter()
+        .zip(ids)
+        .zip(pos)
+        .map(|((s, &seq), p)| SeqInput {
+            seq,
+            tokens: &s.tokens,
+            positions: p,
+            mask: None,
+            output_rows: rows.clone(),
+        })
+        .collect()
+}
+
+/// The RoPE positions of every sequence's prompt.
+pub(crate) fn prompt_positions(seqs: &[Sequence]) -> Vec<Vec<u32>> {
+    seqs.iter().map(|s| positions(0, s.tokens.len())).collect()
 }
 
 /// Positions `start..start+n` as RoPE positions.

@@ -2,7 +2,7 @@
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::generate::{positions, sample_rows, Decoder};
+use crate::generate::{prompt_batch, prompt_positions, sample_rows, Decoder};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
@@ -35,19 +35,8 @@ impl Decoder for PlainDecoder<'_> {
         let ids: Vec<SeqId> = seqs.iter().map(|_| self.cache.add_sequence()).collect();
 
         // Prefill every prompt in one varlen forward; the last row of each gives its first token.
-        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.tokens.len())).collect();
-        let batch: Vec<SeqInput> = seqs
-            .iter()
-            .zip(&ids)
-            .zip(&pos)
-            .map(|((s, &seq), p)| SeqInput {
-                seq,
-                tokens: &s.tokens,
-                positions: p,
-                mask: None,
-                output_rows: OutputRows::Last,
-            })
-            .collect();
+        let pos = prompt_positions(seqs);
+        let batch = prompt_batch(seqs, &ids, &pos, OutputRows::Last);
         let hidden = model.forward_prompt(&batch, &mut self.cache)?;
         let logits = model.logits(&hidden)?;
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();

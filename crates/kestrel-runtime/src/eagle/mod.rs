@@ -13,7 +13,7 @@ mod feed;
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::{positions, sample_rows, Decoder};
+use crate::generate::{positions, prompt_batch, prompt_positions, sample_rows, Decoder};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::{Acceptance, EagleOptions, EagleTreeKind};
@@ -148,19 +148,8 @@ impl Decoder for EagleDecoder<'_> {
 
         // Prefill: every prompt position's feature feeds the head; the last one's logits
         // give the first token.
-        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.tokens.len())).collect();
-        let batch: Vec<SeqInput> = seqs
-            .iter()
-            .zip(&base_ids)
-            .zip(&pos)
-            .map(|((s, &seq), p)| SeqInput {
-                seq,
-                tokens: &s.tokens,
-                positions: p,
-                mask: None,
-                output_rows: OutputRows::All,
-            })
-            .collect();
+        let pos = prompt_positions(seqs);
+        let batch = prompt_batch(seqs, &base_ids, &pos, OutputRows::All);
         let hidden = model.forward_prompt(&batch, &mut self.base_cache)?;
         let mut lasts = Vec::with_capacity(seqs.len());
         let mut offset = 0;
