@@ -114,12 +114,26 @@ impl WeightElem for bf16 {
     }
 }
 
+/// Rows of `x` and of `w` one register tile covers: 2 × 4 outputs keep 8 accumulators, 4
+/// weight vectors and one input vector in the 16 AVX2 registers, so each weight row loaded
+/// from memory feeds two rows of `x` and each `x` vector feeds four weight rows.
+const TILE_M: usize = 2;
+const TILE_N: usize = 4;
+/// f32 lanes of one accumulator (one AVX2 register).
+const VEC: usize = 8;
+
 /// `out[i][j] = Σ_t x[i][t] · w[j][t]` for `x: [m, k]` (f32) and `w: [n, k]`; returns `[m, n]`.
+///
+/// Batch invariance: every output element is computed by the same sequence of operations
+/// whatever `m`, `n` or the tile it falls in: one 8-lane accumulator, `acc = fma(x, w, acc)`
+/// over the 8-wide chunks of `k` in order, a fixed lane reduction ([`hsum`]), then the
+/// `k % 8` tail added in order. Tiling only changes which loads are shared, never the
+/// arithmetic of an element.
 pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k, "x has {} elements, not {m}x{k}", x.len());
     assert_eq!(w.len(), n * k, "w has {} elements, not {n}x{k}", w.len());
-    let dot = pick_dot();
-    let per_task = rows_per_task(n);
+    let tile = pick_tile();
+    let per_task = rows_per_task(n).next_multiple_of(TILE_N);
     // Column-major result chunks ([n, m]), transposed at the end when m > 1.
     let mut out_t = vec![0f32; n * m];
     out_t
@@ -129,18 +143,26 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
             let j0 = task * per_task;
             let rows = out.len() / m;
             let mut buf = Vec::new();
-            for r in 0..rows {
-                let wrow = &w[(j0 + r) * k..(j0 + r + 1) * k];
-                let wrow: &[f32] = match W::as_f32(wrow) {
+            for jb in (0..rows).step_by(TILE_N) {
+                let nj = TILE_N.min(rows - jb);
+                let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
+                let wtile: &[f32] = match W::as_f32(wtile) {
                     Some(f) => f,
                     None => {
-                        buf.resize(k, 0f32);
-                        W::widen(wrow, &mut buf);
+                        buf.resize(nj * k, 0f32);
+                        W::widen(wtile, &mut buf);
                         &buf
                     }
                 };
-                for i in 0..m {
-                    out[r * m + i] = dot(&x[i * k..(i + 1) * k], wrow);
+                for ib in (0..m).step_by(TILE_M) {
+                    let mi = TILE_M.min(m - ib);
+                    let mut res = [[0f32; TILE_N]; TILE_M];
+                    tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
+                    for (i, row) in res.iter().enumerate().take(mi) {
+                        for (j, &v) in row.iter().enumerate().take(nj) {
+                            out[(jb + j) * m + ib + i] = v;
+                        }
+                    }
                 }
             }
         });
@@ -154,6 +176,132 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
         }
     }
     out
+}
+
+/// Computes the `mi × nj` outputs of one tile: `x` holds `mi` rows and `w` holds `nj` rows,
+/// each `k` long.
+type TileFn = fn(&[f32], &[f32], usize, usize, usize, &mut [[f32; TILE_N]; TILE_M]);
+
+fn pick_tile() -> TileFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features `avx2::tile` is compiled for.
+            return |x, w, k, mi, nj, out| unsafe { avx2::tile(x, w, k, mi, nj, out) };
+        }
+    }
+    portable_tile
+}
+
+/// The same arithmetic as the AVX2 tile without SIMD registers (`a * b + c` rounds twice
+/// where FMA rounds once, so results differ from the AVX2 path, but are just as
+/// batch-invariant on the machines that take this path).
+fn portable_tile(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    mi: usize,
+    nj: usize,
+    out: &mut [[f32; TILE_N]; TILE_M],
+) {
+    let body = k / VEC * VEC;
+    for i in 0..mi {
+        for j in 0..nj {
+            let (xr, wr) = (&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+            let mut acc = [0f32; VEC];
+            for (xc, wc) in xr[..body]
+                .chunks_exact(VEC)
+                .zip(wr[..body].chunks_exact(VEC))
+            {
+                for l in 0..VEC {
+                    acc[l] += xc[l] * wc[l];
+                }
+            }
+            let mut s = hsum_lanes(&acc);
+            for t in body..k {
+                s += xr[t] * wr[t];
+            }
+            out[i][j] = s;
+        }
+    }
+}
+
+/// The fixed lane reduction both tile paths use: pairs 4 apart, then 2 apart, then 1 apart.
+#[inline(always)]
+fn hsum_lanes(a: &[f32; VEC]) -> f32 {
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let c = [b[0] + b[2], b[1] + b[3]];
+    c[0] + c[1]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{hsum_lanes, TILE_M, TILE_N, VEC};
+    use std::arch::x86_64::*;
+
+    /// Dispatches a tile of `mi × nj` (at most `TILE_M × TILE_N`) to a fully unrolled body.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile(
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        mi: usize,
+        nj: usize,
+        out: &mut [[f32; TILE_N]; TILE_M],
+    ) {
+        match (mi, nj) {
+            (2, 4) => body::<2, 4>(x, w, k, out),
+            (2, 3) => body::<2, 3>(x, w, k, out),
+            (2, 2) => body::<2, 2>(x, w, k, out),
+            (2, 1) => body::<2, 1>(x, w, k, out),
+            (1, 4) => body::<1, 4>(x, w, k, out),
+            (1, 3) => body::<1, 3>(x, w, k, out),
+            (1, 2) => body::<1, 2>(x, w, k, out),
+            (1, 1) => body::<1, 1>(x, w, k, out),
+            _ => unreachable!("tile {mi}x{nj} exceeds {TILE_M}x{TILE_N}"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn body<const MI: usize, const NJ: usize>(
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        out: &mut [[f32; TILE_N]; TILE_M],
+    ) {
+        debug_assert!(x.len() >= MI * k && w.len() >= NJ * k);
+        let body = k / VEC * VEC;
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); NJ]; MI];
+        let mut t = 0;
+        while t < body {
+            let mut wv = [_mm256_setzero_ps(); NJ];
+            for (j, v) in wv.iter_mut().enumerate() {
+                // SAFETY: row j of w has k ≥ t + 8 elements.
+                *v = unsafe { _mm256_loadu_ps(wp.add(j * k + t)) };
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                // SAFETY: row i of x has k ≥ t + 8 elements.
+                let xv = unsafe { _mm256_loadu_ps(xp.add(i * k + t)) };
+                for (a, &wj) in acc_i.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xv, wj, *a);
+                }
+            }
+            t += VEC;
+        }
+        for i in 0..MI {
+            for j in 0..NJ {
+                let mut lanes = [0f32; VEC];
+                // SAFETY: `lanes` holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i][j]) };
+                let mut s = hsum_lanes(&lanes);
+                for t in body..k {
+                    s += x[i * k + t] * w[j * k + t];
+                }
+                out[i][j] = s;
+            }
+        }
+    }
 }
 
 /// The candle op: `x: [m, k]`, `w: [n, k]`, both contiguous and of one dtype (f32, f16 or
@@ -214,6 +362,32 @@ impl CustomOp2 for MatMulNt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The property greedy speculation rests on: a row's result is bit-identical whether it
+    /// is computed alone or among other rows, at any position in the batch and tile.
+    #[test]
+    fn rows_are_bit_identical_to_single_row_calls() {
+        for &(m, k, n) in &[(9, 576, 37), (5, 100, 9), (3, 7, 5), (64, 64, 130)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+                .collect();
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 13 % 89) as f32 - 44.0) / 23.0)
+                .collect();
+            let all = matmul_nt(&x, &w, m, k, n);
+            for i in 0..m {
+                let one = matmul_nt(&x[i * k..(i + 1) * k], &w, 1, k, n);
+                assert_eq!(
+                    all[i * n..(i + 1) * n]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{m}x{k}x{n}: row {i} differs from its single-row result"
+                );
+            }
+        }
+    }
 
     #[test]
     fn matches_naive_for_odd_sizes() {
