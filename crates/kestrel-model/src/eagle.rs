@@ -245,7 +245,15 @@ impl EagleHead {
                 output_rows: &s.output_rows,
             })
             .collect();
-        let step = prepare_step(&steps, &self.rope, cache, self.dtype, &self.device)?;
+        let portable = !(self.cpu_kernels && self.device.is_cpu());
+        let step = prepare_step(
+            &steps,
+            &self.rope,
+            cache,
+            self.dtype,
+            &self.device,
+            portable,
+        )?;
         let emb = Llama::embed_ids(&self.embed, &tokens, c.vocab_size, &self.device)?;
         let feats = if feats.len() == 1 {
             feats.pop().expect("one")
@@ -259,6 +267,7 @@ impl EagleHead {
             cos: &step.cos,
             sin: &step.sin,
             seqs: &step.seqs,
+            batched: step.batched.as_ref(),
             cache,
             layer: 0,
             cpu_kernels: self.cpu_kernels,

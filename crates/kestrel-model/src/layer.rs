@@ -2,6 +2,7 @@
 //! (fused when loading for inference), RMSNorm, attention over the paged KV cache or over a
 //! plain causal window (training), the SwiGLU MLP, and the decoder layer itself.
 
+use crate::batched_attn::BatchedStep;
 use crate::cache::PagedKvCache;
 use crate::cpu_attn::{self, AttnShape};
 use crate::error::Result;
@@ -186,6 +187,8 @@ pub(crate) enum AttnCtx<'a> {
         cos: &'a Tensor,
         sin: &'a Tensor,
         seqs: &'a [PagedSeq],
+        /// The whole batch in one attention call (portable path, equal new-token counts).
+        batched: Option<&'a BatchedStep>,
         cache: &'a PagedKvCache,
         layer: usize,
         /// Use the CPU kernels (matvec, paged attention) where they apply.
@@ -229,7 +232,7 @@ struct Attention {
 
 /// Softmax attention. `q: [b, n, n_kv, group, d]`, `k`, `v: [b, L, n_kv, d]`, `mask: [n, L]`
 /// additive f32. Returns `[b, n, n_kv * group * d]`. Scores and softmax in f32 like HF.
-fn attend(
+pub(crate) fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -274,6 +277,7 @@ impl Attention {
                 cos,
                 sin,
                 seqs,
+                batched,
                 cache,
                 layer,
                 cpu_kernels,
@@ -286,6 +290,10 @@ impl Attention {
                 let k =
                     rope::apply(&k.reshape((1, n_tok, nkv, hd))?, cos, sin, false)?.squeeze(0)?;
                 let v = v.reshape((n_tok, nkv, hd))?;
+                if let (Some(b), false) = (batched, cpu) {
+                    let out = b.attend(cache, *layer, &q, &k, &v)?;
+                    return self.o.forward_with(&out, fast);
+                }
                 let mut outs = Vec::with_capacity(seqs.len());
                 for s in seqs.iter() {
                     cache.write(

@@ -11,6 +11,7 @@
 //! on candle's CUDA backend as well.
 
 mod arena;
+mod batched_attn;
 pub mod cache;
 mod cpu_attn;
 pub mod eagle;

@@ -1,6 +1,7 @@
 //! The Llama decoder: embedding → decoder layers over the paged KV cache → final RMSNorm on
 //! the requested rows; `logits` applies the LM head.
 
+use crate::batched_attn::BatchedStep;
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::error::{invalid, ModelError, Result};
@@ -65,6 +66,8 @@ pub(crate) struct StepSeq<'a> {
 /// concatenated output rows and the lengths to commit once the forward succeeded.
 pub(crate) struct Step {
     pub seqs: Vec<PagedSeq>,
+    /// The batch as one attention call, when the portable path runs and it applies.
+    pub batched: Option<BatchedStep>,
     pub cos: Tensor,
     pub sin: Tensor,
     /// Rows of the concatenated tokens to return, or `None` for all of them in order.
@@ -103,6 +106,7 @@ pub(crate) fn prepare_step(
     cache: &mut PagedKvCache,
     dtype: DType,
     device: &Device,
+    portable: bool,
 ) -> Result<Step> {
     if inputs.is_empty() {
         return Err(invalid("empty batch"));
@@ -196,6 +200,11 @@ pub(crate) fn prepare_step(
         commit.push((s.seq, total));
         offset += s.n;
     }
+    let batched = if portable {
+        BatchedStep::new(&seqs, cache.n_kv_heads(), cache.head_dim(), device)?
+    } else {
+        None
+    };
     let (cos, sin) = rope.cos_sin(&positions, dtype, device)?;
     let out_rows = if all_out {
         None
@@ -205,6 +214,7 @@ pub(crate) fn prepare_step(
     };
     Ok(Step {
         seqs,
+        batched,
         cos,
         sin,
         out_rows,
@@ -516,13 +526,22 @@ impl Llama {
                 output_rows: &s.output_rows,
             })
             .collect();
-        let step = prepare_step(&steps, &self.rope, cache, self.dtype, &self.device)?;
+        let portable = !(self.cpu_kernels && self.device.is_cpu());
+        let step = prepare_step(
+            &steps,
+            &self.rope,
+            cache,
+            self.dtype,
+            &self.device,
+            portable,
+        )?;
         let mut x = Self::embed_ids(&self.embed, &tokens, self.cfg.vocab_size, &self.device)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let ctx = AttnCtx::Paged {
                 cos: &step.cos,
                 sin: &step.sin,
                 seqs: &step.seqs,
+                batched: step.batched.as_ref(),
                 cache,
                 layer: l,
                 cpu_kernels: self.cpu_kernels,

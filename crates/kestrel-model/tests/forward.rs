@@ -175,6 +175,71 @@ fn batched_varlen_equals_each_sequence_alone() {
     }
 }
 
+/// Steps where every sequence brings the same number of tokens (decode, equal trees) take
+/// one batched attention call on the portable path; prompts of other lengths take the
+/// per-sequence loop. Both must equal each sequence run alone.
+#[test]
+fn equal_length_steps_equal_each_sequence_alone() {
+    for (name, cfg) in all_cfgs() {
+        let (mut m, _) = model(&cfg);
+        for kernels in [false, true] {
+            m.set_cpu_kernels(kernels);
+            let name = &format!("{name} kernels {kernels}");
+            let prompts = [toks(6, 1), toks(2, 2), toks(11, 3)];
+            let chunks: Vec<Vec<Vec<u32>>> = (0..3u32)
+                .map(|s| vec![toks(1, 10 + s), toks(1, 20 + s), toks(2, 30 + s)])
+                .collect();
+            let mut cache = m.new_cache(48, 4).unwrap();
+            let ids: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
+            let mut lens: Vec<usize> = vec![0; 3];
+            let mut together = Vec::new();
+            let steps: Vec<Vec<&[u32]>> =
+                std::iter::once(prompts.iter().map(|p| p.as_slice()).collect())
+                    .chain((0..3).map(|c| chunks.iter().map(|ch| ch[c].as_slice()).collect()))
+                    .collect();
+            for step in &steps {
+                let pos: Vec<Vec<u32>> = step
+                    .iter()
+                    .zip(&lens)
+                    .map(|(t, &l)| positions(l, t.len()))
+                    .collect();
+                let batch: Vec<SeqInput> = step
+                    .iter()
+                    .zip(&ids)
+                    .zip(&pos)
+                    .map(|((t, &seq), p)| SeqInput {
+                        seq,
+                        tokens: t,
+                        positions: p,
+                        mask: None,
+                        output_rows: OutputRows::All,
+                    })
+                    .collect();
+                together.push(rows(&m.forward(&batch, &mut cache).unwrap()));
+                for (l, t) in lens.iter_mut().zip(step) {
+                    *l += t.len();
+                }
+            }
+            for s in 0..3 {
+                let mut alone = m.new_cache(48, 4).unwrap();
+                let id = alone.add_sequence();
+                for (k, step) in steps.iter().enumerate() {
+                    let want = feed(&m, &mut alone, id, step[s]);
+                    let first: usize = steps[k][..s].iter().map(|t| t.len()).sum();
+                    for (r, w) in want.iter().enumerate() {
+                        assert_close(
+                            &together[k][first + r],
+                            w,
+                            1e-5,
+                            &format!("{name} step {k} seq {s} row {r}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn prefill_at_once_equals_token_by_token_decode() {
     for (name, cfg) in all_cfgs() {
