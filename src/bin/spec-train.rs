@@ -72,11 +72,15 @@ struct EagleArgs {
     output_dir: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Stage::All)]
     stage: Stage,
+    /// Where the base engine runs and the head trains: cpu or cuda:N (CUDA builds only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 
     // --- data ---
-    /// Prompts: ShareGPT JSON, GSM8K JSONL, MT-bench JSONL, or a list of strings.
+    /// Prompts: ShareGPT JSON, GSM8K JSONL, MT-bench JSONL, or a list of strings; repeat the
+    /// flag to read several files, in order.
     #[arg(long)]
-    prompts: Option<PathBuf>,
+    prompts: Vec<PathBuf>,
     #[arg(long, default_value_t = 300)]
     num_prompts: usize,
     /// Longest prompt kept (tokens after the chat template); longer ones are skipped.
@@ -164,12 +168,20 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 }
 
 fn generate_data(args: &EagleArgs, engine: &Engine) -> Result<()> {
+    if args.prompts.is_empty() {
+        bail!("--prompts FILE is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)");
+    }
+    let codec = TextCodec::load(&args.engine_dir, &engine.config)?;
+    let mut texts = Vec::new();
+    for file in &args.prompts {
+        texts.extend(read_prompts(file)?);
+    }
     let prompts_file = args
         .prompts
-        .as_ref()
-        .context("--prompts FILE is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)")?;
-    let codec = TextCodec::load(&args.engine_dir, &engine.config)?;
-    let texts = read_prompts(prompts_file)?;
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let opts = DistillOptions {
         num_prompts: args.num_prompts,
         max_prompt_len: args.max_prompt_len,
@@ -187,7 +199,7 @@ fn generate_data(args: &EagleArgs, engine: &Engine) -> Result<()> {
     eprintln!(
         "spec-train: {} prompts ({prompt_tokens} tokens) from {} ({} read); answering up to {} tokens each",
         prompts.len(),
-        prompts_file.display(),
+        prompts_file,
         texts.len(),
         args.max_new_tokens
     );
@@ -215,7 +227,7 @@ fn generate_data(args: &EagleArgs, engine: &Engine) -> Result<()> {
     )?;
     data.source = kestrel_train::dataset::DatasetSource {
         engine_dir: args.engine_dir.display().to_string(),
-        prompts_file: prompts_file.display().to_string(),
+        prompts_file,
         chat_template: !args.no_chat,
         max_prompt_len: args.max_prompt_len,
         max_new_tokens: args.max_new_tokens,
@@ -339,7 +351,8 @@ fn run_eagle(args: &EagleArgs) -> Result<()> {
         (_, Some(dir)) => Some(dir.clone()),
         (_, None) => bail!("--output_dir is needed to train (or pass --stage data)"),
     };
-    let engine = Engine::load(&args.engine_dir, &kestrel_runtime::device::Device::Cpu)?;
+    let device = kestrel_runtime::device::parse(&args.device)?;
+    let engine = Engine::load(&args.engine_dir, &device)?;
     let have_data = FeatureDataset::exists(&args.data_dir);
     let make_data = match args.stage {
         Stage::Data => true,

@@ -69,7 +69,7 @@ impl<'a> FrozenBase<'a> {
             tensors
                 .get(name)
                 .ok_or_else(|| invalid(format!("base tensor '{name}' is missing")))
-                .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?))
+                .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_device(model.device())?))
         };
         Self::assemble(model, cfg, get)
     }
@@ -106,7 +106,7 @@ impl<'a> FrozenBase<'a> {
                 );
             }
             let t = kestrel_model::unshard::unshard(cfg, &mapping, name, &full, &shards, &origins)?;
-            Ok(t.to_dtype(DType::F32)?)
+            Ok(t.to_dtype(DType::F32)?.to_device(model.device())?)
         };
         Self::assemble(model, cfg, get)
     }
@@ -252,6 +252,19 @@ pub struct Batch {
     /// `[N, H]`: `f[i+1]` of those rows.
     pub targets: Tensor,
     pub n_rows: usize,
+}
+
+impl Batch {
+    /// The batch on `device` (batches are assembled on the host, next to the feature cache).
+    pub fn to_device(&self, device: &Device) -> Result<Batch> {
+        Ok(Batch {
+            tokens: self.tokens.to_device(device)?,
+            features: self.features.to_device(device)?,
+            loss_rows: self.loss_rows.to_device(device)?,
+            targets: self.targets.to_device(device)?,
+            n_rows: self.n_rows,
+        })
+    }
 }
 
 /// The window of head positions of sequence `s` trained on, and the first loss position.
@@ -473,6 +486,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
             .check_compatible(base.model.config())
             .map_err(invalid)?;
         let varmap = VarMap::new();
+        let device = base.model.device().clone();
         let expected = EagleHead::expected_tensors(&head_cfg);
         let initial: Option<BTreeMap<String, Tensor>> = match init {
             HeadInit::CopyLastLayer { out_scale } => {
@@ -516,14 +530,11 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
                         t.dims()
                     )));
                 }
-                let t = t
-                    .to_dtype(DType::F32)?
-                    .to_device(&Device::Cpu)?
-                    .contiguous()?;
+                let t = t.to_dtype(DType::F32)?.to_device(&device)?.contiguous()?;
                 data.insert(name.clone(), Var::from_tensor(&t)?);
             }
         }
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
         let head = EagleHead::from_var_builder(&head_cfg, vb, base.model)?;
         let opt = AdamW::new(
             varmap.all_vars(),
@@ -552,6 +563,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
 
     /// Predicted features of the batch's loss rows, `[N, H]` (tracked for backprop).
     fn predict(&self, batch: &Batch) -> Result<Tensor> {
+        debug_assert!(batch.tokens.device().same_device(self.base.model.device()));
         let pred = self.head.forward_train(&batch.tokens, &batch.features)?;
         let (b, t, h) = pred.dims3()?;
         Ok(pred
@@ -562,6 +574,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
     /// One optimiser step on `batch` at learning rate `lr`; returns the batch's losses
     /// (before the update) and the gradient norm (before clipping).
     pub fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<(LossSums, f64)> {
+        let batch = &batch.to_device(self.base.model.device())?;
         let pred = self.predict(batch)?;
         let (sums, grad) = losses(
             &pred.detach(),
@@ -610,6 +623,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
             let Some(batch) = make_batch(data, group, self.cfg.max_len, 0.0, &mut rng)? else {
                 continue;
             };
+            let batch = batch.to_device(self.base.model.device())?;
             let pred = self.predict(&batch)?.detach();
             let (sums, _) = losses(
                 &pred,
@@ -680,7 +694,10 @@ pub fn save_head(
                 t.dims()
             )));
         }
-        map.insert(name, t.to_dtype(dtype)?.contiguous()?);
+        map.insert(
+            name,
+            t.to_dtype(dtype)?.to_device(&Device::Cpu)?.contiguous()?,
+        );
     }
     let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
     let weights = out.path().join(HEAD_WEIGHTS_FILE);
