@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Packs the CUDA binaries and the SmolLM2 GGUF into the two carry folders that
-# tools/gpu/smollm2_h200.sh expects (three calls) (.device/ is git-ignored).
-#   CARGO_TARGET_DIR=/work/target-cuda (default) holds target/release/{spec-run,convert-checkpoint,spec-build}
+# Packs the CUDA binaries and the SmolLM2 GGUF into three carry folders (.device/gpu/{a,b,c},
+# git-ignored), each well under the device tool's 64 MiB per call with the working tree:
+# a third of the GGUF plus some of the xz-compressed binaries in each. tools/gpu/stage.sh
+# unpacks them on the machine.
+#   CARGO_TARGET_DIR=/work/target-cuda (default) holds release/{spec-run,spec-train,...}
 set -euo pipefail
 T=${CARGO_TARGET_DIR:-/work/target-cuda}/release
 G=${GGUF:-/work/models/SmolLM2-135M-Instruct.Q4_1.gguf}
-D=.device/gpu6
-rm -rf "$D/a" "$D/b" "$D/c"; mkdir -p "$D/a" "$D/b" "$D/c"
-split -b 40000000 -d -a 1 "$G" "$D/gguf.part."
+D=.device/gpu
+BINS=(spec-run spec-train convert-checkpoint spec-build spec-bench)
+rm -rf "$D"; mkdir -p "$D/a" "$D/b" "$D/c"
+split -n 3 -d -a 1 "$G" "$D/gguf.part."
 mv "$D/gguf.part.0" "$D/a/"; mv "$D/gguf.part.1" "$D/b/"; mv "$D/gguf.part.2" "$D/c/"
-xz -9e -T2 -c "$T/spec-run" > "$D/a/spec-run.xz" &
-xz -9e -T2 -c "$T/convert-checkpoint" > "$D/b/convert-checkpoint.xz" &
-xz -9e -T2 -c "$T/spec-build" > "$D/c/spec-build.xz" &
+sha256sum "$G" | cut -d' ' -f1 > "$D/c/gguf.sha256"
+slots=(a b c a b)
+for i in "${!BINS[@]}"; do
+  xz -9 -T2 -c "$T/${BINS[$i]}" > "$D/${slots[$i]}/${BINS[$i]}.xz" &
+done
 wait
-du -b "$D"/a/* "$D"/b/* "$D"/c/*
+# Prompt sets for self-distillation (the device machine has no ../shared).
+cp "${SHARED:-../shared}/data/sharegpt/ShareGPT_V3_filtered_1000.json" "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/c/"
 for s in a b c; do echo "$s: $(du -cb "$D/$s"/* | tail -1)"; done

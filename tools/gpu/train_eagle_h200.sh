@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Self-distils and trains SmolLM2's EAGLE head on the H200, then measures it, in calls made
+# back to back after staging (tools/gpu/pack.sh here; then `bash tools/gpu/stage.sh a`,
+# `... b`, `... c` with carry [".device/gpu/<x>"]):
+#   bash tools/gpu/train_eagle_h200.sh data    # base engine + answers + features -> /tmp/data
+#   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
+#   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
+# Knobs (environment): NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call).
+set -euo pipefail
+B=/tmp/bin; S=/tmp/stage
+source tools/gpu/device-env.sh
+export CUDA_CACHE_PATH=/tmp/cuda-cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+stage=$1
+
+case $stage in
+data)
+  $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/ckpt --dtype float32 --workers 16
+  $B/spec-build --checkpoint_dir /tmp/ckpt --output_dir /tmp/eng --target_device cuda:sm_90 \
+    --max_batch_size "${BATCH:-128}" --max_input_len 512 --max_seq_len $((512 + ${MAX_NEW:-256}))
+  prompts=(--prompts $S/ShareGPT_V3_filtered_1000.json --prompts $S/train.jsonl)
+  if [ -z "${NUM_PROMPTS:-}" ]; then
+    # Size the run to DATA_S seconds from a probe of one batch.
+    $B/spec-run --engine_dir /tmp/eng --device cuda:0 --input_text hi --max_output_len 2 >/dev/null  # JIT warm-up
+    t0=$(date +%s.%N)
+    $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage data --data_dir /tmp/probe \
+      "${prompts[@]}" --num_prompts "${BATCH:-128}" --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" 2>&1 | tail -3
+    NUM_PROMPTS=$(python3 -c "import sys; t=$(date +%s.%N)-$t0; print(int(${BATCH:-128}*${DATA_S:-300}/t))")
+    echo "probe: one batch in $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s -> $NUM_PROMPTS prompts"
+  fi
+  $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage data --data_dir /tmp/data \
+    "${prompts[@]}" --num_prompts "$NUM_PROMPTS" --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" \
+    --feature_batch_tokens 8192 2>&1 | tail -6
+  cp /tmp/data/*.json "$OUT/" 2>/dev/null || true
+  ;;
+train)
+  resume=(); [ -f /tmp/head/config.json ] && resume=(--resume /tmp/head)
+  timeout "${TRAIN_S:-540}" $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage train \
+    --data_dir /tmp/data --output_dir /tmp/head "${resume[@]}" --epochs "${EPOCHS:-8}" \
+    --lr "${LR:-1e-3}" --batch_size 32 --max_len 768 --logits_chunk 4096 --warmup_steps 50 \
+    2>&1 | grep -E "epoch [0-9]+/|held-out|saved" || true
+  cp -r /tmp/head "$OUT/head"
+  ;;
+eval)
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir /tmp/head --output_dir /tmp/ckpt_e \
+    --dtype float32 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+  $B/spec-build --checkpoint_dir /tmp/ckpt_e --output_dir /tmp/eng_e --target_device cuda:sm_90 \
+    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  P=/tmp/eval_prompts.jsonl; head -"${EVAL_N:-20}" tools/gpu/mt_bench_first20.jsonl > $P
+  $B/spec-run --engine_dir /tmp/eng_e --device cuda:0 --input_text hi --max_output_len 4 --no_speculation >/dev/null
+  run() { local name=$1; shift; echo "== $name"
+    $B/spec-run --engine_dir /tmp/eng_e --device cuda:0 --chat --input_file $P --max_output_len 128 \
+      --run_profiling --output_json "$OUT/$name.json" "$@" | grep profile || true; }
+  run plain --no_speculation
+  run eagle1_mc_sim_7b_63
+  run eagle1_small_8 --eagle_choices small_8
+  run eagle2_n10 --eagle_use_dynamic_tree --eagle_dynamic_tree_max_top_k 10
+  python3 tools/gpu/compare_modes.py "$OUT"
+  ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
