@@ -6,7 +6,11 @@
 //! * [`eagle`]: trains an EAGLE-1 head (one decoder layer over `fc(cat(embed, feature))`) on
 //!   that cache and writes it in the published EAGLE layout that
 //!   `convert-checkpoint --eagle_model_dir` reads.
+//! * [`calibrate`]: measures a head's acceptance per tree depth and rank on a prompt set and
+//!   derives the static `eagle_choices` tree with the best expected accepted length for a
+//!   node budget (`spec-train calibrate`).
 
+pub mod calibrate;
 pub mod dataset;
 pub mod distill;
 pub mod eagle;

@@ -1,0 +1,186 @@
+//! Tree calibration on tiny EAGLE engines (CPU, seconds): the measured ranks are the ones
+//! spec-run's drafter meets, an agreeing head calibrates to a confident tree, a random head
+//! to a worse one.
+
+#[path = "../../kestrel-runtime/tests/support/mod.rs"]
+mod support;
+
+use candle_core::Device;
+use kestrel_runtime::{
+    generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams, NoSink,
+};
+use kestrel_spec::{EagleTree, SamplingParams};
+use kestrel_train::calibrate::{
+    derive, engine_tree_limits, expected_length, measure, measure_ranks, BudgetFlags,
+    CalibrationSource, RankTable, TreeBudget,
+};
+use kestrel_train::distill::{distill, DistillOptions};
+use std::collections::HashSet;
+use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
+
+const ANSWER: usize = 40;
+
+fn greedy_opts() -> DistillOptions {
+    DistillOptions {
+        num_prompts: usize::MAX,
+        max_prompt_len: usize::MAX,
+        max_new_tokens: ANSWER,
+        chat: false,
+        sampling: SamplingParams::greedy(),
+    }
+}
+
+/// An engine with `head` on the agreeing pair's base model.
+fn engine(dir: &std::path::Path, agreeing: bool) -> Engine {
+    let (cfg, base, good) = agreeing_pair(11);
+    let head = if agreeing { good } else { random_head(&cfg, 6) };
+    let engine_dir = build(dir, &cfg, &base, Some(&head), &EngineSpec::default());
+    Engine::load(&engine_dir, &Device::Cpu).unwrap()
+}
+
+fn answers(engine: &Engine) -> Vec<(Vec<u32>, usize)> {
+    distill(engine, &prompts(), &greedy_opts(), &mut |_, _| {}).unwrap()
+}
+
+fn calibrate(engine: &Engine, num_nodes: usize) -> (RankTable, Vec<Vec<usize>>, f64) {
+    let seqs = answers(engine);
+    let limits = engine_tree_limits(&engine.plan.limits);
+    let flags = BudgetFlags {
+        num_nodes: Some(num_nodes),
+        ..BudgetFlags::default()
+    };
+    let budget = TreeBudget::resolve(&flags, &limits).unwrap();
+    let head = engine.eagle.as_ref().unwrap();
+    let table = measure(
+        &engine.model,
+        head,
+        &seqs,
+        budget.top_k,
+        budget.max_depth,
+        4,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let (choices, report) =
+        derive(&table, &budget, &limits, CalibrationSource::default(), "t").unwrap();
+    assert!(EagleTree::new(&choices, &limits).is_ok());
+    assert_eq!(report.tree.nodes, choices.len());
+    let e = report.tree.expected_length.unwrap();
+    (table, choices, e)
+}
+
+#[test]
+fn an_agreeing_head_calibrates_to_a_confident_tree_and_beats_a_random_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = engine(&dir.path().join("good"), true);
+    let (table, choices, e_good) = calibrate(&good, 16);
+    let p = table.probs();
+    // Every answer position is measured at depth 1; fewer at deeper depths near the end.
+    let seqs = answers(&good);
+    let answer_positions: u64 = seqs
+        .iter()
+        .map(|(t, n)| (t.len() - n).saturating_sub(1) as u64)
+        .sum();
+    assert_eq!(table.positions(), answer_positions);
+    // Answers of one token (an immediate end id) have no position to measure.
+    let measurable = seqs.iter().filter(|(t, n)| t.len() >= n + 2).count();
+    assert_eq!(table.sequences, measurable);
+    assert!(measurable >= 2);
+    eprintln!("agreeing: p = {p:.3?}, E = {e_good:.3}, tree {choices:?}");
+    assert!(table.samples.windows(2).all(|w| w[0] > w[1]));
+    assert!(
+        p[0][0] > 0.8,
+        "p[1][0] = {:.3} with an agreeing head",
+        p[0][0]
+    );
+    assert!(p[0][0] > p[0][1]);
+    // The first node chosen is the best guess; the tree is at most 16 nodes.
+    let report_first = kestrel_train::calibrate::greedy_tree(&p, 16, 10);
+    assert_eq!(report_first[0].path, vec![0]);
+    assert!(choices.len() <= 16 && choices.contains(&vec![0]));
+    assert!(
+        e_good > 2.0,
+        "expected length {e_good:.3} with an agreeing head"
+    );
+
+    let bad = engine(&dir.path().join("bad"), false);
+    let (table, _, e_bad) = calibrate(&bad, 16);
+    let q = table.probs();
+    eprintln!("random: p = {q:.3?}, E = {e_bad:.3}");
+    assert!(
+        q[0][0] < p[0][0],
+        "random {:.3} vs agreeing {:.3}",
+        q[0][0],
+        p[0][0]
+    );
+    assert!(
+        e_bad < e_good,
+        "random head {e_bad:.3} vs agreeing head {e_good:.3}"
+    );
+}
+
+/// The accepted length at one root under greedy token matching: the longest prefix of the
+/// true tokens' ranks that is a path of the tree.
+fn accepted(ranks: &[Option<usize>], tree: &HashSet<Vec<usize>>) -> usize {
+    let mut path = Vec::new();
+    for r in ranks {
+        match r {
+            Some(r) if tree.contains(&[path.as_slice(), &[*r]].concat()) => path.push(*r),
+            _ => break,
+        }
+    }
+    path.len()
+}
+
+#[test]
+fn measured_ranks_predict_spec_runs_steps_exactly() {
+    // Teacher forcing must see exactly what spec-run's drafter sees along a right path:
+    // then the ranks alone replay EAGLE decoding step for step, for any static tree.
+    let dir = tempfile::tempdir().unwrap();
+    for agreeing in [true, false] {
+        let engine = engine(&dir.path().join(format!("e{agreeing}")), agreeing);
+        let seqs = answers(&engine);
+        let head = engine.eagle.as_ref().unwrap();
+        let ranks = measure_ranks(&engine.model, head, &seqs, 10, 4, 3, &mut |_, _| {}).unwrap();
+        let limits = engine_tree_limits(&engine.plan.limits);
+        for preset in ["small_8", "mc_sim_7b_63", "chain_4"] {
+            let tree = EagleTree::from_preset(preset, &limits).unwrap();
+            let paths: HashSet<Vec<usize>> = tree.choices().iter().cloned().collect();
+            let mode = DecodeMode::Eagle(EagleOptions {
+                tree: EagleTreeKind::Static(tree.clone()),
+                acceptance: Acceptance::TokenMatch,
+            });
+            let params = GenerationParams {
+                max_output_len: ANSWER,
+                sampling: SamplingParams::greedy(),
+                end_ids: engine.config.eos_token_ids(),
+            };
+            for ((tokens, prompt_len), roots) in seqs.iter().zip(&ranks) {
+                // One prompt per call: the prompt's prefill is then the same computation as
+                // calibration's.
+                let prompt = vec![tokens[..*prompt_len].to_vec()];
+                let (out, _) = generate(&engine, &mode, &prompt, &params, &mut NoSink).unwrap();
+                assert_eq!(&out[0].output_ids[..], &tokens[*prompt_len..]);
+                let mut steps = 0;
+                let mut root = *prompt_len;
+                while root + 1 < tokens.len() {
+                    steps += 1;
+                    root += accepted(&roots[root - prompt_len], &paths) + 1;
+                }
+                assert_eq!(
+                    out[0].stats.steps, steps,
+                    "{preset}, agreeing {agreeing}: spec-run's steps differ from the replay"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn expected_length_of_a_chain_is_the_running_product() {
+    let p = vec![vec![0.5, 0.1], vec![0.4, 0.1], vec![0.5, 0.0]];
+    let chain = vec![vec![0], vec![0, 0], vec![0, 0, 0]];
+    let e = expected_length(&p, &chain).unwrap();
+    assert!((e - (1.0 + 0.5 + 0.2 + 0.1)).abs() < 1e-12);
+    assert_eq!(expected_length(&p, &[vec![0, 0, 0, 0]]), None);
+}

@@ -1,0 +1,240 @@
+//! `spec-train calibrate` end to end on the tiny EAGLE engine: the tree it writes is one
+//! `spec-run --eagle_choices` takes, with output identical to plain greedy decoding; bad
+//! flags are refused with one clear line and exit status 1, leaving no file behind.
+
+mod common;
+
+use common::{build_ok, convert_ok, exec, one_line_error, repo, s, spec_run, stderr};
+use std::path::{Path, PathBuf};
+
+const TRAIN: &str = env!("CARGO_BIN_EXE_spec-train");
+
+/// A whitespace word-level tokenizer whose ids fit the tiny model's vocabulary of 16.
+const TOKENIZER_JSON: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "WhitespaceSplit"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7},
+    "unk_token": "<unk>"
+  }
+}"#;
+
+/// The tiny Llama (vocab 16, hidden 8, 1 layer) converted with (`eagle`) or without its tiny
+/// EAGLE head and built into `<dir>/engine` (max_draft_len 63, num_eagle_layers 4).
+fn tiny_engine(dir: &Path, eagle: bool) -> PathBuf {
+    let data = repo().join("crates/kestrel-formats/tests/data");
+    let ckpt = dir.join("ckpt");
+    let (llama, head) = (data.join("tiny_llama_bin"), data.join("tiny_eagle_bin"));
+    let mut args = vec!["--model_dir", s(&llama), "--output_dir", s(&ckpt)];
+    if eagle {
+        args.extend(["--eagle_model_dir", s(&head)]);
+    }
+    convert_ok(&args);
+    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
+    let engine = dir.join("engine");
+    let mut args = vec![
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--max_input_len",
+        "16",
+        "--max_seq_len",
+        "64",
+    ];
+    if eagle {
+        args.extend(["--speculative_decoding_mode", "eagle"]);
+    }
+    build_ok(&args);
+    engine
+}
+
+fn prompts_file(dir: &Path) -> PathBuf {
+    let file = dir.join("prompts.json");
+    std::fs::write(
+        &file,
+        r#"["a b c", "hello world", "d e a b", "c", "world a e"]"#,
+    )
+    .unwrap();
+    file
+}
+
+fn calibrate(engine: &Path, prompts: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "calibrate",
+        "--engine_dir",
+        s(engine),
+        "--prompts",
+        s(prompts),
+        "--no_chat",
+        "--max_output_len",
+        "24",
+        "--output",
+        s(output),
+    ];
+    args.extend_from_slice(extra);
+    exec(TRAIN, &args)
+}
+
+fn output_ids(json: &Path) -> Vec<serde_json::Value> {
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    doc["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["output_ids"].clone())
+        .collect()
+}
+
+#[test]
+fn calibrated_tree_runs_in_spec_run_with_plain_greedy_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let prompts = prompts_file(tmp.path());
+    let trees = tmp.path().join("trees");
+    let tree = trees.join("tiny.json");
+    let out = calibrate(&engine, &prompts, &tree, &["--num_nodes", "12"]);
+    assert!(out.status.success(), "calibrate failed: {}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("wrote {}", tree.display())),
+        "{stdout}"
+    );
+    assert!(stdout.contains("mc_sim_7b_63"), "{stdout}");
+
+    // The tree: an eagle_choices list of rank paths within the budget and the engine.
+    let choices: Vec<Vec<usize>> =
+        serde_json::from_str(&std::fs::read_to_string(&tree).unwrap()).unwrap();
+    assert!(!choices.is_empty() && choices.len() <= 12, "{choices:?}");
+    assert!(choices
+        .iter()
+        .all(|p| !p.is_empty() && p.len() <= 4 && p.iter().all(|&r| r < 10)));
+
+    // The statistics beside it.
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trees.join("tiny.stats.json")).unwrap())
+            .unwrap();
+    assert_eq!(stats["format"], "kestrel-eagle-calibration");
+    assert!(stats["positions"].as_u64().unwrap() > 0);
+    let p = stats["p"].as_array().unwrap();
+    assert_eq!(
+        p.len(),
+        4,
+        "depths measured = the engine's num_eagle_layers"
+    );
+    assert!(p.iter().all(|row| row.as_array().unwrap().len() == 10));
+    assert_eq!(
+        stats["tree"]["nodes"].as_u64().unwrap() as usize,
+        choices.len()
+    );
+    let e = stats["tree"]["expected_length"].as_f64().unwrap();
+    assert!(e >= 1.0, "{e}");
+    // No preset of at most 12 nodes is expected to do better than the derived tree.
+    for preset in stats["presets"].as_array().unwrap() {
+        if let Some(pe) = preset["expected_length"].as_f64() {
+            if preset["nodes"].as_u64().unwrap() <= 12 {
+                assert!(pe <= e + 1e-9, "{preset} beats the derived tree ({e})");
+            }
+        }
+    }
+    // Nothing else was left in the output folder.
+    let mut names: Vec<String> = std::fs::read_dir(&trees)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec!["tiny.json", "tiny.stats.json"]);
+
+    // spec-run takes the file, and its greedy output is plain greedy decoding's.
+    let run = |extra: &[&str], json: &Path| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--input_text",
+            "a b c",
+            "--input_text",
+            "hello world",
+            "--input_text",
+            "e d",
+            "--max_output_len",
+            "24",
+            "--output_json",
+            s(json),
+        ];
+        args.extend_from_slice(extra);
+        let out = spec_run(&args);
+        assert!(out.status.success(), "spec-run {extra:?}: {}", stderr(&out));
+        output_ids(json)
+    };
+    let eagle = run(
+        &["--eagle_choices", s(&tree)],
+        &tmp.path().join("eagle.json"),
+    );
+    let plain = run(&["--no_speculation"], &tmp.path().join("plain.json"));
+    assert_eq!(eagle.len(), 3);
+    assert_eq!(eagle, plain);
+}
+
+#[test]
+fn calibrate_refuses_bad_flags_with_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let prompts = prompts_file(tmp.path());
+    let tree = tmp.path().join("tree.json");
+    let error = |output: &Path, extra: &[&str]| {
+        let msg = one_line_error("spec-train", &calibrate(&engine, &prompts, output, extra));
+        assert!(!output.exists(), "a refused run wrote {}", output.display());
+        msg
+    };
+    assert_eq!(
+        error(&tree, &["--num_nodes", "0"]),
+        "--num_nodes 0: the tree needs at least one node (--num_nodes 1 or more)"
+    );
+    assert_eq!(
+        error(&tree, &["--num_nodes", "64"]),
+        "--num_nodes 64 exceeds the engine's max_draft_len = 63: a tree has at most 63 draft nodes (pass --num_nodes 63 or less, or rebuild the engine with a larger spec-build --max_draft_len)"
+    );
+    assert_eq!(
+        error(&tree, &["--max_depth", "5"]),
+        "--max_depth 5 exceeds the engine's num_eagle_layers = 4: the engine drafts at most 4 levels (pass --max_depth 4 or less, or convert the checkpoint with a larger --num_eagle_layers)"
+    );
+    assert_eq!(
+        error(&tree, &["--top_k", "11"]),
+        "--top_k 11 exceeds max_top_k = 10: eagle_choices ranks must be below 10 (spec-run drafts from the head's top 10)"
+    );
+    assert_eq!(
+        error(&tree, &["--stats_output", s(&tree)]),
+        format!(
+            "--stats_output {} is the --output file: give the statistics another name",
+            tree.display()
+        )
+    );
+    let txt = tmp.path().join("tree.txt");
+    assert_eq!(
+        error(&txt, &[]),
+        format!(
+            "--output {}: must end in .json (spec-run --eagle_choices reads other names as preset names)",
+            txt.display()
+        )
+    );
+
+    let plain_dir = tmp.path().join("plain");
+    let plain = tiny_engine(&plain_dir, false);
+    let msg = one_line_error("spec-train", &calibrate(&plain, &prompts, &tree, &[]));
+    assert_eq!(
+        msg,
+        format!(
+            "{} has no EAGLE head: calibrate an engine built with spec-build --speculative_decoding_mode eagle",
+            plain.display()
+        )
+    );
+    assert!(!tree.exists());
+}
