@@ -3,68 +3,48 @@
 # engines, time plain greedy decoding at batch 1 and save output ids for the CPU comparison.
 #
 # The GGUF (98 MB) and the binaries do not fit in one device call (64 MiB, the working tree
-# included), so this runs in three back-to-back calls (the machine keeps /tmp for 30 s after a call):
-#   call 1: carry [".device/gpu6/a"] (gguf.part.0 + spec-run.xz)           -> bash tools/gpu/smollm2_h200.sh a
-#   call 2: carry [".device/gpu6/b"] (gguf.part.1 + convert-checkpoint.xz) -> bash tools/gpu/smollm2_h200.sh b
-#   call 3: carry [".device/gpu6/c"] (gguf.part.2 + spec-build.xz)         -> bash tools/gpu/smollm2_h200.sh run
-# Prepare the folders here with tools/gpu/pack.sh. Results land in $OUT.
+# included): pack them here with tools/gpu/pack.sh, then make three back-to-back calls (the
+# machine keeps /tmp for 30 s after a call):
+#   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
+#   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/smollm2_h200.sh
+# Results land in $OUT.
 set -uo pipefail
 STAGE=/tmp/stage
-mkdir -p "$STAGE"
-mode=${1:-run}
+B=/tmp/bin
 here=$(cd "$(dirname "$0")" && pwd)
 timed() { # label cmd...: runs cmd, prints "label N.NN s"
   local label=$1; shift; local t0; t0=$(date +%s.%N)
   "$@"; local rc=$?
-  echo "$label $(echo "$(date +%s.%N) - $t0" | bc 2>/dev/null || python3 -c "print(round($(date +%s.%N)-$t0,2))") s (rc $rc)"
+  echo "$label $(python3 -c "print(round($(date +%s.%N)-$t0,2))") s (rc $rc)"
   return $rc
 }
-
-stash() {
-  local d=$1
-  for f in "$d"/*; do cp "$f" "$STAGE/"; done
-  ls -la "$STAGE"
-}
-
-if [ "$mode" = a ] || [ "$mode" = b ]; then
-  stash .device/gpu6/$mode
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  exit 0
-fi
-
-stash .device/gpu6/c
-cd "$STAGE"
-cat gguf.part.0 gguf.part.1 gguf.part.2 > smol.gguf
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  smol.gguf" | sha256sum -c - || exit 1
-for b in spec-run convert-checkpoint spec-build; do
-  python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
-    "$b.xz" "/tmp/$b" && chmod +x "/tmp/$b" || exit 1
-done
-cd - >/dev/null
+[ -x $B/spec-run ] && [ -f $STAGE/smol.gguf ] || { echo "stage the binaries and the GGUF first (see the header)" >&2; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 source "$here/device-env.sh"
 export CUDA_CACHE_PATH=/tmp/cuda-cache
-ldd /tmp/spec-run | grep -E 'cuda|cublas|curand|not found'
+ldd $B/spec-run | grep -E 'cuda|cublas|curand|not found'
 
 P=tools/gpu
 R=/tmp/res   # only 8 files come back from $OUT: results are tarred there at the end
 mkdir -p $R
 for dt in float32 bfloat16; do
-  timed "convert $dt" /tmp/convert-checkpoint --gguf "$STAGE/smol.gguf" \
+  timed "convert $dt" $B/convert-checkpoint --gguf "$STAGE/smol.gguf" \
     --output_dir /tmp/ckpt_$dt --dtype $dt --workers 16 || exit 1
-  timed "build $dt" /tmp/spec-build --checkpoint_dir /tmp/ckpt_$dt \
+  timed "build $dt" $B/spec-build --checkpoint_dir /tmp/ckpt_$dt \
     --output_dir /tmp/eng_$dt --target_device cuda:sm_90 --max_batch_size 1 || exit 1
 done
-timed "build bf16 b16" /tmp/spec-build --checkpoint_dir /tmp/ckpt_bfloat16 \
+timed "build bf16 b16" $B/spec-build --checkpoint_dir /tmp/ckpt_bfloat16 \
   --output_dir /tmp/eng_bf16_b16 --target_device cuda:sm_90 --max_batch_size 16 || exit 1
 
 # JIT warm-up (candle's PTX is compiled by the driver on first use; cached in CUDA_CACHE_PATH).
-timed warmup /tmp/spec-run --engine_dir /tmp/eng_float32 --device cuda:0 \
+timed warmup $B/spec-run --engine_dir /tmp/eng_float32 --device cuda:0 \
   --input_text "Hello" --max_output_len 4 --run_profiling | tail -2
 
 run() { # name engine extra-args...
   local name=$1 eng=$2; shift 2
   echo "=== $name"
-  /tmp/spec-run --engine_dir "$eng" --device cuda:0 --chat --run_profiling \
+  $B/spec-run --engine_dir "$eng" --device cuda:0 --chat --run_profiling \
     --output_json "$R/$name.json" "$@" > "$R/$name.log" 2>&1
   echo "rc=$?"; grep '\[profile\]' "$R/$name.log"; tail -c 600 "$R/$name.log" | grep -v '^\[profile\]' | tail -3
 }
@@ -85,7 +65,7 @@ if [ -n "$NCUBIN" ] && [ "${NCU:-1}" = 1 ]; then
   echo "=== ncu ($NCUBIN)"
   timeout 200 "$NCUBIN" --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip ${NCU_SKIP:-6000} --launch-count ${NCU_COUNT:-1500} \
-    /tmp/spec-run --engine_dir /tmp/eng_float32 --device cuda:0 --chat \
+    $B/spec-run --engine_dir /tmp/eng_float32 --device cuda:0 --chat \
     --input_file $P/mt_bench_q81.jsonl --max_output_len 40 > "$R/ncu_f32.csv" 2> "$R/ncu_f32.err"
   echo "ncu rc=$? lines=$(wc -l < "$R/ncu_f32.csv")"
   tail -3 "$R/ncu_f32.err"
