@@ -6,5 +6,6 @@ pub mod bench;
 pub mod cli;
 pub mod decoding;
 pub mod draft_config;
+pub mod kv_cache;
 pub mod prompts;
 pub mod report;

@@ -110,6 +110,16 @@ impl Profile {
             t.verify_s,
             t.prefill_s
         );
+        for pool in &t.kv_pools {
+            println!(
+                "[profile] KV cache {}: {} blocks of {} tokens; prompt tokens: {} prefilled, {} reused from cached blocks",
+                pool.name,
+                pool.blocks,
+                pool.block_size,
+                pool.prefilled_prompt_tokens,
+                pool.reused_prompt_tokens
+            );
+        }
     }
 }
 

@@ -353,6 +353,116 @@ fn run_works_on_the_tiny_engine() {
 }
 
 #[test]
+fn run_reuses_cached_prompt_blocks_across_batches() {
+    // The control for the KV cache flag errors below: one prompt per batch, blocks of two
+    // tokens; the second prompt starts with the first one's two full blocks.
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &[]);
+    let engine = tmp.path().join("engine");
+    build_ok(&[
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--max_batch_size",
+        "1",
+        "--max_input_len",
+        "16",
+        "--max_seq_len",
+        "64",
+        "--tokens_per_block",
+        "2",
+    ]);
+    let file = tmp.path().join("prompts.json");
+    std::fs::write(&file, r#"["a b c d e", "a b c d c"]"#).unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--input_file",
+            s(&file),
+            "--max_output_len",
+            "3",
+            "--run_profiling",
+        ];
+        args.extend_from_slice(extra);
+        let out = spec_run(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let console = stdout(&out);
+        let outputs: Vec<String> = console
+            .lines()
+            .filter(|l| l.starts_with("Output ["))
+            .map(String::from)
+            .collect();
+        let pool = console
+            .lines()
+            .find(|l| l.starts_with("[profile] KV cache "))
+            .unwrap_or_else(|| panic!("no KV cache profile line: {console}"))
+            .to_string();
+        (outputs, pool)
+    };
+    let (plain, pool) = run(&[]);
+    assert_eq!(plain.len(), 2);
+    // ceil((64 + 1) / 2) = 33 blocks for a batch of one.
+    assert_eq!(
+        pool,
+        "[profile] KV cache target: 33 blocks of 2 tokens; prompt tokens: 10 prefilled, 0 reused from cached blocks"
+    );
+    let (reused, pool) = run(&["--kv_cache_enable_block_reuse"]);
+    assert_eq!(reused, plain);
+    assert_eq!(
+        pool,
+        "[profile] KV cache target: 33 blocks of 2 tokens; prompt tokens: 6 prefilled, 4 reused from cached blocks"
+    );
+    // All free memory is more than the default pool: the default size stays.
+    let (sized, pool) = run(&["--kv_cache_free_gpu_memory_fraction", "1"]);
+    assert_eq!(sized, plain);
+    assert!(
+        pool.starts_with("[profile] KV cache target: 33 blocks of 2 tokens;"),
+        "{pool}"
+    );
+}
+
+#[test]
+fn run_refuses_a_bad_kv_cache_memory_fraction() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let fraction = |f: &str| {
+        run_error(
+            &engine,
+            &[
+                "--input_text",
+                "a",
+                "--kv_cache_free_gpu_memory_fraction",
+                f,
+            ],
+        )
+    };
+    let range = |f: &str| {
+        format!("--kv_cache_free_gpu_memory_fraction {f} must be in (0, 1]: it is the share of free device memory the KV cache may take")
+    };
+    assert_eq!(fraction("0"), range("0"));
+    assert_eq!(fraction("1.5"), range("1.5"));
+    assert_eq!(fraction("-0.5"), range("-0.5"));
+    assert_eq!(
+        fraction("abc"),
+        "--kv_cache_free_gpu_memory_fraction 'abc' is not a number: give a fraction in (0, 1], for example 0.9"
+    );
+    // A valid fraction too small for one sequence of max_input_len 4 + max_output_len 64.
+    let msg = fraction("1e-15");
+    assert!(
+        msg.starts_with("--kv_cache_free_gpu_memory_fraction 0.000000000000001: the target KV cache gets 0 blocks of "),
+        "{msg}"
+    );
+    assert!(
+        msg.ends_with(
+            ": raise --kv_cache_free_gpu_memory_fraction, lower --max_output_len or free memory"
+        ),
+        "{msg}"
+    );
+}
+
+#[test]
 fn run_refuses_a_prompt_longer_than_max_input_len() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = tiny_engine(tmp.path());

@@ -5,10 +5,11 @@ use clap::Parser;
 use kestrel::cli::exit_on_error;
 use kestrel::decoding::{eagle_mode, EagleFlags};
 use kestrel::draft_config::DraftTargetModelConfig;
+use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
 use kestrel_runtime::{
-    generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
+    generate_with, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     TextCodec, TokenSink,
 };
 use kestrel_spec::SamplingParams;
@@ -94,6 +95,16 @@ struct Args {
     /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".
     #[arg(long)]
     draft_target_model_config: Option<String>,
+    /// Keep each prompt's full KV blocks after its request finishes, so that later requests
+    /// (later batches of --input_file) starting with the same tokens skip prefilling them.
+    #[arg(long)]
+    kv_cache_enable_block_reuse: bool,
+    /// Size the KV cache from this share (0 < F ≤ 1) of the device's free memory once the
+    /// weights are loaded, split between target and draft on one device; default: room for
+    /// a full batch at max_seq_len.
+    // Hyphen values are let through so that a negative F gets this flag's own error.
+    #[arg(long, value_name = "F", allow_hyphen_values = true)]
+    kv_cache_free_gpu_memory_fraction: Option<String>,
 }
 
 fn run(args: Args) -> Result<()> {
@@ -103,6 +114,11 @@ fn run(args: Args) -> Result<()> {
             args.num_beams
         );
     }
+    let kv_cache = kv_cache_options(
+        args.kv_cache_enable_block_reuse,
+        args.kv_cache_free_gpu_memory_fraction.as_deref(),
+    )
+    .map_err(anyhow::Error::msg)?;
     let mut texts = args.input_text.clone();
     if let Some(file) = &args.input_file {
         texts.extend(read_prompt_file(file)?);
@@ -196,7 +212,7 @@ fn run(args: Args) -> Result<()> {
     } else {
         &mut NoSink
     };
-    let (outputs, timings) = generate(&engine, &mode, &prompts, &params, sink)?;
+    let (outputs, timings) = generate_with(&engine, &mode, &prompts, &params, &kv_cache, sink)?;
     if args.streaming {
         printer.finish();
     }

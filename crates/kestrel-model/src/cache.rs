@@ -5,8 +5,16 @@
 //! Pools are plain candle tensors `[num_blocks * block_size, n_kv_heads, head_dim]` written in
 //! place with `slice_set` (one call per run of slots inside a block) and read with
 //! `index_select`, so the same code runs on CPU and CUDA.
+//!
+//! With prefix reuse on ([`PagedKvCache::enable_prefix_reuse`]), blocks are reference
+//! counted: full prompt blocks a finished sequence registered stay cached (see
+//! [`crate::prefix_cache`]) and a later sequence with the same prompt prefix attaches them
+//! read-only instead of prefilling them again. Cached blocks nobody references still count as
+//! free: the allocator takes them back, least recently released first, once its free list is
+//! empty.
 
 use crate::error::{invalid, ModelError, Result};
+use crate::prefix_cache::{PrefixIndex, PrefixKeys};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 
@@ -32,6 +40,10 @@ pub struct PagedKvCache {
     device: Device,
     /// Free block ids; popped from the end.
     free: Vec<usize>,
+    /// Per block: how many sequences hold it (more than one only for attached prefixes).
+    refs: Vec<u32>,
+    /// The cached prompt blocks, when prefix reuse is on.
+    prefix: Option<PrefixIndex>,
     seqs: BTreeMap<SeqId, SeqState>,
     next_id: u64,
 }
@@ -69,6 +81,8 @@ impl PagedKvCache {
             dtype,
             device: device.clone(),
             free: (0..num_blocks).rev().collect(),
+            refs: vec![0; num_blocks],
+            prefix: None,
             seqs: BTreeMap::new(),
             next_id: 0,
         })
@@ -95,9 +109,123 @@ impl PagedKvCache {
     pub fn device(&self) -> &Device {
         &self.device
     }
-    /// Blocks not held by any sequence.
+    /// Blocks not held by any sequence (cached prefix blocks among them).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.prefix.as_ref().map_or(0, PrefixIndex::evictable)
+    }
+
+    /// Turns prefix reuse on: from now on [`PagedKvCache::register_prefix`] keeps prompt
+    /// blocks for later sequences.
+    pub fn enable_prefix_reuse(&mut self) {
+        if self.prefix.is_none() {
+            self.prefix = Some(PrefixIndex::new(self.num_blocks));
+        }
+    }
+
+    pub fn prefix_reuse(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Cached prefix blocks that no sequence holds (reusable until evicted).
+    pub fn cached_free_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixIndex::evictable)
+    }
+
+    /// How many leading full blocks of `keys` are cached, at most `max_blocks` (0 when prefix
+    /// reuse is off).
+    pub fn cached_prefix_blocks(&self, keys: &PrefixKeys, max_blocks: usize) -> usize {
+        match &self.prefix {
+            Some(p) if keys.block_size() == self.block_size => {
+                p.lookup(keys, max_blocks, &mut Vec::new())
+            }
+            _ => 0,
+        }
+    }
+
+    /// Gives the empty sequence `seq` the first `blocks` cached blocks of `keys` (found by
+    /// [`PagedKvCache::cached_prefix_blocks`]), read-only: its length becomes
+    /// `blocks * block_size` and its next tokens go to fresh blocks.
+    pub fn attach_prefix(&mut self, seq: SeqId, keys: &PrefixKeys, blocks: usize) -> Result<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        let state = self.state(seq)?;
+        if state.len != 0 || !state.blocks.is_empty() {
+            return Err(invalid(format!(
+                "cannot attach a cached prefix to sequence {seq:?}: it already holds {} slots",
+                state.len
+            )));
+        }
+        let mut found = Vec::with_capacity(blocks);
+        let hits = match &self.prefix {
+            Some(p) if keys.block_size() == self.block_size => p.lookup(keys, blocks, &mut found),
+            _ => 0,
+        };
+        if hits < blocks {
+            return Err(invalid(format!(
+                "cannot attach {blocks} cached prefix blocks to sequence {seq:?}: only {hits} are cached"
+            )));
+        }
+        for &b in &found {
+            if self.refs[b] == 0 {
+                if let Some(p) = &mut self.prefix {
+                    p.acquire(b);
+                }
+            }
+            self.refs[b] += 1;
+        }
+        let state = self.seqs.get_mut(&seq).expect("checked above");
+        state.blocks = found;
+        state.len = blocks * self.block_size;
+        Ok(())
+    }
+
+    /// Offers the sequence's full blocks of `keys` (its prompt) for reuse by later sequences;
+    /// only blocks whose slots have all been written count. The caller guarantees that those
+    /// slots came from the prompt's prefill. A no-op when prefix reuse is off.
+    pub fn register_prefix(&mut self, seq: SeqId, keys: &PrefixKeys) -> Result<()> {
+        let bs = self.block_size;
+        let state = self
+            .seqs
+            .get(&seq)
+            .ok_or(ModelError::UnknownSequence(seq))?;
+        let Some(p) = &mut self.prefix else {
+            return Ok(());
+        };
+        if keys.block_size() != bs {
+            return Err(invalid(format!(
+                "prefix keys of block size {} for a cache of block size {bs}",
+                keys.block_size()
+            )));
+        }
+        let written = keys.full_blocks().min(state.len / bs);
+        for (b, &block) in state.blocks.iter().enumerate().take(written) {
+            p.insert(keys, b, block);
+        }
+        Ok(())
+    }
+
+    /// A free block: from the free list, else the least recently released cached one.
+    fn alloc_block(&mut self) -> Option<usize> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => self.prefix.as_mut()?.evict()?,
+        };
+        self.refs[b] = 1;
+        Some(b)
+    }
+
+    /// Drops one reference to `block`; unreferenced, it goes back to the free list, or stays
+    /// cached when it holds a registered prompt block.
+    fn release_block(&mut self, block: usize) {
+        self.refs[block] = self.refs[block].saturating_sub(1);
+        if self.refs[block] > 0 {
+            return;
+        }
+        match &mut self.prefix {
+            Some(p) if p.is_cached(block) => p.release(block),
+            _ => self.free.push(block),
+        }
     }
 
     pub fn add_sequence(&mut self) -> SeqId {
@@ -112,7 +240,10 @@ impl PagedKvCache {
             .seqs
             .remove(&seq)
             .ok_or(ModelError::UnknownSequence(seq))?;
-        self.free.extend(state.blocks.into_iter().rev());
+        // Last block first: it is popped (or, cached, evicted) last.
+        for b in state.blocks.into_iter().rev() {
+            self.release_block(b);
+        }
         Ok(())
     }
 
@@ -146,10 +277,31 @@ impl PagedKvCache {
                 state.len
             )));
         }
-        state.len = len;
         let keep = len.div_ceil(bs);
-        let freed: Vec<usize> = state.blocks.drain(keep..).collect();
-        self.free.extend(freed.into_iter().rev());
+        if !len.is_multiple_of(bs) {
+            // The kept partial block will be written again: it must not stay cached.
+            let partial = state.blocks[keep - 1];
+            if let Some(p) = &mut self.prefix {
+                if p.is_cached(partial) {
+                    if self.refs[partial] > 1 {
+                        return Err(invalid(format!(
+                            "cannot truncate sequence {seq:?} to {len} slots: that cuts into a prefix block it shares"
+                        )));
+                    }
+                    p.remove(partial);
+                }
+            }
+        }
+        state.len = len;
+        // Last block first, popped one by one: a rollback every step allocates nothing.
+        while let Some(b) = self
+            .seqs
+            .get_mut(&seq)
+            .filter(|s| s.blocks.len() > keep)
+            .and_then(|s| s.blocks.pop())
+        {
+            self.release_block(b);
+        }
         Ok(())
     }
 
@@ -168,16 +320,14 @@ impl PagedKvCache {
         for &(seq, extra) in requests {
             needed += self.blocks_needed(seq, extra)?;
         }
-        if needed > self.free.len() {
-            return Err(ModelError::OutOfBlocks {
-                needed,
-                free: self.free.len(),
-            });
+        let free = self.free_blocks();
+        if needed > free {
+            return Err(ModelError::OutOfBlocks { needed, free });
         }
         for &(seq, extra) in requests {
             let n = self.blocks_needed(seq, extra)?;
             for _ in 0..n {
-                let b = self.free.pop().expect("checked above");
+                let b = self.alloc_block().expect("checked above");
                 self.seqs.get_mut(&seq).expect("checked").blocks.push(b);
             }
         }
@@ -306,5 +456,99 @@ mod tests {
         assert_eq!(c.free_blocks(), 3);
         assert!(matches!(c.seq_len(b), Err(ModelError::UnknownSequence(_))));
         assert!(c.free_sequence(b).is_err());
+    }
+
+    /// A sequence that wrote `tokens` (all of them) into its own fresh blocks.
+    fn filled(c: &mut PagedKvCache, tokens: usize) -> SeqId {
+        let s = c.add_sequence();
+        c.reserve(&[(s, tokens)]).unwrap();
+        c.set_len(s, tokens).unwrap();
+        s
+    }
+
+    #[test]
+    fn registered_prompt_blocks_are_attached_shared_and_evicted_last_block_first() {
+        let dev = Device::Cpu;
+        let mut c = PagedKvCache::new(1, 1, 2, 6, 2, DType::F32, &dev).unwrap();
+        c.enable_prefix_reuse();
+        let prompt: Vec<u32> = (10..17).collect(); // 7 tokens: 3 full blocks of 2
+        let keys = PrefixKeys::new(&[], &prompt, 2);
+        let a = filled(&mut c, 7);
+        let a_blocks = c.block_table(a).unwrap().to_vec();
+        c.register_prefix(a, &keys).unwrap();
+        c.free_sequence(a).unwrap();
+        // The three full blocks stay cached, the partial one is free; all count as free.
+        assert_eq!(c.cached_free_blocks(), 3);
+        assert_eq!(c.free_blocks(), 6);
+        assert_eq!(c.cached_prefix_blocks(&keys, 3), 3);
+        assert_eq!(c.cached_prefix_blocks(&keys, 2), 2);
+
+        // Two sequences share the first two blocks.
+        let b = c.add_sequence();
+        let d = c.add_sequence();
+        c.attach_prefix(b, &keys, 2).unwrap();
+        c.attach_prefix(d, &keys, 2).unwrap();
+        assert_eq!(c.seq_len(b).unwrap(), 4);
+        assert_eq!(c.block_table(b).unwrap(), &a_blocks[..2]);
+        assert_eq!(c.block_table(d).unwrap(), &a_blocks[..2]);
+        assert_eq!(c.cached_free_blocks(), 1);
+        // Attaching to a non-empty sequence, or more than is cached, is refused.
+        assert!(c.attach_prefix(b, &keys, 1).is_err());
+        let e = c.add_sequence();
+        assert!(c.attach_prefix(e, &keys, 4).is_err());
+        // Truncating into a shared block is refused; past it, fine.
+        assert!(c.truncate(b, 3).is_err());
+        c.truncate(b, 4).unwrap();
+        c.free_sequence(b).unwrap();
+        c.free_sequence(d).unwrap();
+        c.free_sequence(e).unwrap();
+        assert_eq!(c.cached_free_blocks(), 3);
+
+        // Filling the cache evicts cached blocks only once the free list is empty, the
+        // prompt's last block first, which cuts the chain from the end.
+        let f = filled(&mut c, 2 * 5);
+        assert_eq!(c.cached_free_blocks(), 1);
+        assert_eq!(c.cached_prefix_blocks(&keys, 3), 1);
+        assert_eq!(c.block_table(f).unwrap().len(), 5);
+        // All six blocks in use: nothing is left to evict.
+        let g = c.add_sequence();
+        c.attach_prefix(g, &keys, 1).unwrap();
+        assert!(matches!(
+            c.reserve(&[(g, 1)]),
+            Err(ModelError::OutOfBlocks { needed: 1, free: 0 })
+        ));
+    }
+
+    #[test]
+    fn only_written_full_blocks_are_registered_and_reuse_off_caches_nothing() {
+        let dev = Device::Cpu;
+        let prompt: Vec<u32> = (0..8).collect();
+        let keys = PrefixKeys::new(&[], &prompt, 2);
+        let mut off = PagedKvCache::new(1, 1, 2, 4, 2, DType::F32, &dev).unwrap();
+        let a = filled(&mut off, 8);
+        off.register_prefix(a, &keys).unwrap();
+        off.free_sequence(a).unwrap();
+        assert_eq!(off.cached_prefix_blocks(&keys, 4), 0);
+        assert_eq!(off.free_blocks(), 4);
+
+        let mut on = PagedKvCache::new(1, 1, 2, 4, 2, DType::F32, &dev).unwrap();
+        on.enable_prefix_reuse();
+        let a = filled(&mut on, 5); // only blocks 0 and 1 are fully written
+        on.register_prefix(a, &keys).unwrap();
+        on.free_sequence(a).unwrap();
+        assert_eq!(on.cached_prefix_blocks(&keys, 4), 2);
+        // A registered block that a truncation cuts into is forgotten (it will be rewritten).
+        let b = on.add_sequence();
+        on.attach_prefix(b, &keys, 2).unwrap();
+        on.free_sequence(b).unwrap();
+        let c = filled(&mut on, 4);
+        on.register_prefix(c, &PrefixKeys::new(&[], &[50, 51, 52, 53], 2))
+            .unwrap();
+        on.truncate(c, 3).unwrap();
+        on.free_sequence(c).unwrap();
+        assert_eq!(
+            on.cached_prefix_blocks(&PrefixKeys::new(&[], &[50, 51, 52, 53], 2), 2),
+            1
+        );
     }
 }

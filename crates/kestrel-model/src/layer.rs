@@ -72,7 +72,9 @@ impl Linear {
             if cpu_kernels && x.device().is_cpu() && m <= MAX_ROWS && x.dtype() == self.w.dtype() {
                 x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
             } else {
-                x.matmul(&self.w.t()?)?
+                // Batch-invariant rows on CPU: a prompt's K/V must not depend on what else
+                // is prefilled with it (prefix reuse prefills only the uncached part).
+                crate::row_gemm::matmul_nt(x, &self.w)?
             }
         } else {
             x.broadcast_matmul(&self.w.t()?)?

@@ -19,7 +19,9 @@ pub mod error;
 mod layer;
 pub mod llama;
 pub mod matvec;
+pub mod prefix_cache;
 mod rope;
+mod row_gemm;
 pub mod unshard;
 mod weights;
 
@@ -27,6 +29,7 @@ pub use cache::{PagedKvCache, SeqId};
 pub use eagle::{EagleHead, EagleSeqInput};
 pub use error::{ModelError, Result};
 pub use llama::{Llama, OutputRows, SeqInput};
+pub use prefix_cache::PrefixKeys;
 pub use rope::inv_freq;
 
 /// The candle dtype of a Kestrel dtype.

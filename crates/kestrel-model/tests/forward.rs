@@ -1,5 +1,6 @@
 //! Forward-pass equivalences of the Llama decoder on CPU/f32 against a naive reference and
-//! against itself (batched vs alone, prefill vs decode, tree + compact vs causal, rollback).
+//! against itself (batched vs alone, prefill vs decode, prefill whole vs in pieces, tree +
+//! compact vs causal, rollback).
 
 mod common;
 
@@ -270,6 +271,58 @@ fn prefill_at_once_equals_token_by_token_decode() {
         assert_close(&prefill, &last, 1e-5, name);
         assert_eq!(c1.seq_len(s1).unwrap(), 12);
         assert_eq!(c2.seq_len(s2).unwrap(), 12);
+    }
+}
+
+/// `forward_prompt` over `(sequence, new tokens)` parts continuing each sequence; the bits of
+/// every returned row.
+fn prompt_bits(m: &Llama, cache: &mut PagedKvCache, parts: &[(SeqId, &[u32])]) -> Vec<Vec<u32>> {
+    let pos: Vec<Vec<u32>> = parts
+        .iter()
+        .map(|(seq, t)| positions(cache.seq_len(*seq).unwrap(), t.len()))
+        .collect();
+    let batch: Vec<SeqInput> = parts
+        .iter()
+        .zip(&pos)
+        .map(|((seq, tokens), p)| SeqInput {
+            seq: *seq,
+            tokens,
+            positions: p,
+            mask: None,
+            output_rows: OutputRows::All,
+        })
+        .collect();
+    let hidden = m.forward_prompt(&batch, cache).unwrap();
+    rows(&hidden)
+        .iter()
+        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// What prefix reuse relies on: a prompt prefilled in pieces (its first tokens alone, more of
+/// them beside another sequence, its last token alone) gets bit-identical final hidden
+/// states, hence logits, to the same prompt prefilled whole.
+#[test]
+fn prompt_prefill_in_pieces_is_bit_identical() {
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let t = toks(13, 9);
+        let other = toks(6, 4);
+        let mut whole_cache = m.new_cache(16, 4).unwrap();
+        let a = whole_cache.add_sequence();
+        let whole = prompt_bits(&m, &mut whole_cache, &[(a, &t)]);
+
+        let mut cache = m.new_cache(16, 4).unwrap();
+        let b = cache.add_sequence();
+        let o = cache.add_sequence();
+        let mut pieces = prompt_bits(&m, &mut cache, &[(b, &t[..8])]);
+        let mixed = prompt_bits(&m, &mut cache, &[(o, &other), (b, &t[8..12])]);
+        pieces.extend_from_slice(&mixed[other.len()..]);
+        pieces.extend(prompt_bits(&m, &mut cache, &[(b, &t[12..])]));
+        assert_eq!(pieces.len(), whole.len());
+        for (i, (p, w)) in pieces.iter().zip(&whole).enumerate() {
+            assert!(p == w, "{name}: row {i} differs when prefilled in pieces");
+        }
     }
 }
 

@@ -9,10 +9,15 @@
 //! the first `L − 1` tokens (the last committed token is fed by the next verification), the
 //! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
 //! and the bonus token are both fed by the next step's first draft forward).
+//!
+//! With prefix reuse, each cache attaches the cached blocks of its own that the prompt
+//! starts with (the two engines may differ in block size) and prefills only the rest.
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::{positions, sample_rows, Decoder};
+use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Decoder};
+use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::DraftTargetOptions;
@@ -30,6 +35,13 @@ pub(crate) struct DraftTargetDecoder<'e> {
     options: DraftTargetOptions,
     target_cache: PagedKvCache,
     draft_cache: PagedKvCache,
+    pools: Vec<PoolShape>,
+}
+
+/// A batch's prompt keys in the two caches.
+struct Prefixes {
+    target: PromptPrefixes,
+    draft: PromptPrefixes,
 }
 
 /// A sequence's handles in the two caches.
@@ -51,20 +63,36 @@ struct Proposal {
 }
 
 impl<'e> DraftTargetDecoder<'e> {
-    pub fn new(target: &'e Engine, draft: &'e Engine, options: DraftTargetOptions) -> Result<Self> {
+    pub fn new(
+        target: &'e Engine,
+        draft: &'e Engine,
+        options: DraftTargetOptions,
+        kv: &KvCacheOptions,
+        max_output_len: usize,
+    ) -> Result<Self> {
         check_compatible(target, draft, &options)?;
-        let target_cache = target
+        let specs = [
+            PoolSpec::for_engine("target", target),
+            PoolSpec::for_engine("draft", draft),
+        ];
+        let pools = size_pools(&specs, kv, target, max_output_len)?;
+        let mut target_cache = target
             .model
-            .new_cache(target.kv_blocks(), target.plan.limits.tokens_per_block)?;
-        let draft_cache = draft
+            .new_cache(pools[0].blocks, pools[0].block_size)?;
+        let mut draft_cache = draft
             .model
-            .new_cache(draft.kv_blocks(), draft.plan.limits.tokens_per_block)?;
+            .new_cache(pools[1].blocks, pools[1].block_size)?;
+        if kv.enable_block_reuse {
+            target_cache.enable_prefix_reuse();
+            draft_cache.enable_prefix_reuse();
+        }
         Ok(DraftTargetDecoder {
             target,
             draft,
             options,
             target_cache,
             draft_cache,
+            pools,
         })
     }
 
@@ -72,13 +100,14 @@ impl<'e> DraftTargetDecoder<'e> {
         &mut self,
         seqs: &mut [Sequence],
         ids: &[Ids],
+        prefixes: &Prefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
-        self.prefill(seqs, ids, params, sink, timings)?;
+        self.prefill(seqs, ids, prefixes, params, sink, timings)?;
         loop {
-            self.free_finished(seqs, ids)?;
+            self.free_finished(seqs, ids, prefixes)?;
             let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
             if live.is_empty() {
                 return Ok(());
@@ -92,25 +121,39 @@ impl<'e> DraftTargetDecoder<'e> {
         }
     }
 
-    /// Both models read every prompt in one varlen forward each; the target's last row gives
-    /// the first token.
+    /// Both models read every prompt (past its cached blocks) in one varlen forward each; the
+    /// target's last row gives the first token.
     fn prefill(
         &mut self,
         seqs: &mut [Sequence],
         ids: &[Ids],
+        prefixes: &Prefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
         let start = Instant::now();
-        let pos: Vec<Vec<u32>> = seqs.iter().map(|s| positions(0, s.tokens.len())).collect();
+        let target_ids: Vec<SeqId> = ids.iter().map(|id| id.target).collect();
+        let draft_ids: Vec<SeqId> = ids.iter().map(|id| id.draft).collect();
+        let blocks = prefixes.target.cached_blocks(&self.target_cache, seqs);
+        let reused = prefixes
+            .target
+            .attach(&mut self.target_cache, &target_ids, &blocks)?;
+        let blocks = prefixes.draft.cached_blocks(&self.draft_cache, seqs);
+        let draft_reused = prefixes
+            .draft
+            .attach(&mut self.draft_cache, &draft_ids, &blocks)?;
+        count_prompt(timings, 0, seqs.iter().map(|s| s.prompt_len), &reused);
+
+        let pos = prompt_positions(seqs, &reused);
         let batch: Vec<SeqInput> = seqs
             .iter()
             .zip(ids)
+            .zip(&reused)
             .zip(&pos)
-            .map(|((s, id), p)| SeqInput {
+            .map(|(((s, id), &r), p)| SeqInput {
                 seq: id.target,
-                tokens: &s.tokens,
+                tokens: &s.tokens[r..s.prompt_len],
                 positions: p,
                 mask: None,
                 output_rows: OutputRows::Last,
@@ -121,21 +164,37 @@ impl<'e> DraftTargetDecoder<'e> {
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;
         let ttft = start.elapsed().as_secs_f64();
-        for (s, t) in all.iter_mut().zip(first) {
+        for ((s, t), &r) in all.iter_mut().zip(first).zip(&reused) {
             s.stats.time_to_first_token_s = ttft;
+            s.stats.reused_prompt_tokens = r;
             s.commit(&[t], params, sink);
         }
 
         // The draft reads the prompts of the sequences that go on; the first generated token
         // is fed by the first draft step.
+        let live: Vec<bool> = seqs.iter().map(Sequence::is_live).collect();
+        let prompt_lens = seqs
+            .iter()
+            .zip(&live)
+            .filter(|(_, &l)| l)
+            .map(|(s, _)| s.prompt_len);
+        let live_reused: Vec<usize> = draft_reused
+            .iter()
+            .zip(&live)
+            .filter(|(_, &l)| l)
+            .map(|(&r, _)| r)
+            .collect();
+        count_prompt(timings, 1, prompt_lens, &live_reused);
+        let pos = prompt_positions(seqs, &draft_reused);
         let batch: Vec<SeqInput> = seqs
             .iter()
             .zip(ids)
+            .zip(&draft_reused)
             .zip(&pos)
-            .filter(|((s, _), _)| s.is_live())
-            .map(|((s, id), p)| SeqInput {
+            .filter(|(((s, _), _), _)| s.is_live())
+            .map(|(((s, id), &r), p)| SeqInput {
                 seq: id.draft,
-                tokens: &s.tokens[..s.prompt_len],
+                tokens: &s.tokens[r..s.prompt_len],
                 positions: p,
                 mask: None,
                 output_rows: OutputRows::Last,
@@ -150,14 +209,19 @@ impl<'e> DraftTargetDecoder<'e> {
         Ok(())
     }
 
-    fn free_finished(&mut self, seqs: &[Sequence], ids: &[Ids]) -> Result<()> {
-        for (s, id) in seqs.iter().zip(ids) {
+    fn free_finished(&mut self, seqs: &[Sequence], ids: &[Ids], prefixes: &Prefixes) -> Result<()> {
+        for (i, (s, id)) in seqs.iter().zip(ids).enumerate() {
             if !s.is_live() {
-                free(&mut self.target_cache, id.target)?;
-                free(&mut self.draft_cache, id.draft)?;
+                self.free(i, *id, prefixes)?;
             }
         }
         Ok(())
+    }
+
+    /// Frees sequence `i` from both caches, offering its prompt blocks for reuse.
+    fn free(&mut self, i: usize, id: Ids, prefixes: &Prefixes) -> Result<()> {
+        prefixes.target.free(&mut self.target_cache, i, id.target)?;
+        prefixes.draft.free(&mut self.draft_cache, i, id.draft)
     }
 
     /// The draft proposes `k` tokens for each live sequence: one batched draft forward per
@@ -343,13 +407,6 @@ impl<'e> DraftTargetDecoder<'e> {
     }
 }
 
-fn free(cache: &mut PagedKvCache, seq: SeqId) -> Result<()> {
-    if cache.contains(seq) {
-        cache.free_sequence(seq)?;
-    }
-    Ok(())
-}
-
 impl Decoder for DraftTargetDecoder<'_> {
     fn run_batch(
         &mut self,
@@ -365,13 +422,21 @@ impl Decoder for DraftTargetDecoder<'_> {
                 draft: self.draft_cache.add_sequence(),
             })
             .collect();
-        let result = self.run(seqs, &ids, params, sink, timings);
-        // Whatever happened, the caches hold nothing of this batch afterwards.
-        for id in &ids {
-            free(&mut self.target_cache, id.target)?;
-            free(&mut self.draft_cache, id.draft)?;
+        let prefixes = Prefixes {
+            target: PromptPrefixes::new(&self.target_cache, seqs, Slots::Tokens),
+            draft: PromptPrefixes::new(&self.draft_cache, seqs, Slots::Tokens),
+        };
+        let result = self.run(seqs, &ids, &prefixes, params, sink, timings);
+        // Whatever happened, the caches hold nothing of this batch afterwards (but cached
+        // prompt blocks).
+        for (i, id) in ids.iter().enumerate() {
+            self.free(i, *id, &prefixes)?;
         }
         result
+    }
+
+    fn pools(&self) -> Vec<PoolShape> {
+        self.pools.clone()
     }
 }
 

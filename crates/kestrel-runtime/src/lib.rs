@@ -9,15 +9,19 @@ mod eagle;
 pub mod engine;
 pub mod error;
 mod generate;
+pub mod kv_budget;
 mod plain;
+mod prefix;
 pub mod request;
 mod sequence;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use engine::{Engine, TextCodec};
 pub use error::{Result, RuntimeError};
+pub use kv_budget::KvCacheOptions;
 pub use request::{
-    FinishReason, GenerationParams, NoSink, RunTimings, SeqStats, SequenceOutput, TokenSink,
+    FinishReason, GenerationParams, KvPoolStats, NoSink, RunTimings, SeqStats, SequenceOutput,
+    TokenSink,
 };
 
 /// How to decode.
@@ -67,7 +71,8 @@ pub struct DraftTargetOptions {
     pub use_logits: bool,
 }
 
-/// Generates for every prompt (token ids) with `mode`, streaming committed tokens to `sink`.
+/// Generates for every prompt (token ids) with `mode`, streaming committed tokens to `sink`;
+/// KV caches of the default size, without prefix reuse.
 pub fn generate(
     engine: &Engine,
     mode: &DecodeMode,
@@ -75,18 +80,39 @@ pub fn generate(
     params: &GenerationParams,
     sink: &mut dyn TokenSink,
 ) -> Result<(Vec<SequenceOutput>, RunTimings)> {
+    generate_with(
+        engine,
+        mode,
+        prompts,
+        params,
+        &KvCacheOptions::default(),
+        sink,
+    )
+}
+
+/// [`generate`] with the KV caches sized and shared as `kv` says. Prefix reuse lasts for
+/// this call: its later batches reuse the prompt blocks of its earlier ones.
+pub fn generate_with(
+    engine: &Engine,
+    mode: &DecodeMode,
+    prompts: &[Vec<u32>],
+    params: &GenerationParams,
+    kv: &KvCacheOptions,
+    sink: &mut dyn TokenSink,
+) -> Result<(Vec<SequenceOutput>, RunTimings)> {
+    let out = params.max_output_len;
     match mode {
         DecodeMode::Plain => {
-            let mut decoder = plain::PlainDecoder::new(engine)?;
+            let mut decoder = plain::PlainDecoder::new(engine, kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
         DecodeMode::Eagle(options) => {
-            let mut decoder = eagle::EagleDecoder::new(engine, options.clone())?;
+            let mut decoder = eagle::EagleDecoder::new(engine, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
         DecodeMode::DraftTarget { draft, options } => {
             let mut decoder =
-                draft_target::DraftTargetDecoder::new(engine, draft, options.clone())?;
+                draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }

@@ -2,7 +2,9 @@
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::generate::{prompt_batch, prompt_positions, sample_rows, Decoder};
+use crate::generate::{count_prompt, prompt_batch, prompt_positions, sample_rows, Decoder};
+use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
@@ -11,14 +13,24 @@ use std::time::Instant;
 pub(crate) struct PlainDecoder<'e> {
     engine: &'e Engine,
     cache: PagedKvCache,
+    pools: Vec<PoolShape>,
 }
 
 impl<'e> PlainDecoder<'e> {
-    pub fn new(engine: &'e Engine) -> Result<Self> {
-        let cache = engine
+    pub fn new(engine: &'e Engine, kv: &KvCacheOptions, max_output_len: usize) -> Result<Self> {
+        let specs = [PoolSpec::for_engine("target", engine)];
+        let pools = size_pools(&specs, kv, engine, max_output_len)?;
+        let mut cache = engine
             .model
-            .new_cache(engine.kv_blocks(), engine.plan.limits.tokens_per_block)?;
-        Ok(PlainDecoder { engine, cache })
+            .new_cache(pools[0].blocks, pools[0].block_size)?;
+        if kv.enable_block_reuse {
+            cache.enable_prefix_reuse();
+        }
+        Ok(PlainDecoder {
+            engine,
+            cache,
+            pools,
+        })
     }
 }
 
@@ -34,17 +46,23 @@ impl Decoder for PlainDecoder<'_> {
         let start = Instant::now();
         let ids: Vec<SeqId> = seqs.iter().map(|_| self.cache.add_sequence()).collect();
 
-        // Prefill every prompt in one varlen forward; the last row of each gives its first token.
-        let pos = prompt_positions(seqs);
-        let batch = prompt_batch(seqs, &ids, &pos, OutputRows::Last);
+        // Cached prefix blocks first; then every prompt's remaining tokens in one varlen
+        // forward, whose last row of each gives its first token.
+        let prefixes = PromptPrefixes::new(&self.cache, seqs, Slots::Tokens);
+        let blocks = prefixes.cached_blocks(&self.cache, seqs);
+        let reused = prefixes.attach(&mut self.cache, &ids, &blocks)?;
+        count_prompt(timings, 0, seqs.iter().map(|s| s.prompt_len), &reused);
+        let pos = prompt_positions(seqs, &reused);
+        let batch = prompt_batch(seqs, &ids, &reused, &pos, OutputRows::Last);
         let hidden = model.forward_prompt(&batch, &mut self.cache)?;
         let logits = model.logits(&hidden)?;
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;
         let ttft = start.elapsed().as_secs_f64();
         timings.prefill_s += ttft;
-        for (s, t) in all.iter_mut().zip(first) {
+        for ((s, t), &r) in all.iter_mut().zip(first).zip(&reused) {
             s.stats.time_to_first_token_s = ttft;
+            s.stats.reused_prompt_tokens = r;
             s.commit(&[t], params, sink);
         }
 
@@ -52,8 +70,8 @@ impl Decoder for PlainDecoder<'_> {
         loop {
             let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
             for (i, s) in seqs.iter().enumerate() {
-                if !s.is_live() && self.cache.contains(ids[i]) {
-                    self.cache.free_sequence(ids[i])?;
+                if !s.is_live() {
+                    prefixes.free(&mut self.cache, i, ids[i])?;
                 }
             }
             if live.is_empty() {
@@ -90,5 +108,9 @@ impl Decoder for PlainDecoder<'_> {
         }
         timings.verify_s += step_start.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    fn pools(&self) -> Vec<PoolShape> {
+        self.pools.clone()
     }
 }

@@ -35,6 +35,9 @@ pub struct SeqStats {
     pub accepted_draft_tokens: usize,
     /// Seconds from the start of the request to its first token.
     pub time_to_first_token_s: f64,
+    /// Prompt tokens whose K/V the target took from cached prefix blocks instead of
+    /// prefilling them (`--kv_cache_enable_block_reuse`).
+    pub reused_prompt_tokens: usize,
 }
 
 impl SeqStats {
@@ -66,7 +69,7 @@ pub struct SequenceOutput {
     pub stats: SeqStats,
 }
 
-/// Wall-clock split of a whole run, for `--run_profiling`.
+/// Wall-clock split of a whole run and its KV pools, for `--run_profiling`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RunTimings {
     pub prefill_s: f64,
@@ -74,6 +77,22 @@ pub struct RunTimings {
     pub verify_s: f64,
     pub total_s: f64,
     pub generated_tokens: usize,
+    /// One entry per KV cache the decoder holds: the target's first, then the draft's or
+    /// the EAGLE head's.
+    pub kv_pools: Vec<KvPoolStats>,
+}
+
+/// One KV block pool of a run: its size and how the prompts got into it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct KvPoolStats {
+    /// `target`, `draft` or `eagle_head`.
+    pub name: &'static str,
+    pub blocks: usize,
+    pub block_size: usize,
+    /// Prompt tokens whose K/V came from cached prefix blocks.
+    pub reused_prompt_tokens: usize,
+    /// Prompt tokens that went through a prefill forward.
+    pub prefilled_prompt_tokens: usize,
 }
 
 /// Receives tokens as soon as they are committed (streaming).

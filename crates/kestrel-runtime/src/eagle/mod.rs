@@ -13,7 +13,11 @@ mod feed;
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::{positions, prompt_batch, prompt_positions, sample_rows, Decoder};
+use crate::generate::{
+    count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Decoder,
+};
+use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::{Acceptance, EagleOptions, EagleTreeKind};
@@ -31,6 +35,7 @@ pub(crate) struct EagleDecoder<'e> {
     dynamic: Option<DynamicTreeConfig>,
     base_cache: PagedKvCache,
     head_cache: PagedKvCache,
+    pools: Vec<PoolShape>,
 }
 
 /// Committed (token, feature) pairs the head has not consumed yet.
@@ -42,7 +47,12 @@ struct Pending {
 }
 
 impl<'e> EagleDecoder<'e> {
-    pub fn new(engine: &'e Engine, options: EagleOptions) -> Result<Self> {
+    pub fn new(
+        engine: &'e Engine,
+        options: EagleOptions,
+        kv: &KvCacheOptions,
+        max_output_len: usize,
+    ) -> Result<Self> {
         let head = engine.eagle.as_ref().ok_or_else(|| {
             RuntimeError::InvalidRequest(format!(
                 "{} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle from a checkpoint converted with --eagle_model_dir",
@@ -64,15 +74,27 @@ impl<'e> EagleDecoder<'e> {
                 Some(cfg)
             }
         };
-        let blocks = engine.kv_blocks();
-        let block = limits.tokens_per_block;
+        let specs = [
+            PoolSpec::for_engine("target", engine),
+            PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
+        ];
+        let pools = size_pools(&specs, kv, engine, max_output_len)?;
+        let mut base_cache = engine
+            .model
+            .new_cache(pools[0].blocks, pools[0].block_size)?;
+        let mut head_cache = head.new_cache(pools[1].blocks, pools[1].block_size)?;
+        if kv.enable_block_reuse {
+            base_cache.enable_prefix_reuse();
+            head_cache.enable_prefix_reuse();
+        }
         Ok(EagleDecoder {
             engine,
             head,
             options,
             dynamic,
-            base_cache: engine.model.new_cache(blocks, block)?,
-            head_cache: head.new_cache(blocks, block)?,
+            base_cache,
+            head_cache,
+            pools,
         })
     }
 
@@ -146,15 +168,31 @@ impl Decoder for EagleDecoder<'_> {
             .map(|_| self.head_cache.add_sequence())
             .collect();
 
-        // Prefill: every prompt position's feature feeds the head; the last one's logits
-        // give the first token.
-        let pos = prompt_positions(seqs);
-        let batch = prompt_batch(seqs, &base_ids, &pos, OutputRows::All);
+        // Cached prefix blocks: a sequence reuses a block only when both caches hold it,
+        // since the head's pairs need the base features of every position it has not cached.
+        let base_prefixes = PromptPrefixes::new(&self.base_cache, seqs, Slots::Tokens);
+        let head_prefixes = PromptPrefixes::new(&self.head_cache, seqs, Slots::Pairs);
+        let blocks: Vec<usize> = base_prefixes
+            .cached_blocks(&self.base_cache, seqs)
+            .into_iter()
+            .zip(head_prefixes.cached_blocks(&self.head_cache, seqs))
+            .map(|(b, h)| b.min(h))
+            .collect();
+        let reused = base_prefixes.attach(&mut self.base_cache, &base_ids, &blocks)?;
+        head_prefixes.attach(&mut self.head_cache, &head_ids, &blocks)?;
+        for pool in 0..2 {
+            count_prompt(timings, pool, seqs.iter().map(|s| s.prompt_len), &reused);
+        }
+
+        // Prefill: every uncached prompt position's feature feeds the head; the last one's
+        // logits give the first token.
+        let pos = prompt_positions(seqs, &reused);
+        let batch = prompt_batch(seqs, &base_ids, &reused, &pos, OutputRows::All);
         let hidden = model.forward_prompt(&batch, &mut self.base_cache)?;
         let mut lasts = Vec::with_capacity(seqs.len());
         let mut offset = 0;
-        for s in seqs.iter() {
-            offset += s.tokens.len();
+        for (s, &r) in seqs.iter().zip(&reused) {
+            offset += s.tokens.len() - r;
             lasts.push(hidden.narrow(0, offset - 1, 1)?);
         }
         let logits = model.logits(&Tensor::cat(&lasts, 0)?)?;
@@ -164,25 +202,27 @@ impl Decoder for EagleDecoder<'_> {
         let ttft = start.elapsed().as_secs_f64();
         timings.prefill_s += ttft;
         let mut offset = 0;
-        for (s, t) in all.iter_mut().zip(first) {
+        for ((s, t), &r) in all.iter_mut().zip(first).zip(&reused) {
             let n = s.tokens.len();
             s.stats.time_to_first_token_s = ttft;
+            s.stats.reused_prompt_tokens = r;
             s.commit(&[t], params, sink);
-            let mut tokens = s.tokens[1..n].to_vec();
+            // Pairs r.. of (token p + 1, feature p); the head caches those before r.
+            let mut tokens = s.tokens[r + 1..n].to_vec();
             tokens.push(t);
             pending.push(Some(Pending {
                 tokens,
-                features: hidden.narrow(0, offset, n)?,
-                start: 0,
+                features: hidden.narrow(0, offset, n - r)?,
+                start: r,
             }));
-            offset += n;
+            offset += n - r;
         }
 
         loop {
             for (i, s) in seqs.iter().enumerate() {
                 if !s.is_live() && self.base_cache.contains(base_ids[i]) {
-                    self.base_cache.free_sequence(base_ids[i])?;
-                    self.head_cache.free_sequence(head_ids[i])?;
+                    base_prefixes.free(&mut self.base_cache, i, base_ids[i])?;
+                    head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
                     pending[i] = None;
                 }
             }
@@ -275,5 +315,9 @@ impl Decoder for EagleDecoder<'_> {
             timings.verify_s += verify_start.elapsed().as_secs_f64();
         }
         Ok(())
+    }
+
+    fn pools(&self) -> Vec<PoolShape> {
+        self.pools.clone()
     }
 }

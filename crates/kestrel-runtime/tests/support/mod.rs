@@ -111,6 +111,8 @@ pub struct EngineSpec {
     pub max_draft_len: usize,
     pub num_eagle_layers: usize,
     pub max_non_leaves_per_layer: usize,
+    pub max_input_len: usize,
+    pub max_seq_len: usize,
 }
 
 impl Default for EngineSpec {
@@ -121,6 +123,8 @@ impl Default for EngineSpec {
             max_draft_len: 63,
             num_eagle_layers: 4,
             max_non_leaves_per_layer: 10,
+            max_input_len: 64,
+            max_seq_len: 256,
         }
     }
 }
@@ -162,8 +166,8 @@ pub fn build(
         checkpoint_dir: ckpt,
         output_dir: engine.clone(),
         max_batch_size: spec.max_batch_size,
-        max_input_len: 64,
-        max_seq_len: 256,
+        max_input_len: spec.max_input_len,
+        max_seq_len: spec.max_seq_len,
         max_beam_width: 1,
         speculative_mode: spec.mode,
         max_draft_len: (spec.mode != SpeculativeMode::None).then_some(spec.max_draft_len),
