@@ -338,8 +338,11 @@ impl Llama {
         device: &Device,
     ) -> Result<Self> {
         check_supported(cfg)?;
-        let tensors = random_tensors(cfg, seed)?;
-        Self::build(cfg, &tensors, "random tensors", candle_dtype(dtype), device)
+        // Generated straight in the model's dtype: a 7B model in f32 would need 27 GB of host
+        // memory on its way to a bf16 GPU copy.
+        let dtype = candle_dtype(dtype);
+        let tensors = random_tensors_as(cfg, seed, dtype)?;
+        Self::build(cfg, &tensors, "random tensors", dtype, device)
     }
 
     fn build(
@@ -568,47 +571,129 @@ impl Llama {
     }
 }
 
-/// SplitMix64: deterministic, dependency-free random numbers for `Llama::random`.
-pub(crate) struct SplitMix(pub u64);
+/// SplitMix64 (deterministic, dependency-free random numbers for `Llama::random`). It is
+/// counter-based: value `k` of the stream seeded with `seed` is `mix(seed + (k + 1)·γ)`, so
+/// any stretch of the stream can be generated on its own, in parallel, with the same values a
+/// sequential generator would give.
+const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
-impl SplitMix {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    pub fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-    }
+fn splitmix_mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
-pub(crate) fn random_tensor(
-    rng: &mut SplitMix,
-    shape: &[usize],
+/// Value `k` of the stream, uniform in [-1, 1).
+fn splitmix_unit(seed: u64, k: u64) -> f32 {
+    let z = splitmix_mix(seed.wrapping_add(k.wrapping_add(1).wrapping_mul(SPLITMIX_GAMMA)));
+    ((z >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+}
+
+/// `center + scale·U[-1, 1)` for values `start..start + n` of the stream, converted to `T`
+/// element by element so that a large model never exists in f32 on the host.
+fn random_values<T: Send>(
+    seed: u64,
+    start: u64,
+    n: usize,
     center: f32,
     scale: f32,
-) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n).map(|_| center + scale * rng.unit()).collect();
-    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+    conv: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    (0..n)
+        .into_par_iter()
+        .map(|i| conv(center + scale * splitmix_unit(seed, start + i as u64)))
+        .collect()
+}
+
+/// Random HF-named tensors for `cfg` on the CPU in `dtype`: the f32 values of
+/// [`random_tensors`] rounded to `dtype` (round to nearest even, as `Tensor::to_dtype`).
+pub fn random_tensors_as(
+    cfg: &ModelConfig,
+    seed: u64,
+    dtype: DType,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut out = BTreeMap::new();
+    let mut start = 0u64;
+    for (name, shape) in expected_tensors(cfg) {
+        let (center, scale) = if shape.len() == 1 {
+            (1.0, 0.2)
+        } else if name.contains("embed_tokens") {
+            (0.0, 1.0)
+        } else {
+            (0.0, 1.0 / (shape[1] as f32).sqrt())
+        };
+        let n: usize = shape.iter().product();
+        let t = match dtype {
+            DType::BF16 => Tensor::from_vec(
+                random_values(seed, start, n, center, scale, half::bf16::from_f32),
+                shape.as_slice(),
+                &Device::Cpu,
+            )?,
+            DType::F16 => Tensor::from_vec(
+                random_values(seed, start, n, center, scale, half::f16::from_f32),
+                shape.as_slice(),
+                &Device::Cpu,
+            )?,
+            _ => Tensor::from_vec(
+                random_values(seed, start, n, center, scale, |x| x),
+                shape.as_slice(),
+                &Device::Cpu,
+            )?
+            .to_dtype(dtype)?,
+        };
+        start += n as u64;
+        out.insert(name, t);
+    }
+    Ok(out)
 }
 
 /// Random HF-named tensors for `cfg` (f32, CPU).
 pub fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<BTreeMap<String, Tensor>> {
-    let mut rng = SplitMix(seed);
-    let mut out = BTreeMap::new();
-    for (name, shape) in expected_tensors(cfg) {
-        let t = if shape.len() == 1 {
-            random_tensor(&mut rng, &shape, 1.0, 0.2)?
-        } else if name.contains("embed_tokens") {
-            random_tensor(&mut rng, &shape, 0.0, 1.0)?
-        } else {
-            random_tensor(&mut rng, &shape, 0.0, 1.0 / (shape[1] as f32).sqrt())?
-        };
-        out.insert(name, t);
+    random_tensors_as(cfg, seed, DType::F32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parallel, counter-based generator must give exactly the values of the sequential
+    /// SplitMix64 stream it replaced, so random models stay what tests were written against.
+    #[test]
+    fn counter_based_splitmix_matches_the_sequential_stream() {
+        let seed = 7u64;
+        let mut state = seed;
+        let sequential: Vec<f32> = (0..1000)
+            .map(|_| {
+                state = state.wrapping_add(SPLITMIX_GAMMA);
+                ((splitmix_mix(state) >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+            })
+            .collect();
+        let parallel = random_values(seed, 0, 1000, 0.0, 1.0, |x| x);
+        assert_eq!(parallel, sequential);
+        assert_eq!(
+            random_values(seed, 400, 600, 0.0, 1.0, |x| x),
+            sequential[400..]
+        );
     }
-    Ok(out)
+
+    #[test]
+    fn tensors_in_a_dtype_are_the_f32_tensors_rounded() {
+        let cfg: ModelConfig = serde_json::from_str(
+            r#"{"vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+                "num_attention_heads":2,"num_key_value_heads":1}"#,
+        )
+        .unwrap();
+        let f32s = random_tensors(&cfg, 3).unwrap();
+        let bf16s = random_tensors_as(&cfg, 3, DType::BF16).unwrap();
+        for (name, t) in &f32s {
+            let want = t.to_dtype(DType::BF16).unwrap().flatten_all().unwrap();
+            let got = bf16s[name].flatten_all().unwrap();
+            assert_eq!(
+                got.to_vec1::<half::bf16>().unwrap(),
+                want.to_vec1::<half::bf16>().unwrap(),
+                "{name}"
+            );
+        }
+    }
 }

@@ -68,6 +68,27 @@ impl Engine {
         })
     }
 
+    /// An engine over a model already in memory (benchmarks over random weights of a real
+    /// model's shape, which would be tens of GB on disk). `plan` supplies the limits and must
+    /// describe `model`'s configuration; `label` stands in for the directory in messages.
+    /// Such an engine has no tokenizer and no draft head: it decodes token ids, plainly.
+    pub fn from_model(label: &str, plan: EnginePlan, model: Llama) -> Result<Self> {
+        let config = plan.model_config()?;
+        if &config != model.config() {
+            return Err(RuntimeError::Engine(format!(
+                "{label}: the plan's model configuration does not match the model's"
+            )));
+        }
+        Ok(Engine {
+            dir: PathBuf::from(label),
+            plan,
+            config,
+            device: model.device().clone(),
+            model,
+            eagle: None,
+        })
+    }
+
     /// Total KV-cache blocks for the engine's limits: every sequence of a full batch at
     /// max_seq_len plus one verification step of max_draft_len + 1 tokens.
     pub fn kv_blocks(&self) -> usize {

@@ -1,0 +1,881 @@
+//! The benchmark behind `spec-bench`: plain decoding against EAGLE-1, EAGLE-2 and
+//! draft-target decoding over a prompt set (MT-bench first turns by default), greedy, at
+//! several batch sizes, each mode run on the same prompts in the same process. Per (mode,
+//! batch size): tokens/s, step latency, time to first token, τ, peak memory and the roofline
+//! fraction against a copy bandwidth measured in the same process.
+//!
+//! `--random_weights SHAPE` times a model of a real checkpoint's shape built in memory with
+//! random weights (random token ids as prompts): plain decoding, and `verify:T`, the cost of
+//! verifying a T-token draft next to a one-token step.
+
+pub mod measure;
+pub mod shapes;
+pub mod verify;
+
+use crate::decoding::{eagle_mode, EagleFlags};
+use crate::prompts::read_prompt_file;
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use kestrel_core::plan::{BuildLimits, EnginePlan};
+use kestrel_core::{DType, Mapping, SpeculativeMode};
+use kestrel_runtime::{
+    generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams,
+    SequenceOutput, TextCodec,
+};
+use kestrel_spec::SamplingParams;
+use measure::{MemProbe, ProbeSink};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "spec-bench",
+    rename_all = "snake_case",
+    version,
+    about = "Benchmark plain and speculative decoding on one engine, or a model shape with random weights"
+)]
+pub struct BenchArgs {
+    /// Engine directory written by spec-build (or use --random_weights).
+    #[arg(long)]
+    pub engine_dir: Option<PathBuf>,
+    /// Build a model of this shape with random weights in memory instead of loading an
+    /// engine: llama2-7b, llama3-8b, smollm2-135m or tiny. Prompts are random token ids.
+    #[arg(long)]
+    pub random_weights: Option<String>,
+    /// dtype of the random weights: float32, float16 or bfloat16 (default bfloat16).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Prompt length in tokens with --random_weights.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Seed of the random weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Prompt file (JSON/JSONL; MT-bench records use their first turn).
+    #[arg(long, default_value = "../shared/data/mt_bench/question.jsonl")]
+    pub prompts: PathBuf,
+    /// Prompts per run; cycled up to a multiple of each batch size so every batch is full.
+    #[arg(long, default_value_t = 16)]
+    pub num_prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_output_len: usize,
+    /// Comma-separated batch sizes; every mode runs at each. Default 1,4,16, less those
+    /// above the engine's max_batch_size.
+    #[arg(long, visible_alias = "batch_size")]
+    pub batch_sizes: Option<String>,
+    /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file), eagle2:N,
+    /// draft_target:K (needs --draft_engine_dir), verify:T (T-token verification step vs a
+    /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
+    /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
+    #[arg(long)]
+    pub modes: Option<String>,
+    /// Draft engine for draft_target:K modes (the target is --engine_dir).
+    #[arg(long)]
+    pub draft_engine_dir: Option<PathBuf>,
+    /// Apply the chat template to each prompt.
+    #[arg(long, default_value_t = true)]
+    pub chat: bool,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Buffer size of the copy-bandwidth measurement.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub copy_bytes: usize,
+    #[arg(long)]
+    pub output_json: Option<PathBuf>,
+}
+
+/// One `--modes` entry, checked for syntax before anything is loaded.
+#[derive(Debug, Clone, PartialEq)]
+enum ModeSpec {
+    Plain,
+    Eagle1(Option<String>),
+    Eagle2(usize),
+    DraftTarget(usize),
+    Verify(usize),
+}
+
+const MODES_HELP: &str =
+    "expected plain, eagle1[:TREE], eagle2:N, draft_target:K or verify:T, comma-separated";
+
+fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
+    let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
+        match arg.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => bail!("--modes {spec}: {name} needs a positive integer after ':'"),
+        }
+    };
+    let mut out = Vec::new();
+    for spec in split_top_level(list)
+        .iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+    {
+        let (name, arg) = spec.split_once(':').unwrap_or((spec, ""));
+        let mode = match name {
+            "plain" if arg.is_empty() => ModeSpec::Plain,
+            "eagle1" => ModeSpec::Eagle1((!arg.is_empty()).then(|| arg.to_string())),
+            "eagle2" => ModeSpec::Eagle2(count(name, arg, spec)?),
+            "draft_target" => ModeSpec::DraftTarget(count(name, arg, spec)?),
+            "verify" => ModeSpec::Verify(count(name, arg, spec)?),
+            _ => bail!("unknown mode '{spec}' in --modes: {MODES_HELP}"),
+        };
+        out.push((spec.to_string(), mode));
+    }
+    if out.is_empty() {
+        bail!("--modes is empty: {MODES_HELP}");
+    }
+    Ok(out)
+}
+
+/// Splits at commas outside brackets, so an inline eagle1 tree (`eagle1:[[0],[0,0]]`) stays
+/// one entry.
+fn split_top_level(list: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&list[start..]);
+    parts
+}
+
+const DEFAULT_BATCH_SIZES: &str = "1,4,16";
+
+/// `--batch_sizes 1,4,16`.
+pub fn parse_batch_sizes(list: &str) -> Result<Vec<usize>> {
+    let mut out = Vec::new();
+    for item in list.split(',').map(str::trim) {
+        match item.parse::<usize>() {
+            Ok(n) if n > 0 => {
+                if !out.contains(&n) {
+                    out.push(n);
+                }
+            }
+            _ => bail!(
+                "--batch_sizes '{list}': '{item}' is not a positive integer (expected a comma-separated list such as 1,4,16)"
+            ),
+        }
+    }
+    Ok(out)
+}
+
+/// Only for verify:T rows.
+#[derive(Debug, Serialize)]
+pub struct VerifyResult {
+    pub tree_tokens: usize,
+    pub one_token_step_ms: f64,
+    pub tree_step_ms: f64,
+    /// tree_step_ms ÷ one_token_step_ms (issue 6's target on llama2-7b: ≤ 1.25 at T = 64).
+    pub ratio: f64,
+    pub one_token_roofline_fraction: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModeResult {
+    pub mode: String,
+    pub batch_size: usize,
+    /// Requests run (the prompt set cycled up to a multiple of the batch size).
+    pub requests: usize,
+    pub generated_tokens: usize,
+    pub seconds: f64,
+    /// Tokens after each sequence's first, per second of decoding (prefill excluded).
+    pub tokens_per_s: Option<f64>,
+    /// Prompt tokens per second of prefill.
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Target forwards after the prompt (one per batch and step), and decode (or verify)
+    /// wall time ÷ that count. For verify:T, the T-token step's latency.
+    pub steps: usize,
+    pub step_latency_ms: f64,
+    /// Mean over requests of the time from the start of its batch to its first token.
+    pub time_to_first_token_ms: Option<f64>,
+    /// Tokens committed per target forward (τ; 1 for plain decoding).
+    pub mean_accepted_len: Option<f64>,
+    /// tokens/s ÷ plain's at the same batch size.
+    pub speedup_vs_plain: Option<f64>,
+    pub draft_s: f64,
+    pub verify_s: f64,
+    pub prefill_s: f64,
+    /// Mean cached context a sequence's step attends to.
+    pub mean_context_len: f64,
+    /// Target weights (all, once) + KV bytes read by a step at the mean context over the batch.
+    pub bytes_per_step: f64,
+    /// bytes_per_step ÷ step latency ÷ copy bandwidth.
+    pub roofline_fraction: f64,
+    /// See `memory_probe` in the report; null where it cannot be read.
+    pub peak_memory_bytes: Option<u64>,
+    /// KV cache the run allocated (target model) and the most it held at once.
+    pub kv_allocated_bytes: u64,
+    pub kv_in_use_bytes: u64,
+    /// Whether greedy output equalled plain decoding's at the same batch size.
+    pub same_output_as_plain: Option<bool>,
+    /// Whether greedy output equalled this mode's at the first batch size (same prompts).
+    pub same_output_as_first_batch_size: Option<bool>,
+    pub verify: Option<VerifyResult>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    /// The engine directory, or `random:<shape>`.
+    pub source: String,
+    pub shape: Option<String>,
+    pub device: String,
+    pub device_name: String,
+    pub dtype: String,
+    pub num_parameters: usize,
+    pub weight_bytes: u64,
+    pub kv_bytes_per_token: u64,
+    /// Read + write bytes per second of a large device copy, measured in this process.
+    pub copy_bandwidth_bytes_per_s: f64,
+    pub copy_bytes: usize,
+    pub memory_probe: String,
+    pub memory_baseline_bytes: u64,
+    pub load_s: f64,
+    pub num_prompts: usize,
+    pub batch_sizes: Vec<usize>,
+    pub max_output_len: usize,
+    pub results: Vec<ModeResult>,
+}
+
+/// Random token ids in `[0, vocab)`: the prompts of a random-weights run.
+fn random_prompts(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut state = seed ^ 0x5EED_0FB0_B5B5;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    (0..n)
+        .map(|_| (0..len).map(|_| (next() % vocab as u64) as u32).collect())
+        .collect()
+}
+
+/// The engine a random-weights run decodes with: the shape's config, limits just large
+/// enough for the run (so the KV cache allocated is the KV cache used).
+fn random_engine(
+    args: &BenchArgs,
+    shape: &str,
+    dtype: DType,
+    max_batch: usize,
+    max_draft: usize,
+    device: &kestrel_runtime::device::Device,
+) -> Result<Engine> {
+    let cfg = shapes::shape_config(shape)?;
+    if args.prompt_len == 0 {
+        bail!("--prompt_len must be at least 1");
+    }
+    let max_seq_len = args.prompt_len + args.max_output_len;
+    if max_seq_len > cfg.max_position_embeddings {
+        bail!(
+            "--prompt_len {} + --max_output_len {} exceeds {shape}'s max_position_embeddings {}",
+            args.prompt_len,
+            args.max_output_len,
+            cfg.max_position_embeddings
+        );
+    }
+    let plan = EnginePlan {
+        model_config_json: serde_json::to_string(&cfg).expect("config serialises"),
+        eagle_head_config_json: None,
+        dtype,
+        mapping: Mapping::new(1),
+        limits: BuildLimits {
+            max_batch_size: max_batch,
+            max_input_len: args.prompt_len,
+            max_seq_len,
+            max_beam_width: 1,
+            max_draft_len: max_draft,
+            num_eagle_layers: 0,
+            max_non_leaves_per_layer: 0,
+            tokens_per_block: 32,
+        },
+        speculative_mode: SpeculativeMode::None,
+        target_device: if device.is_cpu() { "cpu" } else { "cuda" }.into(),
+        kernels: vec![],
+        weights: vec![],
+        source_checkpoint_sha256: String::new(),
+    };
+    let model = kestrel_model::Llama::random(&cfg, args.seed, dtype, device)?;
+    Ok(Engine::from_model(&format!("random:{shape}"), plan, model)?)
+}
+
+/// The engine's prompts as token ids: the prompt file's first `num_prompts`, chat-templated.
+fn engine_prompts(args: &BenchArgs, dir: &Path, engine: &Engine) -> Result<Vec<Vec<u32>>> {
+    let codec = TextCodec::load(dir, &engine.config)?;
+    let texts: Vec<String> = read_prompt_file(&args.prompts)?
+        .into_iter()
+        .take(args.num_prompts)
+        .collect();
+    let mut prompts = Vec::with_capacity(texts.len());
+    for t in &texts {
+        let text = match (&codec.chat_template, args.chat) {
+            (Some(tpl), true) => tpl
+                .render(&[ChatMessage::user(t)], true)
+                .map_err(anyhow::Error::msg)?,
+            _ => t.clone(),
+        };
+        prompts.push(codec.encode(&text)?);
+    }
+    Ok(prompts)
+}
+
+/// The target engine as one built for external drafts of up to `k` tokens, sharing its
+/// weights: draft-target decoding needs such a plan, and the weights are the same.
+fn draft_target_view(engine: &Engine, k: usize) -> Engine {
+    let mut plan = engine.plan.clone();
+    plan.speculative_mode = SpeculativeMode::DraftTokensExternal;
+    plan.limits.max_draft_len = plan.limits.max_draft_len.max(k);
+    Engine {
+        dir: engine.dir.clone(),
+        plan,
+        config: engine.config.clone(),
+        model: engine.model.clone(),
+        eagle: None,
+        device: engine.device.clone(),
+    }
+}
+
+/// What the roofline and the memory check need to know of the model.
+struct Sizes {
+    weight_bytes: u64,
+    kv_bytes_per_token: u64,
+}
+
+impl Sizes {
+    fn of(engine: &Engine) -> Self {
+        let c = &engine.config;
+        let elem = engine.plan.dtype.size_in_bytes() as u64;
+        Sizes {
+            weight_bytes: c.num_parameters() as u64 * elem,
+            kv_bytes_per_token: 2
+                * c.num_hidden_layers as u64
+                * c.num_kv_heads() as u64
+                * c.head_dim() as u64
+                * elem,
+        }
+    }
+}
+
+/// Step counts, context and KV figures of a generation run.
+struct RunShape {
+    batch_steps: usize,
+    mean_context_len: f64,
+    kv_read_bytes: f64,
+    kv_in_use_bytes: u64,
+}
+
+fn run_shape(
+    prompts: &[Vec<u32>],
+    outputs: &[SequenceOutput],
+    batch: usize,
+    kv_tok: u64,
+) -> RunShape {
+    let (mut batch_steps, mut seq_steps, mut ctx_steps) = (0usize, 0f64, 0f64);
+    let mut kv_in_use = 0u64;
+    for (ps, os) in prompts.chunks(batch).zip(outputs.chunks(batch)) {
+        batch_steps += os.iter().map(|o| o.stats.steps).max().unwrap_or(0);
+        let mut held = 0u64;
+        for (p, o) in ps.iter().zip(os) {
+            let n = o.stats.steps as f64;
+            // A sequence's context grows about linearly from its prompt to prompt + output.
+            ctx_steps += n * (p.len() as f64 + o.output_ids.len() as f64 / 2.0);
+            seq_steps += n;
+            held += ((p.len() + o.output_ids.len()) as u64) * kv_tok;
+        }
+        kv_in_use = kv_in_use.max(held);
+    }
+    RunShape {
+        batch_steps,
+        mean_context_len: ctx_steps / seq_steps.max(1.0),
+        kv_read_bytes: ctx_steps * kv_tok as f64,
+        kv_in_use_bytes: kv_in_use,
+    }
+}
+
+pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
+    let mut batch_sizes =
+        parse_batch_sizes(args.batch_sizes.as_deref().unwrap_or(DEFAULT_BATCH_SIZES))?;
+    let shape = args.random_weights.as_deref();
+    match (&args.engine_dir, shape) {
+        (Some(_), Some(_)) => bail!("give either --engine_dir or --random_weights, not both"),
+        (None, None) => bail!("give --engine_dir DIR or --random_weights SHAPE"),
+        _ => {}
+    }
+    if let Some(shape) = shape {
+        shapes::shape_config(shape)?;
+    }
+    let dtype = match (&args.dtype, shape) {
+        (Some(_), None) => bail!(
+            "--dtype applies to --random_weights only: an engine's dtype is fixed when spec-build builds it"
+        ),
+        (Some(d), Some(_)) => d.parse::<DType>().map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
+        (None, _) => DType::BF16,
+    };
+    if args.num_prompts == 0 {
+        bail!("--num_prompts must be at least 1");
+    }
+    let explicit_modes = args.modes.as_deref().map(parse_modes).transpose()?;
+    if let Some(modes) = &explicit_modes {
+        if shape.is_some() {
+            if let Some((spec, _)) = modes
+                .iter()
+                .find(|(_, m)| !matches!(m, ModeSpec::Plain | ModeSpec::Verify(_)))
+            {
+                bail!("--modes {spec}: random weights have no draft head or draft model; with --random_weights run plain and verify:T");
+            }
+        }
+        if let Some((spec, _)) = modes
+            .iter()
+            .find(|(_, m)| matches!(m, ModeSpec::DraftTarget(_)))
+        {
+            if args.draft_engine_dir.is_none() {
+                bail!("--modes {spec} needs --draft_engine_dir");
+            }
+        }
+    }
+
+    let device = kestrel_runtime::device::parse(&args.device)?;
+    let device_name = measure::device_name(&device);
+    let mut probe = MemProbe::new(&device)?;
+    let load_start = Instant::now();
+    let max_batch = *batch_sizes
+        .iter()
+        .max()
+        .expect("parse_batch_sizes gives one");
+    let (mut engine, prompts, source) = match (shape, &args.engine_dir) {
+        (Some(shape), _) => {
+            let max_draft = explicit_modes
+                .iter()
+                .flatten()
+                .filter_map(|(_, m)| match m {
+                    ModeSpec::Verify(t) => Some(*t),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(64);
+            let engine = random_engine(args, shape, dtype, max_batch, max_draft, &device)?;
+            let prompts = random_prompts(
+                args.num_prompts,
+                args.prompt_len,
+                engine.config.vocab_size,
+                args.seed,
+            );
+            (engine, prompts, format!("random:{shape}"))
+        }
+        (None, Some(dir)) => {
+            let engine = Engine::load(dir, &device)?;
+            let prompts = engine_prompts(args, dir, &engine)?;
+            (engine, prompts, dir.display().to_string())
+        }
+        (None, None) => unreachable!("checked above"),
+    };
+    let draft = match &args.draft_engine_dir {
+        Some(dir) => Some(Engine::load(dir, &device)?),
+        None => None,
+    };
+    let load_s = load_start.elapsed().as_secs_f64();
+    let modes = match explicit_modes {
+        Some(m) => m,
+        None => parse_modes(match (shape, engine.eagle.is_some(), draft.is_some()) {
+            (Some(_), _, _) => "plain,verify:64",
+            (None, true, true) => "plain,eagle1,eagle2:8,draft_target:4",
+            (None, true, false) => "plain,eagle1,eagle2:8",
+            (None, false, true) => "plain,draft_target:4",
+            (None, false, false) => "plain",
+        })?,
+    };
+    let built_max_batch = engine.plan.limits.max_batch_size;
+    if args.batch_sizes.is_none() {
+        // The default sweep fits itself to the engine; sizes asked for explicitly do not.
+        batch_sizes.retain(|&b| b <= built_max_batch);
+        if batch_sizes.is_empty() {
+            batch_sizes.push(built_max_batch.max(1));
+        }
+    }
+    if let Some(&b) = batch_sizes.iter().find(|&&b| b > built_max_batch) {
+        bail!(
+            "--batch_sizes {b}: {} was built with max_batch_size {built_max_batch}; rebuild it with spec-build --max_batch_size {b} or leave that batch size out",
+            engine.dir.display()
+        );
+    }
+    if let Some(d) = &draft {
+        if let Some(&b) = batch_sizes
+            .iter()
+            .find(|&&b| b > d.plan.limits.max_batch_size)
+        {
+            bail!(
+                "--batch_sizes {b}: the draft engine {} was built with max_batch_size {}; rebuild it with spec-build --max_batch_size {b}",
+                d.dir.display(),
+                d.plan.limits.max_batch_size
+            );
+        }
+    }
+    let sizes = Sizes::of(&engine);
+    // After the checks, so that bad flags fail fast. The copy's buffers are freed and the
+    // device synchronised (which trims CUDA's stream-ordered pool) before any run starts
+    // its peak.
+    let bandwidth = measure::copy_bandwidth(&device, args.copy_bytes)?;
+    device.synchronize()?;
+
+    let params = GenerationParams {
+        max_output_len: args.max_output_len,
+        sampling: SamplingParams::greedy(),
+        end_ids: engine.config.eos_token_ids(),
+    };
+    let mut results: Vec<ModeResult> = Vec::new();
+    // Per mode, the first batch size's outputs (for the batch-invariance check).
+    let mut first_outputs: Vec<(String, Vec<Vec<u32>>)> = Vec::new();
+    for &batch in &batch_sizes {
+        // The runtime sizes its KV cache for max_batch_size sequences; running batch B with
+        // the limit set to B allocates what the batch needs, as an engine built for B would.
+        engine.plan.limits.max_batch_size = batch;
+        let requests = prompts.len().div_ceil(batch) * batch;
+        let batch_prompts: Vec<Vec<u32>> = prompts.iter().cycle().take(requests).cloned().collect();
+        let mut plain: Option<(f64, Vec<Vec<u32>>)> = None;
+        for (spec, mode) in &modes {
+            let kv_allocated = |e: &Engine| {
+                (e.kv_blocks() * e.plan.limits.tokens_per_block) as u64 * sizes.kv_bytes_per_token
+            };
+            if let ModeSpec::Verify(t) = mode {
+                probe.start_run();
+                let v = verify::time_verify(
+                    &engine.model,
+                    &batch_prompts[..batch],
+                    *t,
+                    args.max_output_len,
+                    engine.plan.limits.tokens_per_block,
+                    &mut probe,
+                )?;
+                let kv_read = batch as f64 * v.mean_context_len * sizes.kv_bytes_per_token as f64;
+                let bytes = sizes.weight_bytes as f64 + kv_read;
+                let roof = |s: f64| bytes / s.max(f64::EPSILON) / bandwidth;
+                let max_prompt = batch_prompts[..batch]
+                    .iter()
+                    .map(Vec::len)
+                    .max()
+                    .unwrap_or(0);
+                results.push(ModeResult {
+                    mode: spec.clone(),
+                    batch_size: batch,
+                    requests: batch,
+                    generated_tokens: 0,
+                    seconds: (v.one_token_step_s + v.tree_step_s) * v.steps as f64,
+                    tokens_per_s: None,
+                    prefill_tokens_per_s: None,
+                    steps: v.steps,
+                    step_latency_ms: v.tree_step_s * 1e3,
+                    time_to_first_token_ms: None,
+                    mean_accepted_len: None,
+                    speedup_vs_plain: None,
+                    draft_s: 0.0,
+                    verify_s: v.tree_step_s * v.steps as f64,
+                    prefill_s: 0.0,
+                    mean_context_len: v.mean_context_len,
+                    bytes_per_step: bytes,
+                    roofline_fraction: roof(v.tree_step_s),
+                    peak_memory_bytes: probe.peak_above_baseline(),
+                    kv_allocated_bytes: (batch
+                        * (max_prompt + v.steps + t + 1)
+                            .div_ceil(engine.plan.limits.tokens_per_block)
+                        * engine.plan.limits.tokens_per_block)
+                        as u64
+                        * sizes.kv_bytes_per_token,
+                    kv_in_use_bytes: (batch * (max_prompt + v.steps + t)) as u64
+                        * sizes.kv_bytes_per_token,
+                    same_output_as_plain: None,
+                    same_output_as_first_batch_size: None,
+                    verify: Some(VerifyResult {
+                        tree_tokens: *t,
+                        one_token_step_ms: v.one_token_step_s * 1e3,
+                        tree_step_ms: v.tree_step_s * 1e3,
+                        ratio: v.tree_step_s / v.one_token_step_s.max(f64::EPSILON),
+                        one_token_roofline_fraction: roof(v.one_token_step_s),
+                    }),
+                });
+                continue;
+            }
+            let dt_view;
+            let (target, decode_mode): (&Engine, DecodeMode) = match mode {
+                ModeSpec::Plain => (&engine, DecodeMode::Plain),
+                ModeSpec::Eagle1(_) | ModeSpec::Eagle2(_) => {
+                    if engine.eagle.is_none() {
+                        bail!(
+                            "--modes {spec}: {} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle",
+                            engine.dir.display()
+                        );
+                    }
+                    let flags = match mode {
+                        ModeSpec::Eagle1(tree) => EagleFlags {
+                            eagle_choices: tree.clone(),
+                            ..EagleFlags::default()
+                        },
+                        ModeSpec::Eagle2(n) => EagleFlags {
+                            eagle_use_dynamic_tree: true,
+                            eagle_dynamic_tree_max_top_k: Some(*n),
+                            ..EagleFlags::default()
+                        },
+                        _ => unreachable!(),
+                    };
+                    (&engine, eagle_mode(&engine, &flags, false)?)
+                }
+                ModeSpec::DraftTarget(k) => {
+                    let draft = draft
+                        .as_ref()
+                        .context("draft_target needs --draft_engine_dir")?;
+                    dt_view = draft_target_view(&engine, *k);
+                    (
+                        &dt_view,
+                        DecodeMode::DraftTarget {
+                            draft,
+                            options: DraftTargetOptions {
+                                draft_len: *k,
+                                use_logits: false,
+                            },
+                        },
+                    )
+                }
+                ModeSpec::Verify(_) => unreachable!("handled above"),
+            };
+            probe.start_run();
+            let mut timings = kestrel_runtime::RunTimings::default();
+            let mut outputs = Vec::with_capacity(requests);
+            for chunk in batch_prompts.chunks(batch) {
+                let (outs, t) = generate(
+                    target,
+                    &decode_mode,
+                    chunk,
+                    &params,
+                    &mut ProbeSink(&mut probe),
+                )?;
+                timings.generated_tokens += t.generated_tokens;
+                timings.total_s += t.total_s;
+                timings.draft_s += t.draft_s;
+                timings.verify_s += t.verify_s;
+                timings.prefill_s += t.prefill_s;
+                outputs.extend(outs);
+            }
+            let peak = probe.peak_above_baseline();
+            let shape_of = run_shape(&batch_prompts, &outputs, batch, sizes.kv_bytes_per_token);
+            let ids: Vec<Vec<u32>> = outputs.iter().map(|o| o.output_ids.clone()).collect();
+            let decode_s = (timings.total_s - timings.prefill_s).max(f64::EPSILON);
+            let decoded = timings.generated_tokens.saturating_sub(outputs.len());
+            let tokens_per_s = decoded as f64 / decode_s;
+            let steps: usize = outputs.iter().map(|o| o.stats.steps).sum();
+            let committed: f64 = outputs
+                .iter()
+                .map(|o| o.stats.tokens_per_step * o.stats.steps as f64)
+                .sum();
+            let prompt_tokens: usize = batch_prompts.iter().map(Vec::len).sum();
+            let bytes_total =
+                shape_of.batch_steps as f64 * sizes.weight_bytes as f64 + shape_of.kv_read_bytes;
+            let (speedup, same) = match &plain {
+                Some((base, plain_ids)) => (Some(tokens_per_s / base), Some(&ids == plain_ids)),
+                None => (None, None),
+            };
+            if *mode == ModeSpec::Plain {
+                plain = Some((tokens_per_s, ids.clone()));
+            }
+            let shared = prompts.len().min(ids.len());
+            let same_across = match first_outputs.iter().find(|(s, _)| s == spec) {
+                Some((_, first)) => Some(first[..shared] == ids[..shared]),
+                None => {
+                    first_outputs.push((spec.clone(), ids));
+                    None
+                }
+            };
+            let batch_steps = shape_of.batch_steps.max(1) as f64;
+            results.push(ModeResult {
+                mode: spec.clone(),
+                batch_size: batch,
+                requests,
+                generated_tokens: timings.generated_tokens,
+                seconds: timings.total_s,
+                tokens_per_s: Some(tokens_per_s),
+                prefill_tokens_per_s: Some(
+                    prompt_tokens as f64 / timings.prefill_s.max(f64::EPSILON),
+                ),
+                steps: shape_of.batch_steps,
+                step_latency_ms: decode_s / batch_steps * 1e3,
+                time_to_first_token_ms: Some(
+                    outputs
+                        .iter()
+                        .map(|o| o.stats.time_to_first_token_s)
+                        .sum::<f64>()
+                        / outputs.len().max(1) as f64
+                        * 1e3,
+                ),
+                mean_accepted_len: Some(if steps == 0 {
+                    0.0
+                } else {
+                    committed / steps as f64
+                }),
+                speedup_vs_plain: speedup,
+                draft_s: timings.draft_s,
+                verify_s: timings.verify_s,
+                prefill_s: timings.prefill_s,
+                mean_context_len: shape_of.mean_context_len,
+                bytes_per_step: bytes_total / batch_steps,
+                roofline_fraction: bytes_total / decode_s / bandwidth,
+                peak_memory_bytes: peak,
+                kv_allocated_bytes: kv_allocated(target),
+                kv_in_use_bytes: shape_of.kv_in_use_bytes,
+                same_output_as_plain: same,
+                same_output_as_first_batch_size: same_across,
+                verify: None,
+            });
+        }
+    }
+    Ok(BenchReport {
+        source,
+        shape: shape.map(str::to_string),
+        device: args.device.clone(),
+        device_name,
+        dtype: engine.plan.dtype.as_str().to_string(),
+        num_parameters: engine.config.num_parameters(),
+        weight_bytes: sizes.weight_bytes,
+        kv_bytes_per_token: sizes.kv_bytes_per_token,
+        copy_bandwidth_bytes_per_s: bandwidth,
+        copy_bytes: args.copy_bytes,
+        memory_probe: probe.kind.to_string(),
+        memory_baseline_bytes: probe.baseline,
+        load_s,
+        num_prompts: prompts.len(),
+        batch_sizes,
+        max_output_len: args.max_output_len,
+        results,
+    })
+}
+
+fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    v.map_or("-".into(), f)
+}
+
+impl BenchReport {
+    pub fn print(&self) {
+        const MIB: f64 = 1024.0 * 1024.0;
+        println!(
+            "spec-bench: {} on {} ({}), {}, {} prompts, batch sizes {:?}, up to {} new tokens, greedy",
+            self.source,
+            self.device,
+            self.device_name,
+            self.dtype,
+            self.num_prompts,
+            self.batch_sizes,
+            self.max_output_len
+        );
+        println!(
+            "weights {:.1} MiB, KV {:.1} KiB/token, copy bandwidth {:.1} GB/s (read + write), load {:.2} s",
+            self.weight_bytes as f64 / MIB,
+            self.kv_bytes_per_token as f64 / 1024.0,
+            self.copy_bandwidth_bytes_per_s / 1e9,
+            self.load_s
+        );
+        println!(
+            "{:<20} {:>5} {:>7} {:>10} {:>9} {:>9} {:>6} {:>8} {:>8} {:>9} {:>5}",
+            "mode",
+            "batch",
+            "tokens",
+            "decode t/s",
+            "step ms",
+            "ttft ms",
+            "tau",
+            "speedup",
+            "roofline",
+            "peak MiB",
+            "same"
+        );
+        for r in &self.results {
+            let same = match (r.same_output_as_plain, r.same_output_as_first_batch_size) {
+                (None, None) => "-".to_string(),
+                (a, b) => {
+                    if a.unwrap_or(true) && b.unwrap_or(true) {
+                        "yes".into()
+                    } else {
+                        "NO".into()
+                    }
+                }
+            };
+            println!(
+                "{:<20} {:>5} {:>7} {:>10} {:>9.2} {:>9} {:>6} {:>8} {:>7.1}% {:>9} {:>5}",
+                r.mode,
+                r.batch_size,
+                r.generated_tokens,
+                opt(r.tokens_per_s, |v| format!("{v:.1}")),
+                r.step_latency_ms,
+                opt(r.time_to_first_token_ms, |v| format!("{v:.1}")),
+                opt(r.mean_accepted_len, |v| format!("{v:.2}")),
+                opt(r.speedup_vs_plain, |v| format!("{v:.2}x")),
+                r.roofline_fraction * 100.0,
+                r.peak_memory_bytes
+                    .map_or("-".into(), |b| format!("{:.1}", b as f64 / MIB)),
+                same
+            );
+        }
+        for r in &self.results {
+            if let Some(v) = &r.verify {
+                println!(
+                    "{} at batch {}: {}-token step {:.2} ms vs 1-token step {:.2} ms = {:.2}x (roofline {:.1}% vs {:.1}%)",
+                    r.mode,
+                    r.batch_size,
+                    v.tree_tokens,
+                    v.tree_step_ms,
+                    v.one_token_step_ms,
+                    v.ratio,
+                    r.roofline_fraction * 100.0,
+                    v.one_token_roofline_fraction * 100.0
+                );
+            }
+        }
+        println!("same: greedy output equal to plain's at that batch size and to the mode's at the first batch size");
+    }
+
+    pub fn write_json(&self, path: &Path) -> Result<()> {
+        let body = serde_json::to_string_pretty(self).expect("report serialises");
+        std::fs::write(path, body)
+            .with_context(|| format!("--output_json {}: cannot write it", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_lists_parse_and_refuse_junk() {
+        assert_eq!(parse_batch_sizes("1,4,16").unwrap(), vec![1, 4, 16]);
+        assert_eq!(parse_batch_sizes(" 2 ").unwrap(), vec![2]);
+        assert_eq!(parse_batch_sizes("4,4").unwrap(), vec![4]);
+        for bad in ["", "1,,2", "0", "1,x", "-1"] {
+            assert!(parse_batch_sizes(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn modes_parse() {
+        let m = parse_modes("plain, eagle1:[[0],[0,0]],eagle2:8,draft_target:3,verify:64").unwrap();
+        let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ModeSpec::Plain,
+                ModeSpec::Eagle1(Some("[[0],[0,0]]".into())),
+                ModeSpec::Eagle2(8),
+                ModeSpec::DraftTarget(3),
+                ModeSpec::Verify(64)
+            ]
+        );
+        assert_eq!(
+            parse_modes("verify:0").unwrap_err().to_string(),
+            "--modes verify:0: verify needs a positive integer after ':'"
+        );
+        assert!(parse_modes("beam").is_err());
+    }
+}

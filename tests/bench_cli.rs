@@ -1,0 +1,324 @@
+//! spec-bench end to end on CPU: the batch sweep over a tiny engine (one JSON entry per mode
+//! and batch size, greedy output equal across batch sizes and modes), random weights of a
+//! real shape (plain and verify:T), and bad input refused in one line with exit status 1.
+
+mod common;
+
+use common::{build_ok, convert_ok, exec, one_line_error, repo, s, stderr, stdout};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const BENCH: &str = env!("CARGO_BIN_EXE_spec-bench");
+
+/// Whitespace word-level tokenizer whose ids fit the tiny models' vocabulary of 16.
+const TOKENIZER_JSON: &str = r#"{
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+  "decoder": null,
+  "model": {"type": "WordLevel", "unk_token": "<unk>",
+            "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7}}
+}"#;
+
+/// The tiny Llama (vocab 16, 1 layer), optionally with its tiny EAGLE head, as an engine.
+fn tiny_engine(dir: &Path, eagle: bool) -> PathBuf {
+    let data = repo().join("crates/kestrel-formats/tests/data");
+    let ckpt = dir.join("ckpt");
+    let (src, head) = (data.join("tiny_llama_bin"), data.join("tiny_eagle_bin"));
+    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
+    if eagle {
+        args.extend(["--eagle_model_dir", s(&head)]);
+    }
+    convert_ok(&args);
+    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
+    let engine = dir.join("engine");
+    let mut args = vec![
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--max_input_len",
+        "16",
+        "--max_seq_len",
+        "64",
+        "--max_batch_size",
+        "4",
+    ];
+    if eagle {
+        args.extend(["--speculative_decoding_mode", "eagle"]);
+    }
+    build_ok(&args);
+    engine
+}
+
+fn prompts(dir: &Path) -> PathBuf {
+    let path = dir.join("prompts.jsonl");
+    std::fs::write(
+        &path,
+        "{\"turns\": [\"a b c\"]}\n{\"turns\": [\"hello world\"]}\n{\"turns\": [\"e d\"]}\n",
+    )
+    .unwrap();
+    path
+}
+
+/// Runs spec-bench, which must succeed; returns its JSON report.
+fn bench_ok(args: &[&str], json: &Path) -> Value {
+    let mut all = args.to_vec();
+    // A small copy keeps the bandwidth measurement quick; a few MiB still measure something.
+    all.extend(["--copy_bytes", "8388608", "--output_json", s(json)]);
+    let out = exec(BENCH, &all);
+    assert!(out.status.success(), "spec-bench {all:?}: {}", stderr(&out));
+    assert!(stdout(&out).starts_with("spec-bench: "), "{}", stdout(&out));
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
+
+fn results(report: &Value) -> &Vec<Value> {
+    report["results"].as_array().unwrap()
+}
+
+/// Figures every result carries, whatever the mode.
+fn check_common(report: &Value) {
+    assert!(report["copy_bandwidth_bytes_per_s"].as_f64().unwrap() > 0.0);
+    assert!(report["weight_bytes"].as_u64().unwrap() > 0);
+    assert!(report["kv_bytes_per_token"].as_u64().unwrap() > 0);
+    assert!(!report["device_name"].as_str().unwrap().is_empty());
+    for r in results(report) {
+        assert!(r["step_latency_ms"].as_f64().unwrap() > 0.0, "{r}");
+        let roof = r["roofline_fraction"].as_f64().unwrap();
+        assert!(roof > 0.0 && roof.is_finite(), "{r}");
+        assert!(r["bytes_per_step"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["peak_memory_bytes"].is_u64(), "{r}");
+        assert!(
+            r["kv_allocated_bytes"].as_u64().unwrap() >= r["kv_in_use_bytes"].as_u64().unwrap()
+        );
+    }
+}
+
+#[test]
+fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let json = tmp.path().join("bench.json");
+    let report = bench_ok(
+        &[
+            "--engine_dir",
+            s(&engine),
+            "--prompts",
+            s(&prompts(tmp.path())),
+            "--num_prompts",
+            "3",
+            "--max_output_len",
+            "12",
+            "--batch_sizes",
+            "1,2",
+            "--modes",
+            "plain,eagle1:[[0],[0,0],[1]],eagle2:2,verify:4",
+        ],
+        &json,
+    );
+    check_common(&report);
+    let rs = results(&report);
+    let keys: Vec<(String, u64)> = rs
+        .iter()
+        .map(|r| {
+            (
+                r["mode"].as_str().unwrap().to_string(),
+                r["batch_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let mut want = Vec::new();
+    for b in [1, 2] {
+        for m in ["plain", "eagle1:[[0],[0,0],[1]]", "eagle2:2", "verify:4"] {
+            want.push((m.to_string(), b));
+        }
+    }
+    assert_eq!(keys, want);
+    for r in rs {
+        let mode = r["mode"].as_str().unwrap();
+        let batch = r["batch_size"].as_u64().unwrap();
+        if mode.starts_with("verify") {
+            let v = &r["verify"];
+            assert_eq!(v["tree_tokens"], 4);
+            assert!(v["ratio"].as_f64().unwrap() > 0.0);
+            assert!(r["mean_accepted_len"].is_null());
+            continue;
+        }
+        // 3 prompts cycled up to a multiple of the batch size.
+        assert_eq!(r["requests"], if batch == 1 { 3 } else { 4 });
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["time_to_first_token_ms"].as_f64().unwrap() > 0.0);
+        let tau = r["mean_accepted_len"].as_f64().unwrap();
+        if mode == "plain" {
+            assert_eq!(tau, 1.0);
+            assert!(r["same_output_as_plain"].is_null());
+        } else {
+            assert!(tau >= 1.0, "{r}");
+            // Greedy speculation reproduces plain decoding exactly.
+            assert_eq!(r["same_output_as_plain"], true, "{r}");
+            assert!(r["speedup_vs_plain"].as_f64().unwrap() > 0.0);
+        }
+        // The CPU kernels are batch-invariant, so batch 2 decodes what batch 1 did.
+        if batch == 1 {
+            assert!(r["same_output_as_first_batch_size"].is_null());
+        } else {
+            assert_eq!(r["same_output_as_first_batch_size"], true, "{r}");
+        }
+    }
+}
+
+#[test]
+fn random_weights_of_a_real_shape_run_plain_and_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("random.json");
+    let report = bench_ok(
+        &[
+            "--random_weights",
+            "smollm2-135m",
+            "--dtype",
+            "float32",
+            "--prompt_len",
+            "8",
+            "--max_output_len",
+            "2",
+            "--num_prompts",
+            "1",
+            "--batch_sizes",
+            "1",
+            "--modes",
+            "plain,verify:4",
+        ],
+        &json,
+    );
+    check_common(&report);
+    assert_eq!(report["shape"], "smollm2-135m");
+    assert_eq!(report["dtype"], "float32");
+    assert_eq!(report["num_parameters"], 134_515_008);
+    assert_eq!(report["weight_bytes"], 134_515_008u64 * 4);
+    // 30 layers × K and V × 3 KV heads × head_dim 64 × 4 bytes.
+    assert_eq!(report["kv_bytes_per_token"], 30 * 2 * 3 * 64 * 4);
+    let rs = results(&report);
+    assert_eq!(rs.len(), 2);
+    assert_eq!(rs[0]["mode"], "plain");
+    // No end ids: every request runs to --max_output_len.
+    assert_eq!(rs[0]["generated_tokens"], 2);
+    assert_eq!(rs[0]["mean_accepted_len"], 1.0);
+    assert_eq!(rs[1]["mode"], "verify:4");
+    assert_eq!(rs[1]["verify"]["tree_tokens"], 4);
+}
+
+#[test]
+fn random_weights_sweep_batch_sizes_in_bfloat16() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("tiny.json");
+    let report = bench_ok(
+        &[
+            "--random_weights",
+            "tiny",
+            "--prompt_len",
+            "6",
+            "--max_output_len",
+            "5",
+            "--num_prompts",
+            "2",
+            "--batch_sizes",
+            "1,2",
+        ],
+        &json,
+    );
+    check_common(&report);
+    assert_eq!(report["dtype"], "bfloat16");
+    let modes: Vec<(&str, u64)> = results(&report)
+        .iter()
+        .map(|r| {
+            (
+                r["mode"].as_str().unwrap(),
+                r["batch_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            ("plain", 1),
+            ("verify:64", 1),
+            ("plain", 2),
+            ("verify:64", 2)
+        ]
+    );
+    assert_eq!(results(&report)[2]["same_output_as_first_batch_size"], true);
+}
+
+fn bench_error(args: &[&str]) -> String {
+    one_line_error("spec-bench", &exec(BENCH, args))
+}
+
+#[test]
+fn bench_refuses_bad_input_in_one_line() {
+    assert_eq!(
+        bench_error(&["--random_weights", "llama9"]),
+        "--random_weights 'llama9': unknown shape: expected one of llama2-7b, llama3-8b, smollm2-135m, tiny"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--batch_sizes", "1,x"]),
+        "--batch_sizes '1,x': 'x' is not a positive integer (expected a comma-separated list such as 1,4,16)"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--batch_size", "0"]),
+        "--batch_sizes '0': '0' is not a positive integer (expected a comma-separated list such as 1,4,16)"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--modes", "plain,eagle2:4"]),
+        "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--modes", "verify:x"]),
+        "--modes verify:x: verify needs a positive integer after ':'"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--dtype", "int8"]),
+        "--dtype: unknown dtype 'int8': expected one of float32, float16, bfloat16"
+    );
+    assert_eq!(
+        bench_error(&[]),
+        "give --engine_dir DIR or --random_weights SHAPE"
+    );
+    assert_eq!(
+        bench_error(&["--engine_dir", "x", "--random_weights", "tiny"]),
+        "give either --engine_dir or --random_weights, not both"
+    );
+    assert_eq!(
+        bench_error(&["--engine_dir", "x", "--dtype", "float32"]),
+        "--dtype applies to --random_weights only: an engine's dtype is fixed when spec-build builds it"
+    );
+}
+
+#[test]
+fn bench_refuses_batch_sizes_beyond_the_engine_and_eagle_modes_without_a_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), false);
+    let p = prompts(tmp.path());
+    let base = ["--engine_dir", s(&engine), "--prompts", s(&p)];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        bench_error(&a)
+    };
+    assert_eq!(
+        with(&["--batch_sizes", "1,16"]),
+        format!(
+            "--batch_sizes 16: {} was built with max_batch_size 4; rebuild it with spec-build --max_batch_size 16 or leave that batch size out",
+            engine.display()
+        )
+    );
+    assert_eq!(
+        with(&["--batch_sizes", "1", "--modes", "plain,eagle1"]),
+        format!(
+            "--modes eagle1: {} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle",
+            engine.display()
+        )
+    );
+    assert_eq!(
+        with(&["--modes", "draft_target:2"]),
+        "--modes draft_target:2 needs --draft_engine_dir"
+    );
+}
