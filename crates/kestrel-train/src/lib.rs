@@ -6,9 +6,15 @@
 //! * [`eagle`]: trains an EAGLE-1 head (one decoder layer over `fc(cat(embed, feature))`) on
 //!   that cache and writes it in the published EAGLE layout that
 //!   `convert-checkpoint --eagle_model_dir` reads.
+//! * [`draft`]: distils a small draft model (the target's config with fewer layers, started
+//!   from a subset of its layers) on the same data with KL to the target's distributions,
+//!   and writes it as an HF model folder that `convert-checkpoint --model_dir` reads.
+//! * [`common`]: what both trainers share (engine tensors, split, batches, schedule, clipping).
 
+pub mod common;
 pub mod dataset;
 pub mod distill;
+pub mod draft;
 pub mod eagle;
 pub mod error;
 pub mod prompts;
