@@ -504,6 +504,9 @@ fn training_forward_equals_the_inference_forward() {
         let vars = varmap.data().lock().unwrap();
         let q = &vars["model.layers.1.self_attn.q_proj.weight"];
         assert!(grads.get(q.as_tensor()).is_some(), "{name}");
-        assert!(grads.get(&frozen["model.embed_tokens.weight"]).is_none(), "{name}");
+        assert!(
+            grads.get(&frozen["model.embed_tokens.weight"]).is_none(),
+            "{name}"
+        );
     }
 }

@@ -233,8 +233,8 @@ pub struct DraftTrainConfig {
 impl Default for DraftTrainConfig {
     fn default() -> Self {
         DraftTrainConfig {
-            epochs: 3,
-            lr: 3e-4,
+            epochs: 4,
+            lr: 1e-3,
             warmup_steps: 10,
             min_lr_ratio: 0.1,
             beta1: 0.9,
