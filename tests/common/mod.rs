@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 pub const CONVERT: &str = env!("CARGO_BIN_EXE_convert-checkpoint");
 pub const BUILD: &str = env!("CARGO_BIN_EXE_spec-build");
 pub const RUN: &str = env!("CARGO_BIN_EXE_spec-run");
+pub const TRAIN: &str = env!("CARGO_BIN_EXE_spec-train");
 
 /// The repository root (the root package's manifest directory).
 pub fn repo() -> &'static Path {
@@ -50,6 +51,10 @@ pub fn spec_build(args: &[&str]) -> Output {
 
 pub fn spec_run(args: &[&str]) -> Output {
     exec(RUN, args)
+}
+
+pub fn spec_train(args: &[&str]) -> Output {
+    exec(TRAIN, args)
 }
 
 /// Runs convert-checkpoint, which must succeed with its one-line summary.

@@ -4,7 +4,7 @@
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{AttnCtx, DecoderLayer, Linear};
+use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, Linear};
 use crate::llama::{
     check_cache, check_supported, layer_dims, prepare_step, Llama, OutputRows, StepSeq,
 };
@@ -301,15 +301,7 @@ impl EagleHead {
             .reshape((b, t, h))?;
         let x = Tensor::cat(&[&emb, &features.to_dtype(self.dtype)?], D::Minus1)?;
         let x = self.fc.forward(&x)?;
-        let positions: Vec<u32> = (0..t as u32).collect();
-        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype, &self.device)?;
-        let mut mask = vec![0f32; t * t];
-        for i in 0..t {
-            for j in i + 1..t {
-                mask[i * t + j] = f32::MIN;
-            }
-        }
-        let mask = Tensor::from_vec(mask, (t, t), &self.device)?;
+        let (cos, sin, mask) = causal_train_inputs(&self.rope, t, self.dtype, &self.device)?;
         self.layer.forward(
             &x,
             &AttnCtx::Train {

@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::matvec::{MatMulNt, MAX_ROWS};
 use crate::rope;
 use crate::weights::{linear_init, WeightSource};
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use candle_nn::Init;
 
 /// `y = x · wᵀ (+ b)`, with `w: [out, in]`.
@@ -205,6 +205,26 @@ pub(crate) enum AttnCtx<'a> {
         sin: &'a Tensor,
         mask: &'a Tensor,
     },
+}
+
+/// The RoPE tables of positions `0..t` and the additive causal mask `[t, t]` of a training
+/// forward ([`AttnCtx::Train`]): every window starts at position 0 and sees no cache.
+pub(crate) fn causal_train_inputs(
+    rope: &rope::Rope,
+    t: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let (cos, sin) = rope.cos_sin(&positions, dtype, device)?;
+    let mut mask = vec![0f32; t * t];
+    for i in 0..t {
+        for j in i + 1..t {
+            mask[i * t + j] = f32::MIN;
+        }
+    }
+    let mask = Tensor::from_vec(mask, (t, t), device)?;
+    Ok((cos, sin, mask))
 }
 
 impl AttnCtx<'_> {

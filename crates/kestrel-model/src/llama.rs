@@ -5,12 +5,14 @@ use crate::batched_attn::BatchedStep;
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{AttnCtx, DecoderLayer, LayerDims, Linear, PagedSeq, RmsNorm};
+use crate::layer::{
+    causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, PagedSeq, RmsNorm,
+};
 use crate::rope::Rope;
 use crate::unshard;
-use crate::weights::{MapSource, WeightSource};
+use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::Init;
+use candle_nn::{Init, VarBuilder};
 use kestrel_core::{Mapping, ModelConfig};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -358,6 +360,37 @@ impl Llama {
             dtype,
             device,
         };
+        Self::build_from(cfg, &src)
+    }
+
+    /// A trainable model (see [`crate::eagle::EagleHead::from_var_builder`] for the head):
+    /// every tensor is a variable of `vb` (taken from its `VarMap` when present there, else
+    /// created with the usual initialisation), except those in `frozen` (HF names, full
+    /// shapes), which are constants that receive no gradient. A tied LM head is the embedding
+    /// itself, so a trainable tied embedding gets the gradients of both of its uses.
+    /// Projections stay unfused and the weights unpacked, so that optimiser updates of the
+    /// variables are what every forward sees; train with [`Llama::forward_train`].
+    pub fn from_var_builder(
+        cfg: &ModelConfig,
+        vb: VarBuilder,
+        frozen: &BTreeMap<String, Tensor>,
+    ) -> Result<Self> {
+        check_supported(cfg)?;
+        let vars = VarSource { vb: &vb };
+        let src = TrainSource {
+            frozen: MapSource {
+                map: frozen,
+                origin: "frozen tensors",
+                dtype: vb.dtype(),
+                device: vb.device(),
+            },
+            vars,
+        };
+        Self::build_from(cfg, &src)
+    }
+
+    fn build_from(cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        let (dtype, device) = (src.dtype(), src.device().clone());
         let h = cfg.hidden_size;
         let embed = src.get(
             "model.embed_tokens.weight",
@@ -366,16 +399,16 @@ impl Llama {
         )?;
         let dims = layer_dims(cfg);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| DecoderLayer::load(&src, &format!("model.layers.{l}"), dims, true))
+            .map(|l| DecoderLayer::load(src, &format!("model.layers.{l}"), dims, true))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&src, "model.norm", h, cfg.rms_norm_eps)?;
+        let norm = RmsNorm::load(src, "model.norm", h, cfg.rms_norm_eps)?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear {
                 w: embed.clone(),
                 b: None,
             }
         } else {
-            Linear::load(&src, "lm_head", cfg.vocab_size, h, false)?
+            Linear::load(src, "lm_head", cfg.vocab_size, h, false)?
         };
         let mut model = Llama {
             cfg: cfg.clone(),
@@ -385,10 +418,14 @@ impl Llama {
             lm_head,
             rope: Rope::new(cfg.head_dim(), cfg.rope_theta, cfg.rope_scaling.as_ref()),
             dtype,
-            device: device.clone(),
+            device,
             cpu_kernels: true,
         };
-        model.pack_weights()?;
+        // Packing copies the weights into one buffer: trainable variables must stay where
+        // the optimiser updates them.
+        if src.fuse() {
+            model.pack_weights()?;
+        }
         Ok(model)
     }
 
@@ -560,6 +597,36 @@ impl Llama {
             cache.set_len(seq, len)?;
         }
         Ok(out)
+    }
+
+    /// Training forward without a cache: `tokens: [B, T]` (u32, each row a sequence from
+    /// position 0; right padding is harmless under the causal mask) → final-normed hidden
+    /// states `[B, T, hidden]`, built from differentiable candle ops.
+    pub fn forward_train(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if b == 0 || t == 0 {
+            return Err(invalid(format!("empty training batch [{b}, {t}]")));
+        }
+        let h = self.cfg.hidden_size;
+        let ids = tokens.flatten_all()?;
+        let max = ids.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab_size {
+            return Err(invalid(format!(
+                "token id {max} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let mut x = self.embed.embedding(&ids)?.reshape((b, t, h))?;
+        let (cos, sin, mask) = causal_train_inputs(&self.rope, t, self.dtype, &self.device)?;
+        let ctx = AttnCtx::Train {
+            cos: &cos,
+            sin: &sin,
+            mask: &mask,
+        };
+        for layer in &self.layers {
+            x = layer.forward(&x, &ctx)?;
+        }
+        self.norm.forward(&x, true)
     }
 
     /// LM head over hidden states `[rows, hidden]` → f32 logits `[rows, vocab]`.

@@ -1,5 +1,6 @@
 //! Where a model's weights come from: an in-memory map of named tensors (inference, tests,
-//! loaded checkpoints) or a candle `VarBuilder` (trainable `Var`s for the EAGLE head).
+//! loaded checkpoints), a candle `VarBuilder` (trainable `Var`s for the EAGLE head), or both
+//! (a draft model whose embedding stays frozen while its layers train).
 
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -87,6 +88,39 @@ impl WeightSource for VarSource<'_> {
     }
     fn device(&self) -> &Device {
         self.vb.device()
+    }
+}
+
+/// Trainable `Var`s from `vars`, except the tensors `frozen` holds, which come as constants:
+/// autograd tracks no operation on them, so no gradient is computed for a frozen embedding.
+pub(crate) struct TrainSource<'a> {
+    pub vars: VarSource<'a>,
+    pub frozen: MapSource<'a>,
+}
+
+impl WeightSource for TrainSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        if self.frozen.map.contains_key(name) {
+            self.frozen.get(name, shape, init)
+        } else {
+            self.vars.get(name, shape, init)
+        }
+    }
+    fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        if self.frozen.map.contains_key(name) {
+            self.frozen.get_opt(name, shape)
+        } else {
+            self.vars.get_opt(name, shape)
+        }
+    }
+    fn fuse(&self) -> bool {
+        false
+    }
+    fn dtype(&self) -> DType {
+        self.vars.dtype()
+    }
+    fn device(&self) -> &Device {
+        self.vars.device()
     }
 }
 

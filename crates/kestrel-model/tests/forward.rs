@@ -582,3 +582,49 @@ fn bad_inputs_are_errors_not_panics() {
         .is_err());
     assert_eq!(cache.seq_len(s).unwrap(), 0);
 }
+
+/// The training forward (`from_var_builder` + `forward_train`, right-padded batch) gives the
+/// inference forward's hidden states, and gradients reach the trainable variables only.
+#[test]
+fn training_forward_equals_the_inference_forward() {
+    use candle_nn::{VarBuilder, VarMap};
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let tensors = random_tensors(&cfg, SEED).unwrap();
+        let varmap = VarMap::new();
+        let mut frozen = std::collections::BTreeMap::new();
+        for (n, t) in &tensors {
+            if n == "model.embed_tokens.weight" {
+                frozen.insert(n.clone(), t.clone());
+            } else {
+                let var = candle_core::Var::from_tensor(t).unwrap();
+                varmap.data().lock().unwrap().insert(n.clone(), var);
+            }
+        }
+        let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
+        let trainable = Llama::from_var_builder(&cfg, vb, &frozen).unwrap();
+        let (a, b) = (toks(9, 1), toks(5, 2));
+        let mut padded = a.clone();
+        padded.extend(&b);
+        padded.extend([0; 4]);
+        let batch = candle_core::Tensor::from_vec(padded, (2, 9), &Device::Cpu).unwrap();
+        let out = trainable.forward_train(&batch).unwrap();
+        for (i, seq) in [&a, &b].into_iter().enumerate() {
+            let mut cache = m.new_cache(8, 4).unwrap();
+            let id = cache.add_sequence();
+            let want = feed(&m, &mut cache, id, seq);
+            let got = rows(&out.get(i).unwrap().narrow(0, 0, seq.len()).unwrap());
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_close(g, w, 1e-4, &format!("{name} seq {i} row {r}"));
+            }
+        }
+        let grads = out.sum_all().unwrap().backward().unwrap();
+        let vars = varmap.data().lock().unwrap();
+        let q = &vars["model.layers.1.self_attn.q_proj.weight"];
+        assert!(grads.get(q.as_tensor()).is_some(), "{name}");
+        assert!(
+            grads.get(&frozen["model.embed_tokens.weight"]).is_none(),
+            "{name}"
+        );
+    }
+}

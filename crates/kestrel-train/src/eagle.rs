@@ -11,14 +11,13 @@
 //! so the vocabulary-sized logits stay out of candle's autograd graph: they are computed in
 //! row chunks and dropped, and only `Σ pred · g` is back-propagated through the head.
 
+use crate::common::{clip_gradients, cosine_lr, RankFiles};
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result};
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use kestrel_core::{AtomicDir, EagleHeadConfig, Mapping, ModelConfig};
 use kestrel_model::{EagleHead, Llama};
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -29,7 +28,7 @@ use std::time::Instant;
 /// Files of a published EAGLE head directory.
 pub const HEAD_CONFIG_FILE: &str = "config.json";
 pub const HEAD_WEIGHTS_FILE: &str = "model.safetensors";
-pub const TRAIN_LOG_FILE: &str = "train_log.json";
+pub use crate::common::{epoch_batches, split, TRAIN_LOG_FILE};
 
 /// The frozen base model as the trainer needs it: the decoder (for the embedding), the LM
 /// head weight and the last decoder layer's weights (for the head's initialisation).
@@ -54,13 +53,6 @@ const LAYER_TENSORS: &[&str] = &[
     "input_layernorm.weight",
 ];
 
-fn full_shape(cfg: &ModelConfig, name: &str) -> Option<Vec<usize>> {
-    kestrel_model::llama::expected_tensors(cfg)
-        .into_iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, s)| s)
-}
-
 impl<'a> FrozenBase<'a> {
     /// From HF-named full tensors (e.g. `kestrel_model::llama::random_tensors`).
     pub fn from_tensors(model: &'a Llama, tensors: &BTreeMap<String, Tensor>) -> Result<Self> {
@@ -81,34 +73,10 @@ impl<'a> FrozenBase<'a> {
         rank_files: &[PathBuf],
     ) -> Result<Self> {
         let cfg = model.config();
-        if rank_files.len() != mapping.tp_size {
-            return Err(invalid(format!(
-                "{} rank files for tp_size {}",
-                rank_files.len(),
-                mapping.tp_size
-            )));
-        }
-        let mut files = Vec::with_capacity(rank_files.len());
-        for path in rank_files {
-            // SAFETY: mapped read-only; nothing writes an engine while it is being read.
-            let st = unsafe { MmapedSafetensors::new(path) }.map_err(|e| file_err(path, e))?;
-            files.push(st);
-        }
-        let origins: Vec<String> = rank_files.iter().map(|p| p.display().to_string()).collect();
-        let get = |name: &str| -> Result<Tensor> {
-            let full = full_shape(cfg, name)
-                .ok_or_else(|| invalid(format!("'{name}' is not a tensor of this model")))?;
-            let mut shards = Vec::with_capacity(files.len());
-            for (st, path) in files.iter().zip(rank_files) {
-                shards.push(
-                    st.load(name, &Device::Cpu)
-                        .map_err(|e| file_err(path, format!("tensor '{name}': {e}")))?,
-                );
-            }
-            let t = kestrel_model::unshard::unshard(cfg, &mapping, name, &full, &shards, &origins)?;
-            Ok(t.to_dtype(DType::F32)?.to_device(model.device())?)
-        };
-        Self::assemble(model, cfg, get)
+        let files = RankFiles::open(cfg, mapping, rank_files)?;
+        Self::assemble(model, cfg, |name| {
+            Ok(files.get(name)?.to_device(model.device())?)
+        })
     }
 
     fn assemble(
@@ -231,13 +199,7 @@ impl TrainConfig {
 
     /// The learning rate of step `step` (0-based) of `total`.
     pub fn lr_at(&self, step: usize, total: usize) -> f64 {
-        if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
-        }
-        let span = total.saturating_sub(self.warmup_steps).max(1);
-        let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
-        let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-        self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+        cosine_lr(self.lr, self.warmup_steps, self.min_lr_ratio, step, total)
     }
 }
 
@@ -588,27 +550,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         let surrogate = (pred * grad)?.sum_all()?;
         let mut grads = surrogate.backward()?;
         let vars = self.varmap.all_vars();
-        let mut sq = 0f64;
-        for v in &vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-            }
-        }
-        let norm = sq.sqrt();
-        if !norm.is_finite() {
-            return Err(invalid(format!(
-                "step {}: the gradient is not finite (norm {norm}): lower --lr",
-                self.step
-            )));
-        }
-        if self.cfg.grad_clip > 0.0 && norm > self.cfg.grad_clip {
-            let s = self.cfg.grad_clip / norm;
-            for v in &vars {
-                if let Some(g) = grads.remove(v.as_tensor()) {
-                    grads.insert(v.as_tensor(), (g * s)?);
-                }
-            }
-        }
+        let norm = clip_gradients(&vars, &mut grads, self.cfg.grad_clip, self.step)?;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.step += 1;
@@ -763,38 +705,6 @@ pub struct TrainLog {
     pub epochs: Vec<EpochLog>,
     /// Training-batch losses every `step_log_every` steps: (step, loss, top1).
     pub steps: Vec<(usize, f64, f64)>,
-}
-
-/// Splits sequence indices into (train, validation), deterministically from `seed`.
-pub fn split(n: usize, val_fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
-    let mut idx: Vec<usize> = (0..n).collect();
-    idx.shuffle(&mut ChaCha8Rng::seed_from_u64(seed ^ 0x5eed));
-    let mut n_val = (n as f64 * val_fraction.clamp(0.0, 1.0)).round() as usize;
-    if val_fraction > 0.0 && n >= 2 {
-        n_val = n_val.clamp(1, n - 1);
-    }
-    let val = idx.split_off(n - n_val);
-    (idx, val)
-}
-
-/// Batches of an epoch: shuffled, then grouped by length in windows of 16 batches so that
-/// little padding is trained on.
-pub fn epoch_batches(
-    data: &FeatureDataset,
-    train: &[usize],
-    batch_size: usize,
-    rng: &mut ChaCha8Rng,
-) -> Vec<Vec<usize>> {
-    let mut idx = train.to_vec();
-    idx.shuffle(rng);
-    let mut batches = Vec::new();
-    for group in idx.chunks(batch_size * 16) {
-        let mut g = group.to_vec();
-        g.sort_by_key(|&s| data.seq_len(s));
-        batches.extend(g.chunks(batch_size).map(<[usize]>::to_vec));
-    }
-    batches.shuffle(rng);
-    batches
 }
 
 /// Where and how [`train`] saves.

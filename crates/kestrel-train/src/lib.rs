@@ -9,10 +9,16 @@
 //! * [`calibrate`]: measures a head's acceptance per tree depth and rank on a prompt set and
 //!   derives the static `eagle_choices` tree with the best expected accepted length for a
 //!   node budget (`spec-train calibrate`).
+//! * [`draft`]: distils a small draft model (the target's config with fewer layers, started
+//!   from a subset of its layers) on the same data with KL to the target's distributions,
+//!   and writes it as an HF model folder that `convert-checkpoint --model_dir` reads.
+//! * [`common`]: what both trainers share (engine tensors, split, batches, schedule, clipping).
 
 pub mod calibrate;
+pub mod common;
 pub mod dataset;
 pub mod distill;
+pub mod draft;
 pub mod eagle;
 pub mod error;
 pub mod prompts;

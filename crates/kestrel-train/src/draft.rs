@@ -1,0 +1,1062 @@
+//! Draft-model distillation: a small Llama that shares the target's tokenizer and shapes
+//! (the target's config with fewer decoder layers) learns the target's next-token
+//! distributions, for draft-target decoding.
+//!
+//! * **Student.** Decoder layer `i` starts as a copy of target layer `init_layers[i]`
+//!   ([`default_init_layers`]: evenly spaced, first and last included); the embedding, the
+//!   final norm and the LM head are the target's. The embedding (and an untied LM head) stay
+//!   frozen unless `train_embeddings`: they hold most of a small model's parameters, and
+//!   sharing the target's keeps the draft's token space the target's. A tied head stays tied.
+//! * **Targets.** The target's distribution at a position is `softmax(lm_head(f))` of its
+//!   final-normed hidden state `f`, which the self-distillation data
+//!   ([`crate::dataset::FeatureDataset`], written by `spec-train eagle --stage data`) already
+//!   holds for every position. So the frozen target costs one LM-head product per loss row
+//!   and no forward at all, and nothing vocabulary-wide is stored.
+//! * **Loss**, per answer position (a position whose next token is part of the answer):
+//!   `T² · KL(p_T ‖ q_T)` (forward KL at temperature `T`, scaled by `T²` so that gradient
+//!   magnitudes do not depend on `T`) plus `ce_weight ·` the cross-entropy of the student on
+//!   the target's greedy token. Both gradients with respect to the student's logits are
+//!   closed-form (`T · (q_T − p_T)` and `q − onehot`), so the logits stay out of candle's
+//!   autograd graph as in the EAGLE trainer: they are computed in row chunks, turned into a
+//!   gradient on the student's final hidden states (and on the LM head when it trains), and
+//!   only `Σ h · g` is back-propagated through the decoder.
+//! * **Output.** An HF model folder (`config.json`, `model.safetensors` under HF names, the
+//!   engine's tokenizer files, `train_log.json`), rewritten atomically after every epoch, that
+//!   `convert-checkpoint --model_dir` reads.
+
+use crate::common::{clip_gradients, cosine_lr, epoch_batches, RankFiles, TRAIN_LOG_FILE};
+use crate::dataset::FeatureDataset;
+use crate::error::{file_err, invalid, Result, TrainError};
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use kestrel_core::{AtomicDir, ModelConfig};
+use kestrel_model::llama::{expected_tensors, random_tensors};
+use kestrel_model::Llama;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Files of a draft model folder (Hugging Face layout).
+pub const DRAFT_CONFIG_FILE: &str = "config.json";
+pub const DRAFT_WEIGHTS_FILE: &str = "model.safetensors";
+
+/// The embedding's HF name.
+const EMBED: &str = "model.embed_tokens.weight";
+/// An untied LM head's HF name.
+const LM_HEAD: &str = "lm_head.weight";
+
+/// Target layers that the student's `num_layers` layers start from: layer 0 (it reads the
+/// raw embeddings, as the student's first layer will), the last layer (it writes the
+/// residual stream the final norm and the LM head expect), and the others at multiples of
+/// `target_layers / (num_layers − 1)` in between, so the copies cover the whole depth. For
+/// 30 layers and 4: 0, 10, 20, 29. One layer: layer 0. Empty for `num_layers` 0.
+pub fn default_init_layers(target_layers: usize, num_layers: usize) -> Vec<usize> {
+    match num_layers {
+        0 => Vec::new(),
+        1 => vec![0],
+        n => (0..n)
+            .map(|i| (i * target_layers / (n - 1)).min(target_layers.saturating_sub(1)))
+            .collect(),
+    }
+}
+
+/// Checks `--num_layers` and `--init_layers` against the target's depth and returns the
+/// target layer each student layer starts from (`init`, or [`default_init_layers`]).
+pub fn resolve_init_layers(
+    target_layers: usize,
+    num_layers: usize,
+    init: Option<&[usize]>,
+) -> Result<Vec<usize>> {
+    if num_layers == 0 {
+        return Err(invalid("--num_layers must be at least 1"));
+    }
+    if num_layers > target_layers {
+        return Err(invalid(format!(
+            "--num_layers {num_layers} exceeds the target's {target_layers} decoder layers: a draft has at most as many layers as its target"
+        )));
+    }
+    let Some(list) = init else {
+        return Ok(default_init_layers(target_layers, num_layers));
+    };
+    if list.len() != num_layers {
+        return Err(invalid(format!(
+            "--init_layers lists {} layers but --num_layers is {num_layers}: give one target layer per draft layer",
+            list.len()
+        )));
+    }
+    if let Some(&bad) = list.iter().find(|&&l| l >= target_layers) {
+        return Err(invalid(format!(
+            "--init_layers: layer {bad} is out of range: the target's decoder layers are 0..={}",
+            target_layers - 1
+        )));
+    }
+    Ok(list.to_vec())
+}
+
+/// The draft's configuration: the target's with `num_layers` decoder layers (same
+/// vocabulary, special tokens, shapes and RoPE).
+pub fn draft_config(target: &ModelConfig, num_layers: usize) -> ModelConfig {
+    let mut cfg = target.clone();
+    cfg.architectures = vec!["LlamaForCausalLM".into()];
+    cfg.num_hidden_layers = num_layers;
+    cfg.rope_parameters = None;
+    cfg
+}
+
+/// Where the target's full, HF-named tensors come from.
+pub trait TargetTensors {
+    /// The tensor `name`, f32 on the CPU.
+    fn tensor(&self, name: &str) -> Result<Tensor>;
+}
+
+impl TargetTensors for BTreeMap<String, Tensor> {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        let t = self
+            .get(name)
+            .ok_or_else(|| invalid(format!("target tensor '{name}' is missing")))?;
+        Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)
+    }
+}
+
+impl TargetTensors for RankFiles {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        self.get(name)
+    }
+}
+
+/// Where the student's first weights come from.
+#[derive(Debug, Clone)]
+pub enum DraftInit {
+    /// Student layer `i` is a copy of target layer `layers[i]`.
+    TargetLayers(Vec<usize>),
+    /// Seeded random layers (PyTorch-like bounds, norms near 1); embedding, final norm and
+    /// LM head are still the target's. The untrained baseline.
+    Random { seed: u64 },
+    /// Every student tensor under its HF name (resuming from a written draft).
+    Tensors(BTreeMap<String, Tensor>),
+}
+
+/// The student's initial tensors (HF names, f32, CPU) for a draft of `num_layers` layers.
+pub fn initial_student(
+    target_cfg: &ModelConfig,
+    target: &dyn TargetTensors,
+    num_layers: usize,
+    init: DraftInit,
+) -> Result<BTreeMap<String, Tensor>> {
+    let cfg = draft_config(target_cfg, num_layers);
+    let expected = expected_tensors(&cfg);
+    let mut out = BTreeMap::new();
+    match init {
+        DraftInit::Tensors(mut given) => {
+            for (name, shape) in &expected {
+                let t = given
+                    .remove(name)
+                    .ok_or_else(|| invalid(format!("draft tensor '{name}' is missing")))?;
+                if t.dims() != shape.as_slice() {
+                    return Err(invalid(format!(
+                        "draft tensor '{name}' has shape {:?}, expected {shape:?}",
+                        t.dims()
+                    )));
+                }
+                out.insert(name.clone(), t.to_dtype(DType::F32)?);
+            }
+        }
+        DraftInit::TargetLayers(layers) => {
+            let layers = resolve_init_layers(
+                target_cfg.num_hidden_layers,
+                num_layers,
+                Some(layers.as_slice()),
+            )?;
+            for (name, _) in &expected {
+                let source = match layer_of(name) {
+                    Some((i, rest)) => format!("model.layers.{}.{rest}", layers[i]),
+                    None => name.clone(),
+                };
+                out.insert(name.clone(), target.tensor(&source)?);
+            }
+        }
+        DraftInit::Random { seed } => {
+            resolve_init_layers(target_cfg.num_hidden_layers, num_layers, None)?;
+            let random = random_tensors(&cfg, seed)?;
+            for (name, _) in &expected {
+                let t = match layer_of(name) {
+                    Some(_) => random[name].clone(),
+                    None => target.tensor(name)?,
+                };
+                out.insert(name.clone(), t);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `model.layers.{i}.{rest}` → `(i, rest)`.
+fn layer_of(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (i, rest) = rest.split_once('.')?;
+    Some((i.parse().ok()?, rest))
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DraftTrainConfig {
+    /// Total epochs (a resumed run continues up to this many).
+    pub epochs: usize,
+    /// Peak learning rate (after warmup), AdamW.
+    pub lr: f64,
+    /// Linear warmup steps, then cosine decay to `lr · min_lr_ratio` at the last step.
+    pub warmup_steps: usize,
+    pub min_lr_ratio: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Longest window trained on: a sequence's first `max_len` tokens (the draft always
+    /// sees its context from position 0 at inference, so the window keeps the start).
+    pub max_len: usize,
+    /// Temperature `T` of the KL term.
+    pub kd_temperature: f64,
+    /// Weight of the cross-entropy on the target's greedy tokens.
+    pub ce_weight: f64,
+    /// Train the embedding (and an untied LM head) too.
+    pub train_embeddings: bool,
+    /// Rows per chunk of vocabulary-sized logits (memory bound).
+    pub logits_chunk: usize,
+    pub seed: u64,
+}
+
+impl Default for DraftTrainConfig {
+    fn default() -> Self {
+        DraftTrainConfig {
+            epochs: 4,
+            lr: 1e-3,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            batch_size: 8,
+            max_len: 512,
+            kd_temperature: 1.0,
+            ce_weight: 0.0,
+            train_embeddings: false,
+            logits_chunk: 256,
+            seed: 0,
+        }
+    }
+}
+
+impl DraftTrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 || self.max_len < 2 || self.logits_chunk == 0 {
+            return Err(invalid(
+                "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
+            ));
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(invalid(format!("--lr {} must be positive", self.lr)));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
+        }
+        if !(self.kd_temperature > 0.0 && self.kd_temperature.is_finite()) {
+            return Err(invalid(format!(
+                "--kd_temperature {} must be positive",
+                self.kd_temperature
+            )));
+        }
+        if !(self.ce_weight >= 0.0 && self.ce_weight.is_finite()) {
+            return Err(invalid(format!(
+                "--ce_weight {} must be non-negative",
+                self.ce_weight
+            )));
+        }
+        Ok(())
+    }
+
+    /// The learning rate of step `step` (0-based) of `total`.
+    pub fn lr_at(&self, step: usize, total: usize) -> f64 {
+        cosine_lr(self.lr, self.warmup_steps, self.min_lr_ratio, step, total)
+    }
+}
+
+/// One training or evaluation batch, on the training device.
+pub struct DraftBatch {
+    /// `[B, T]` u32: each sequence's window from position 0, right-padded.
+    pub tokens: Tensor,
+    /// Rows of the flattened `[B·T]` hidden states that carry loss.
+    pub loss_rows: Tensor,
+    /// `[N, H]` f32: the target's final-normed hidden states at those positions.
+    pub targets: Tensor,
+    pub n_rows: usize,
+}
+
+/// The window of sequence `s` (its first `len` tokens) and its loss positions
+/// `first..end`: positions whose next token belongs to the answer.
+fn window(data: &FeatureDataset, s: usize, max_len: usize) -> Option<(usize, usize, usize)> {
+    let n = data.seq_len(s);
+    if n < 2 {
+        return None;
+    }
+    let len = n.min(max_len);
+    let first = data.prompt_lens[s].max(1) - 1;
+    let end = (n - 1).min(len);
+    (first < end).then_some((len, first, end))
+}
+
+/// Builds the batch of sequences `seqs`; `None` when none of them has a loss position.
+pub fn make_draft_batch(
+    data: &FeatureDataset,
+    seqs: &[usize],
+    max_len: usize,
+    device: &Device,
+) -> Result<Option<DraftBatch>> {
+    let wins: Vec<(usize, (usize, usize, usize))> = seqs
+        .iter()
+        .filter_map(|&s| window(data, s, max_len).map(|w| (s, w)))
+        .collect();
+    if wins.is_empty() {
+        return Ok(None);
+    }
+    let t = wins.iter().map(|(_, (len, _, _))| *len).max().unwrap_or(1);
+    let b = wins.len();
+    let mut tokens = vec![0u32; b * t];
+    let mut loss_rows = Vec::new();
+    let mut target_rows = Vec::new();
+    for (row, &(s, (len, first, end))) in wins.iter().enumerate() {
+        tokens[row * t..row * t + len].copy_from_slice(&data.seq_tokens(s)[..len]);
+        let off = data.offsets[s];
+        for i in first..end {
+            loss_rows.push((row * t + i) as u32);
+            target_rows.push((off + i) as u32);
+        }
+    }
+    let n_rows = loss_rows.len();
+    let targets = data
+        .features
+        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?;
+    Ok(Some(DraftBatch {
+        tokens: Tensor::from_vec(tokens, (b, t), device)?,
+        loss_rows: Tensor::from_vec(loss_rows, n_rows, device)?,
+        targets: targets.to_device(device)?,
+        n_rows,
+    }))
+}
+
+/// Loss rows of `seqs` (answer positions inside the windows).
+pub fn loss_rows(data: &FeatureDataset, seqs: &[usize], max_len: usize) -> usize {
+    seqs.iter()
+        .filter_map(|&s| window(data, s, max_len).map(|(_, f, e)| e - f))
+        .sum()
+}
+
+/// Sums over the loss rows of one or more batches.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct KdSums {
+    pub rows: usize,
+    /// Σ over rows of KL(p_T ‖ q_T).
+    pub kl: f64,
+    /// Σ over rows of −log q(target's greedy token), at temperature 1.
+    pub ce: f64,
+    /// Rows where the student's greedy token is the target's.
+    pub top1: usize,
+}
+
+impl KdSums {
+    pub fn add(&mut self, o: &KdSums) {
+        self.rows += o.rows;
+        self.kl += o.kl;
+        self.ce += o.ce;
+        self.top1 += o.top1;
+    }
+    pub fn mean(&self, cfg: &DraftTrainConfig) -> KdMeans {
+        let n = self.rows.max(1) as f64;
+        let t2 = cfg.kd_temperature * cfg.kd_temperature;
+        KdMeans {
+            loss: (t2 * self.kl + cfg.ce_weight * self.ce) / n,
+            kl: self.kl / n,
+            ce: self.ce / n,
+            top1: self.top1 as f64 / n,
+            rows: self.rows,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct KdMeans {
+    pub loss: f64,
+    pub kl: f64,
+    pub ce: f64,
+    /// Greedy next-token agreement with the target (teacher-forced).
+    pub top1: f64,
+    pub rows: usize,
+}
+
+/// Gradients of a step's loss: on the student's final hidden states of the loss rows and,
+/// when the LM head trains, on its weight.
+struct KdGrads {
+    hidden: Tensor,
+    lm_head: Option<Tensor>,
+}
+
+/// Losses of student hidden states `h` against the target's `targets` (both `[N, H]`,
+/// detached) through the LM head `w: [V, H]`; with `grad_rows` (the step's loss rows), also
+/// the gradients of the mean loss.
+fn kd_losses(
+    h: &Tensor,
+    targets: &Tensor,
+    w: &Tensor,
+    cfg: &DraftTrainConfig,
+    grad_rows: Option<usize>,
+    lm_head_grad: bool,
+) -> Result<(KdSums, Option<KdGrads>)> {
+    let (n, _) = h.dims2()?;
+    let vocab = w.dim(0)?;
+    let temp = cfg.kd_temperature;
+    let mut sums = KdSums {
+        rows: n,
+        ..Default::default()
+    };
+    let w_t = w.t()?;
+    let ids = Tensor::arange(0u32, vocab as u32, h.device())?.unsqueeze(0)?;
+    let mut g_h = Vec::new();
+    let mut g_w: Option<Tensor> = None;
+    let mut start = 0;
+    while start < n {
+        let len = cfg.logits_chunk.min(n - start);
+        let hs = h.narrow(0, start, len)?;
+        let zs = hs.matmul(&w_t)?;
+        let zt = targets.narrow(0, start, len)?.matmul(&w_t)?;
+        let log_q1 = candle_nn::ops::log_softmax(&zs, D::Minus1)?;
+        let (log_qt, log_pt) = if temp == 1.0 {
+            (log_q1.clone(), candle_nn::ops::log_softmax(&zt, D::Minus1)?)
+        } else {
+            (
+                candle_nn::ops::log_softmax(&(&zs / temp)?, D::Minus1)?,
+                candle_nn::ops::log_softmax(&(&zt / temp)?, D::Minus1)?,
+            )
+        };
+        let pt = log_pt.exp()?;
+        sums.kl += (&pt * (&log_pt - &log_qt)?)?
+            .sum_all()?
+            .to_scalar::<f32>()? as f64;
+        let greedy = zt.argmax(D::Minus1)?;
+        sums.top1 += zs
+            .argmax(D::Minus1)?
+            .eq(&greedy)?
+            .to_dtype(DType::U32)?
+            .sum_all()?
+            .to_scalar::<u32>()? as usize;
+        let greedy = greedy.unsqueeze(1)?;
+        sums.ce -= log_q1.gather(&greedy, 1)?.sum_all()?.to_scalar::<f32>()? as f64;
+        if let Some(rows) = grad_rows {
+            let rows = rows.max(1) as f64;
+            // d(T² · KL(p_T ‖ q_T)) / dz = T · (q_T − p_T).
+            let mut dz = ((log_qt.exp()? - &pt)? * (temp / rows))?;
+            if cfg.ce_weight > 0.0 {
+                let onehot = greedy.broadcast_eq(&ids)?.to_dtype(DType::F32)?;
+                dz = (dz + ((log_q1.exp()? - onehot)? * (cfg.ce_weight / rows))?)?;
+            }
+            g_h.push(dz.matmul(w)?);
+            if lm_head_grad {
+                let gw = dz.t()?.matmul(&hs)?;
+                g_w = Some(match g_w {
+                    Some(acc) => (acc + gw)?,
+                    None => gw,
+                });
+            }
+        }
+        start += len;
+    }
+    let grads = match grad_rows {
+        Some(_) => Some(KdGrads {
+            hidden: Tensor::cat(&g_h, 0)?,
+            lm_head: g_w,
+        }),
+        None => None,
+    };
+    Ok((sums, grads))
+}
+
+/// A draft being trained: its variables, the model built over them and the optimiser.
+pub struct DraftTrainer {
+    model_cfg: ModelConfig,
+    varmap: VarMap,
+    frozen: BTreeMap<String, Tensor>,
+    model: Llama,
+    /// The LM head weight `[V, H]` (the embedding when tied): a variable's tensor when it
+    /// trains, else a constant.
+    lm_head: Tensor,
+    lm_head_trains: bool,
+    opt: AdamW,
+    device: Device,
+    pub cfg: DraftTrainConfig,
+    pub step: usize,
+}
+
+impl DraftTrainer {
+    /// A trainer for a draft of config `model_cfg` starting from `initial` (every HF tensor
+    /// of the config, see [`initial_student`]), on `device`.
+    pub fn new(
+        model_cfg: ModelConfig,
+        initial: BTreeMap<String, Tensor>,
+        cfg: DraftTrainConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        model_cfg
+            .validate()
+            .map_err(|e| invalid(format!("draft config: {e}")))?;
+        let head_name = if model_cfg.tie_word_embeddings {
+            EMBED
+        } else {
+            LM_HEAD
+        };
+        let varmap = VarMap::new();
+        let mut frozen = BTreeMap::new();
+        {
+            let mut vars = varmap
+                .data()
+                .lock()
+                .map_err(|_| invalid("variable map lock poisoned"))?;
+            for (name, shape) in expected_tensors(&model_cfg) {
+                let t = initial
+                    .get(&name)
+                    .ok_or_else(|| invalid(format!("initial draft tensor '{name}' is missing")))?;
+                if t.dims() != shape.as_slice() {
+                    return Err(invalid(format!(
+                        "initial draft tensor '{name}' has shape {:?}, expected {shape:?}",
+                        t.dims()
+                    )));
+                }
+                let t = t.to_dtype(DType::F32)?.to_device(device)?.contiguous()?;
+                let embedding = name == EMBED || name == LM_HEAD;
+                if embedding && !cfg.train_embeddings {
+                    frozen.insert(name, t);
+                } else {
+                    vars.insert(name, Var::from_tensor(&t)?);
+                }
+            }
+        }
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+        let model = Llama::from_var_builder(&model_cfg, vb, &frozen)?;
+        let lm_head = match frozen.get(head_name) {
+            Some(t) => t.clone(),
+            None => varmap
+                .data()
+                .lock()
+                .map_err(|_| invalid("variable map lock poisoned"))?
+                .get(head_name)
+                .map(|v| v.as_tensor().clone())
+                .ok_or_else(|| invalid(format!("'{head_name}' is neither frozen nor trained")))?,
+        };
+        let lm_head_trains = !frozen.contains_key(head_name);
+        let opt = AdamW::new(
+            varmap.all_vars(),
+            ParamsAdamW {
+                lr: cfg.lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: 1e-8,
+                weight_decay: cfg.weight_decay,
+            },
+        )?;
+        Ok(DraftTrainer {
+            model_cfg,
+            varmap,
+            frozen,
+            model,
+            lm_head,
+            lm_head_trains,
+            opt,
+            device: device.clone(),
+            cfg,
+            step: 0,
+        })
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.model_cfg
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Trained parameters (the frozen embedding excluded).
+    pub fn num_trainable(&self) -> usize {
+        self.varmap
+            .all_vars()
+            .iter()
+            .map(|v| v.as_tensor().elem_count())
+            .sum()
+    }
+
+    /// Final hidden states of the batch's loss rows, `[N, H]` (tracked for backprop).
+    fn predict(&self, batch: &DraftBatch) -> Result<Tensor> {
+        let h = self.model.forward_train(&batch.tokens)?;
+        let (b, t, d) = h.dims3()?;
+        Ok(h.reshape((b * t, d))?.index_select(&batch.loss_rows, 0)?)
+    }
+
+    /// One optimiser step on `batch` at learning rate `lr`; returns the batch's losses
+    /// (before the update) and the gradient norm (before clipping).
+    pub fn train_step(&mut self, batch: &DraftBatch, lr: f64) -> Result<(KdSums, f64)> {
+        let h = self.predict(batch)?;
+        let (sums, grads) = kd_losses(
+            &h.detach(),
+            &batch.targets,
+            &self.lm_head.detach(),
+            &self.cfg,
+            Some(batch.n_rows),
+            self.lm_head_trains,
+        )?;
+        let g = grads.ok_or_else(|| invalid("no gradient computed"))?;
+        let mut surrogate = (h * g.hidden)?.sum_all()?;
+        if let Some(gw) = g.lm_head {
+            surrogate = (surrogate + (&self.lm_head * gw)?.sum_all()?)?;
+        }
+        let mut grads = surrogate.backward()?;
+        let vars = self.varmap.all_vars();
+        let norm = clip_gradients(&vars, &mut grads, self.cfg.grad_clip, self.step)?;
+        self.opt.set_learning_rate(lr);
+        self.opt.step(&grads)?;
+        self.step += 1;
+        Ok((sums, norm))
+    }
+
+    /// Losses and greedy agreement over `seqs`, without updates.
+    pub fn evaluate(&self, data: &FeatureDataset, seqs: &[usize]) -> Result<KdSums> {
+        let mut total = KdSums::default();
+        for group in seqs.chunks(self.cfg.batch_size) {
+            let Some(batch) = make_draft_batch(data, group, self.cfg.max_len, &self.device)? else {
+                continue;
+            };
+            let h = self.predict(&batch)?.detach();
+            let w = self.lm_head.detach();
+            let (sums, _) = kd_losses(&h, &batch.targets, &w, &self.cfg, None, false)?;
+            total.add(&sums);
+        }
+        Ok(total)
+    }
+
+    /// Every tensor of the draft under its HF name (f32, CPU): a snapshot, since the
+    /// optimiser updates the variables in place.
+    pub fn tensors(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        let vars = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| invalid("variable map lock poisoned"))?;
+        for (name, v) in vars.iter() {
+            let t = v.as_tensor().copy()?.detach().to_device(&Device::Cpu)?;
+            out.insert(name.clone(), t);
+        }
+        for (name, t) in &self.frozen {
+            out.insert(name.clone(), t.to_device(&Device::Cpu)?);
+        }
+        Ok(out)
+    }
+}
+
+/// The HF `config.json` of a draft: its config plus `torch_dtype`.
+pub fn draft_config_json(cfg: &ModelConfig, dtype: DType) -> String {
+    let mut v = serde_json::to_value(cfg).expect("config serialises");
+    let name = match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    };
+    v["torch_dtype"] = serde_json::Value::String(name.into());
+    serde_json::to_string_pretty(&v).expect("JSON prints")
+}
+
+/// Writes a draft as an HF model folder: `config.json`, `model.safetensors` (HF names, in
+/// `dtype`; no `lm_head.weight` when tied), copies of `copy_files` (the engine's tokenizer
+/// and chat template) and the `extra` text files, replacing `dir` atomically.
+pub fn save_draft(
+    dir: &Path,
+    cfg: &ModelConfig,
+    tensors: &BTreeMap<String, Tensor>,
+    dtype: DType,
+    copy_files: &[PathBuf],
+    extra: &[(&str, String)],
+) -> Result<()> {
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(invalid(format!(
+            "save dtype {dtype:?}: use float16, bfloat16 or float32"
+        )));
+    }
+    let mut map = HashMap::new();
+    for (name, shape) in expected_tensors(cfg) {
+        let t = tensors
+            .get(&name)
+            .ok_or_else(|| invalid(format!("draft tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(invalid(format!(
+                "draft tensor '{name}' has shape {:?}, expected {shape:?}",
+                t.dims()
+            )));
+        }
+        map.insert(
+            name,
+            t.to_device(&Device::Cpu)?.to_dtype(dtype)?.contiguous()?,
+        );
+    }
+    let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
+    let weights = out.path().join(DRAFT_WEIGHTS_FILE);
+    candle_core::safetensors::save(&map, &weights).map_err(|e| file_err(&weights, e))?;
+    let config = out.path().join(DRAFT_CONFIG_FILE);
+    std::fs::write(&config, draft_config_json(cfg, dtype)).map_err(|e| file_err(&config, e))?;
+    for src in copy_files {
+        let name = src
+            .file_name()
+            .ok_or_else(|| file_err(src, "not a file to copy"))?;
+        std::fs::copy(src, out.path().join(name)).map_err(|e| file_err(src, e))?;
+    }
+    for (name, text) in extra {
+        let p = out.path().join(name);
+        std::fs::write(&p, text).map_err(|e| file_err(&p, e))?;
+    }
+    out.commit().map_err(|e| file_err(dir, e))?;
+    Ok(())
+}
+
+/// Reads a draft folder written by [`save_draft`]: its config, f32 tensors (checked against
+/// the config) and training log when present.
+pub fn load_draft(
+    dir: &Path,
+) -> Result<(ModelConfig, BTreeMap<String, Tensor>, Option<DraftTrainLog>)> {
+    let cfg = ModelConfig::from_json_file(&dir.join(DRAFT_CONFIG_FILE))?;
+    let path = dir.join(DRAFT_WEIGHTS_FILE);
+    let mut all =
+        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| file_err(&path, e))?;
+    let mut out = BTreeMap::new();
+    for (name, shape) in expected_tensors(&cfg) {
+        let t = all
+            .remove(&name)
+            .ok_or_else(|| file_err(&path, format!("tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(file_err(
+                &path,
+                format!(
+                    "tensor '{name}' has shape {:?}, expected {shape:?}",
+                    t.dims()
+                ),
+            ));
+        }
+        out.insert(name, t.to_dtype(DType::F32)?);
+    }
+    let log_path = dir.join(TRAIN_LOG_FILE);
+    let log = if log_path.is_file() {
+        let text = std::fs::read_to_string(&log_path).map_err(|e| file_err(&log_path, e))?;
+        Some(
+            serde_json::from_str(&text).map_err(|source| TrainError::Json {
+                path: log_path.display().to_string(),
+                source,
+            })?,
+        )
+    } else {
+        None
+    };
+    Ok((cfg, out, log))
+}
+
+/// Checks that `data`'s features are what `model` (the target) computes, on the data's
+/// shortest sequence: a feature cache made by another model would train the draft towards
+/// that model's distributions. Returns the largest difference relative to the largest
+/// feature.
+pub fn check_features(model: &Llama, data: &FeatureDataset) -> Result<f64> {
+    let Some(s) = (0..data.len()).min_by_key(|&s| data.seq_len(s)) else {
+        return Err(invalid("the feature cache holds no sequences"));
+    };
+    let fresh = FeatureDataset::extract(
+        model,
+        vec![(data.seq_tokens(s).to_vec(), data.prompt_lens[s])],
+        usize::MAX,
+        &mut |_, _| {},
+    )?;
+    let cached = data.features.narrow(0, data.offsets[s], data.seq_len(s))?;
+    let scale = fresh.features.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+    let diff = (&fresh.features - &cached)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()? as f64;
+    Ok(diff / scale.max(1e-12))
+}
+
+/// One line of the training log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DraftEpochLog {
+    /// 0 = before training.
+    pub epoch: usize,
+    /// Optimiser steps taken so far.
+    pub steps: usize,
+    pub lr: f64,
+    /// Running means over the epoch's training batches.
+    pub train: Option<KdMeans>,
+    /// Held-out sequences.
+    pub val: Option<KdMeans>,
+    pub grad_norm: f64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DraftTrainLog {
+    /// The command line that produced the draft (to reproduce one too big to ship).
+    pub command: Option<String>,
+    pub config: DraftTrainConfig,
+    pub init: String,
+    pub num_layers: usize,
+    pub trainable_parameters: usize,
+    pub train_sequences: usize,
+    pub val_sequences: usize,
+    pub train_loss_rows: usize,
+    pub epochs: Vec<DraftEpochLog>,
+    /// Training-batch means every tenth of an epoch: (step, loss, top1).
+    pub steps: Vec<(usize, f64, f64)>,
+}
+
+/// Where and how [`train_draft`] saves after every epoch.
+pub struct DraftSaveOptions<'p> {
+    pub output_dir: &'p Path,
+    pub dtype: DType,
+    /// Copied into the output folder (the engine's tokenizer.json, chat_template.jinja).
+    pub copy_files: Vec<PathBuf>,
+}
+
+/// Trains up to `trainer.cfg.epochs` epochs over `train`, evaluating on `val` before
+/// training and after every epoch, saving the draft (and `train_log.json`) after every
+/// epoch. With `resume` (the log of the run whose weights the trainer starts from), the
+/// finished epochs are skipped and the schedule continues at their step count; AdamW's
+/// moments start again from zero (they are not saved: they would triple the checkpoint).
+/// Each epoch's batch order depends only on the seed and the epoch, so a resumed run sees
+/// the batches an uninterrupted run would have. `log` receives one line per event.
+#[allow(clippy::too_many_arguments)]
+pub fn train_draft(
+    trainer: &mut DraftTrainer,
+    data: &FeatureDataset,
+    train: &[usize],
+    val: &[usize],
+    init_name: &str,
+    command: Option<String>,
+    resume: Option<DraftTrainLog>,
+    save: Option<&DraftSaveOptions>,
+    log: &mut dyn FnMut(&str),
+) -> Result<DraftTrainLog> {
+    let cfg = trainer.cfg.clone();
+    if train.is_empty() {
+        return Err(invalid("no training sequences"));
+    }
+    let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
+    let total = steps_per_epoch * cfg.epochs;
+    let t0 = Instant::now();
+    let val_means = |t: &DraftTrainer| -> Result<Option<KdMeans>> {
+        if val.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(t.evaluate(data, val)?.mean(&cfg)))
+    };
+    let mut tlog = match resume {
+        Some(mut prior) => {
+            let done = prior.epochs.last().map_or(0, |e| e.epoch);
+            trainer.step = prior.epochs.last().map_or(0, |e| e.steps);
+            log(&format!(
+                "resuming after epoch {done} (step {}): {} epochs to go",
+                trainer.step,
+                cfg.epochs.saturating_sub(done)
+            ));
+            prior.command = command.or(prior.command);
+            prior.config = cfg.clone();
+            prior
+        }
+        None => {
+            let v0 = val_means(trainer)?;
+            if let Some(v) = v0 {
+                log(&format!(
+                    "epoch 0 (init: {init_name}): val loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3} over {} rows",
+                    v.loss, v.kl, v.ce, v.top1, v.rows
+                ));
+            }
+            DraftTrainLog {
+                command,
+                config: cfg.clone(),
+                init: init_name.into(),
+                num_layers: trainer.model_cfg.num_hidden_layers,
+                trainable_parameters: trainer.num_trainable(),
+                train_sequences: train.len(),
+                val_sequences: val.len(),
+                train_loss_rows: loss_rows(data, train, cfg.max_len),
+                epochs: vec![DraftEpochLog {
+                    epoch: 0,
+                    steps: 0,
+                    lr: 0.0,
+                    train: None,
+                    val: v0,
+                    grad_norm: 0.0,
+                    seconds: t0.elapsed().as_secs_f64(),
+                }],
+                steps: Vec::new(),
+            }
+        }
+    };
+    let first_epoch = tlog.epochs.last().map_or(0, |e| e.epoch) + 1;
+    let every = (steps_per_epoch / 10).max(1);
+    for epoch in first_epoch..=cfg.epochs {
+        let te = Instant::now();
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            cfg.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        let mut sums = KdSums::default();
+        let mut window_sums = KdSums::default();
+        let (mut last_norm, mut lr) = (0.0, 0.0);
+        for (i, group) in epoch_batches(data, train, cfg.batch_size, &mut rng)
+            .iter()
+            .enumerate()
+        {
+            let Some(batch) = make_draft_batch(data, group, cfg.max_len, &trainer.device)? else {
+                continue;
+            };
+            lr = cfg.lr_at(trainer.step, total);
+            let (s, norm) = trainer.train_step(&batch, lr)?;
+            last_norm = norm;
+            sums.add(&s);
+            window_sums.add(&s);
+            if (i + 1) % every == 0 {
+                let m = window_sums.mean(&cfg);
+                tlog.steps.push((trainer.step, m.loss, m.top1));
+                log(&format!(
+                    "epoch {epoch} step {}/{steps_per_epoch} ({} total): loss {:.4} agreement {:.3} lr {lr:.2e} |g| {norm:.3} [{:.0}s]",
+                    i + 1,
+                    trainer.step,
+                    m.loss,
+                    m.top1,
+                    t0.elapsed().as_secs_f64()
+                ));
+                window_sums = KdSums::default();
+            }
+        }
+        let tm = sums.mean(&cfg);
+        let vm = val_means(trainer)?;
+        let mut line = format!(
+            "epoch {epoch}/{}: train loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3}",
+            cfg.epochs, tm.loss, tm.kl, tm.ce, tm.top1
+        );
+        if let Some(v) = vm {
+            line.push_str(&format!(
+                "; val loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3}",
+                v.loss, v.kl, v.ce, v.top1
+            ));
+        }
+        line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
+        log(&line);
+        tlog.epochs.push(DraftEpochLog {
+            epoch,
+            steps: trainer.step,
+            lr,
+            train: Some(tm),
+            val: vm,
+            grad_norm: last_norm,
+            seconds: te.elapsed().as_secs_f64(),
+        });
+        if let Some(save) = save {
+            let text = serde_json::to_string_pretty(&tlog).expect("log serialises");
+            save_draft(
+                save.output_dir,
+                &trainer.model_cfg,
+                &trainer.tensors()?,
+                save.dtype,
+                &save.copy_files,
+                &[(TRAIN_LOG_FILE, text)],
+            )?;
+            log(&format!("saved {}", save.output_dir.display()));
+        }
+    }
+    Ok(tlog)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mean loss written out with candle ops, so that autograd gives the reference
+    /// gradients: the student's logits through `ws`, the target's through `wt` (a constant:
+    /// the target side is never trained).
+    fn explicit_loss(
+        h: &Tensor,
+        ws: &Tensor,
+        t: &Tensor,
+        wt: &Tensor,
+        c: &DraftTrainConfig,
+    ) -> Tensor {
+        let n = h.dim(0).unwrap() as f64;
+        let temp = c.kd_temperature;
+        let zs = h.matmul(&ws.t().unwrap()).unwrap();
+        let zt = t.matmul(&wt.t().unwrap()).unwrap();
+        let log_q = candle_nn::ops::log_softmax(&(&zs / temp).unwrap(), D::Minus1).unwrap();
+        let log_p = candle_nn::ops::log_softmax(&(&zt / temp).unwrap(), D::Minus1).unwrap();
+        let kl = (log_p.exp().unwrap() * (&log_p - &log_q).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let greedy = zt.argmax(D::Minus1).unwrap().unsqueeze(1).unwrap();
+        let ce = candle_nn::ops::log_softmax(&zs, D::Minus1)
+            .unwrap()
+            .gather(&greedy, 1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .neg()
+            .unwrap();
+        ((kl * (temp * temp / n)).unwrap() + (ce * (c.ce_weight / n)).unwrap()).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let s = b.abs().unwrap().max_all().unwrap();
+        d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn closed_form_gradients_match_autograd() {
+        let dev = Device::Cpu;
+        let (n, hdim, vocab) = (7, 6, 11);
+        let h0 = Tensor::randn(0f32, 1.0, (n, hdim), &dev).unwrap();
+        let t = Tensor::randn(0f32, 1.0, (n, hdim), &dev).unwrap();
+        let w0 = Tensor::randn(0f32, 1.0, (vocab, hdim), &dev).unwrap();
+        for (temp, ce_weight, chunk) in [(1.0, 0.0, 256), (2.0, 0.3, 3), (0.5, 1.0, 1)] {
+            let c = DraftTrainConfig {
+                kd_temperature: temp,
+                ce_weight,
+                logits_chunk: chunk,
+                ..DraftTrainConfig::default()
+            };
+            let what = format!("T {temp}, ce_weight {ce_weight}, chunk {chunk}");
+            let (sums, grads) = kd_losses(&h0, &t, &w0, &c, Some(n), true).unwrap();
+            let grads = grads.unwrap();
+            let h = Var::from_tensor(&h0).unwrap();
+            let ws = Var::from_tensor(&w0).unwrap();
+            let loss = explicit_loss(h.as_tensor(), ws.as_tensor(), &t, &w0, &c);
+            let want = loss.to_scalar::<f32>().unwrap() as f64;
+            let got = sums.mean(&c).loss;
+            assert!(
+                (got - want).abs() < 1e-4 * want.max(1.0),
+                "{what}: {got} vs {want}"
+            );
+            let g = loss.backward().unwrap();
+            let gh = g.get(h.as_tensor()).unwrap();
+            let gw = g.get(ws.as_tensor()).unwrap();
+            assert!(max_rel(&grads.hidden, gh) < 1e-4, "{what}: hidden");
+            assert!(
+                max_rel(grads.lm_head.as_ref().unwrap(), gw) < 1e-4,
+                "{what}: lm_head"
+            );
+        }
+    }
+}

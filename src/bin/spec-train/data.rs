@@ -1,0 +1,138 @@
+//! The self-distillation data both trainers learn from: the engine answers prompts, then
+//! gives its final-normed hidden state at every position.
+
+use crate::parse_dtype;
+use anyhow::{bail, Result};
+use kestrel_core::DType;
+use kestrel_runtime::{Engine, TextCodec};
+use kestrel_spec::SamplingParams;
+use kestrel_train::dataset::FeatureDataset;
+use kestrel_train::distill::{distill, encode_prompts, DistillOptions};
+use kestrel_train::prompts::read_prompts;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// How the self-distillation data is made (shared by `eagle` and `draft`).
+#[derive(clap::Args, Debug)]
+#[command(rename_all = "snake_case")]
+pub struct DataArgs {
+    /// Prompts: ShareGPT JSON, GSM8K JSONL, MT-bench JSONL, or a list of strings; repeat the
+    /// flag to read several files, in order.
+    #[arg(long)]
+    pub prompts: Vec<PathBuf>,
+    #[arg(long, default_value_t = 300)]
+    pub num_prompts: usize,
+    /// Longest prompt kept (tokens after the chat template); longer ones are skipped.
+    #[arg(long, default_value_t = 256)]
+    pub max_prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// 0 = greedy answers.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Do not wrap prompts in the engine's chat template.
+    #[arg(long)]
+    pub no_chat: bool,
+    /// Tokens per varlen batch of the feature pass.
+    #[arg(long, default_value_t = 2048)]
+    pub feature_batch_tokens: usize,
+    /// Dtype of the cached features.
+    #[arg(long, default_value = "float16", value_parser = parse_dtype)]
+    pub feature_dtype: DType,
+    /// Generate the data even if --data_dir already holds some (--stage all; draft).
+    #[arg(long)]
+    pub regenerate: bool,
+}
+
+/// Self-distillation data into `data_dir`: `engine` answers the prompts, then gives the
+/// features.
+pub fn generate_data(
+    args: &DataArgs,
+    engine_dir: &Path,
+    data_dir: &Path,
+    seed: u64,
+    engine: &Engine,
+) -> Result<()> {
+    if args.prompts.is_empty() {
+        bail!("--prompts FILE is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)");
+    }
+    let codec = TextCodec::load(engine_dir, &engine.config)?;
+    let mut texts = Vec::new();
+    for file in &args.prompts {
+        texts.extend(read_prompts(file)?);
+    }
+    let prompts_file = args
+        .prompts
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let opts = DistillOptions {
+        num_prompts: args.num_prompts,
+        max_prompt_len: args.max_prompt_len,
+        max_new_tokens: args.max_new_tokens,
+        chat: !args.no_chat,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed,
+        },
+    };
+    let prompts = encode_prompts(&codec, &texts, &opts, engine.plan.limits.max_input_len)?;
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    eprintln!(
+        "spec-train: {} prompts ({prompt_tokens} tokens) from {} ({} read); answering up to {} tokens each",
+        prompts.len(),
+        prompts_file,
+        texts.len(),
+        args.max_new_tokens
+    );
+    let t0 = Instant::now();
+    let seqs = distill(engine, &prompts, &opts, &mut |done, total| {
+        eprintln!(
+            "spec-train: answered {done}/{total} [{:.0}s]",
+            t0.elapsed().as_secs_f64()
+        )
+    })?;
+    let generate_s = t0.elapsed().as_secs_f64();
+    let answer: usize = seqs.iter().map(|(t, p)| t.len() - p).sum();
+    eprintln!("spec-train: {answer} answer tokens in {generate_s:.0}s");
+    let t1 = Instant::now();
+    let mut data = FeatureDataset::extract(
+        &engine.model,
+        seqs,
+        args.feature_batch_tokens,
+        &mut |done, total| {
+            eprintln!(
+                "spec-train: features {done}/{total} [{:.0}s]",
+                t1.elapsed().as_secs_f64()
+            )
+        },
+    )?;
+    data.source = kestrel_train::dataset::DatasetSource {
+        engine_dir: engine_dir.display().to_string(),
+        prompts_file,
+        chat_template: !args.no_chat,
+        max_prompt_len: args.max_prompt_len,
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed,
+        generate_s,
+        features_s: t1.elapsed().as_secs_f64(),
+    };
+    data.save(data_dir, kestrel_model::candle_dtype(args.feature_dtype))?;
+    eprintln!(
+        "spec-train: wrote {} sequences ({} tokens, {} answer tokens) to {}",
+        data.len(),
+        data.tokens.len(),
+        data.answer_tokens(),
+        data_dir.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! `spec-train eagle`: data, then an EAGLE-1 head trained on the frozen base's features.
+
+use crate::data::{generate_data, DataArgs};
+use crate::parse_dtype;
+use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+use kestrel_core::DType;
+use kestrel_runtime::Engine;
+use kestrel_train::dataset::FeatureDataset;
+use kestrel_train::eagle::{
+    head_config, load_head, split, train, EagleTrainer, FrozenBase, HeadInit, SaveOptions,
+    TrainConfig,
+};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Stage {
+    /// Generate the data if --data_dir holds none, then train.
+    All,
+    /// Only generate the self-distillation data and features into --data_dir.
+    Data,
+    /// Only train, on the data already in --data_dir.
+    Train,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Init {
+    /// The base model's last decoder layer, fc = [0 | I] (feature passthrough).
+    Copy,
+    /// Random weights.
+    Random,
+}
+
+#[derive(clap::Args, Debug)]
+#[command(rename_all = "snake_case")]
+pub struct EagleArgs {
+    /// Base engine directory (spec-build output): answers the prompts, gives the features,
+    /// the embedding and the LM head.
+    #[arg(long)]
+    engine_dir: PathBuf,
+    /// Feature cache: written by the data stage, read by the train stage.
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Where the head goes (config.json + model.safetensors + train_log.json), replaced
+    /// atomically after every epoch. Needed unless --stage data.
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Stage::All)]
+    stage: Stage,
+    /// Where the base engine runs and the head trains: cpu or cuda:N (CUDA builds only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+
+    #[command(flatten)]
+    data: DataArgs,
+
+    // --- training ---
+    #[arg(long, default_value_t = 4)]
+    epochs: usize,
+    #[arg(long, default_value_t = 5e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 20)]
+    warmup_steps: usize,
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_ratio: f64,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Global gradient-norm clip (0 = off).
+    #[arg(long, default_value_t = 0.5)]
+    grad_clip: f64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Longest training window (head positions); longer sequences keep their end.
+    #[arg(long, default_value_t = 512)]
+    max_len: usize,
+    /// Input features get uniform noise in [-noise, noise].
+    #[arg(long, default_value_t = 0.1)]
+    noise: f32,
+    /// Weight of the distribution (cross-entropy) term.
+    #[arg(long, default_value_t = 0.1)]
+    ce_weight: f64,
+    /// Held-out fraction of the sequences (validation: loss and top-1 proxy).
+    #[arg(long, default_value_t = 0.1)]
+    val_fraction: f64,
+    #[arg(long, value_enum, default_value_t = Init::Copy)]
+    init: Init,
+    /// With --init copy: scale of the copied layer's o_proj and down_proj (0 = the head
+    /// starts as the identity on the feature).
+    #[arg(long, default_value_t = 0.0)]
+    out_scale: f64,
+    /// Train fc without a bias (writes "bias": false).
+    #[arg(long)]
+    no_bias: bool,
+    /// Start from this head directory (config.json + model.safetensors) instead of --init.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Dtype of the written head.
+    #[arg(long, default_value = "float16", value_parser = parse_dtype)]
+    save_dtype: DType,
+    /// Also write the training log here (it is always written into --output_dir).
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+    /// Rows per chunk of vocabulary-sized logits.
+    #[arg(long, default_value_t = 256)]
+    logits_chunk: usize,
+    /// Seed of prompt sampling, noise, shuffling and the split.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()> {
+    let data = FeatureDataset::load(&args.data_dir)?;
+    let cfg = &engine.config;
+    if data.hidden_size != cfg.hidden_size || data.vocab_size != cfg.vocab_size {
+        bail!(
+            "{}: the features were made for hidden_size {} / vocab {}, but {} has {} / {}: regenerate the data for this engine",
+            args.data_dir.display(),
+            data.hidden_size,
+            data.vocab_size,
+            args.engine_dir.display(),
+            cfg.hidden_size,
+            cfg.vocab_size
+        );
+    }
+    let rank_files: Vec<PathBuf> = engine
+        .plan
+        .weights
+        .iter()
+        .map(|w| args.engine_dir.join(&w.file))
+        .collect();
+    let base = FrozenBase::from_rank_files(&engine.model, engine.plan.mapping, &rank_files)?;
+    let (head_cfg, init, init_name) = match &args.resume {
+        Some(dir) => {
+            let (hc, tensors) = load_head(dir)?;
+            (
+                hc,
+                HeadInit::Tensors(tensors),
+                format!("resume {}", dir.display()),
+            )
+        }
+        None => {
+            let hc = head_config(cfg, !args.no_bias);
+            match args.init {
+                Init::Copy => (
+                    hc,
+                    HeadInit::CopyLastLayer {
+                        out_scale: args.out_scale,
+                    },
+                    format!("copy-last-layer (out_scale {})", args.out_scale),
+                ),
+                Init::Random => (
+                    hc,
+                    HeadInit::Random { seed: args.seed },
+                    "random".to_string(),
+                ),
+            }
+        }
+    };
+    let tcfg = TrainConfig {
+        epochs: args.epochs,
+        lr: args.lr,
+        warmup_steps: args.warmup_steps,
+        min_lr_ratio: args.min_lr_ratio,
+        weight_decay: args.weight_decay,
+        grad_clip: args.grad_clip,
+        batch_size: args.batch_size,
+        max_len: args.max_len,
+        noise: args.noise,
+        ce_weight: args.ce_weight,
+        logits_chunk: args.logits_chunk,
+        seed: args.seed,
+        ..TrainConfig::default()
+    };
+    let (train_idx, val_idx) = split(data.len(), args.val_fraction, args.seed);
+    eprintln!(
+        "spec-train: {} train / {} held-out sequences ({} answer tokens in all), {} epochs of {} steps, init {init_name}",
+        train_idx.len(),
+        val_idx.len(),
+        data.answer_tokens(),
+        tcfg.epochs,
+        train_idx.len().div_ceil(tcfg.batch_size)
+    );
+    let mut trainer = EagleTrainer::new(&base, head_cfg, init, tcfg)?;
+    let save = SaveOptions {
+        output_dir,
+        dtype: kestrel_model::candle_dtype(args.save_dtype),
+        extra: Vec::new(),
+    };
+    let log = train(
+        &mut trainer,
+        &data,
+        &train_idx,
+        &val_idx,
+        &init_name,
+        Some(&save),
+        &mut |line| eprintln!("spec-train: {line}"),
+    )?;
+    if let Some(path) = &args.log_json {
+        std::fs::write(path, serde_json::to_string_pretty(&log)?)
+            .with_context(|| format!("--log_json {}: cannot write it", path.display()))?;
+    }
+    Ok(())
+}
+
+pub fn run_eagle(args: &EagleArgs) -> Result<()> {
+    let output_dir = match (args.stage, &args.output_dir) {
+        (Stage::Data, _) => None,
+        (_, Some(dir)) => Some(dir.clone()),
+        (_, None) => bail!("--output_dir is needed to train (or pass --stage data)"),
+    };
+    let device = kestrel_runtime::device::parse(&args.device)?;
+    let engine = Engine::load(&args.engine_dir, &device)?;
+    let have_data = FeatureDataset::exists(&args.data_dir);
+    let make_data = match args.stage {
+        Stage::Data => true,
+        Stage::Train => false,
+        Stage::All => args.data.regenerate || !have_data,
+    };
+    if make_data {
+        generate_data(
+            &args.data,
+            &args.engine_dir,
+            &args.data_dir,
+            args.seed,
+            &engine,
+        )?;
+    } else if args.stage == Stage::All {
+        eprintln!(
+            "spec-train: reusing the features in {} (--regenerate to make new ones)",
+            args.data_dir.display()
+        );
+    }
+    if let Some(dir) = output_dir {
+        train_head(args, &engine, &dir)?;
+    }
+    Ok(())
+}
