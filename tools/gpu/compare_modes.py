@@ -7,6 +7,8 @@ for f in sorted(os.listdir(out)):
     if not f.endswith(".json"):
         continue
     doc = json.load(open(f"{out}/{f}"))
+    if not isinstance(doc, dict) or "outputs" not in doc:
+        continue  # a training log or a data set's metadata, not a spec-run result
     ids = [o["output_ids"] for o in doc["outputs"]]
     steps = sum(o["stats"]["steps"] for o in doc["outputs"])
     toks = sum(len(o["output_ids"]) - 1 for o in doc["outputs"])
