@@ -17,6 +17,7 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Decoder};
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::logit_rows::{LogitRows, LogitSlice};
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
@@ -25,7 +26,7 @@ use kestrel_core::checkpoint::TOKENIZER_FILE;
 use kestrel_core::SpeculativeMode;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
-use kestrel_spec::sampling::{argmax, probs, sample};
+use kestrel_spec::sampling::{probs, sample};
 use std::path::Path;
 use std::time::Instant;
 
@@ -290,20 +291,21 @@ impl<'e> DraftTargetDecoder<'e> {
                     output_rows: OutputRows::Last,
                 })
                 .collect();
-            let rows = model
-                .logits(&model.forward(&batch, &mut self.draft_cache)?)?
-                .to_vec2::<f32>()?;
-            for (&p, row) in active.iter().zip(&rows) {
+            let logits = model.logits(&model.forward(&batch, &mut self.draft_cache)?)?;
+            let rows = LogitRows::fetch(&logits, greedy)?;
+            let rows = rows.slice(0, active.len());
+            for (row, &p) in active.iter().enumerate() {
                 let prop = &mut proposals[p];
-                let token = if greedy {
-                    argmax(row)
-                } else {
-                    let q = probs(row, &params.sampling);
-                    let token = sample(&q, &mut seqs[prop.index].rng);
-                    if keep_q {
-                        prop.q.extend_from_slice(&q);
+                let token = match rows.logits() {
+                    None => rows.argmax(row),
+                    Some(rows) => {
+                        let q = probs(&rows[row], &params.sampling);
+                        let token = sample(&q, &mut seqs[prop.index].rng);
+                        if keep_q {
+                            prop.q.extend_from_slice(&q);
+                        }
+                        token
                     }
-                    token
                 };
                 prop.tokens.push(token);
             }
@@ -344,12 +346,13 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         let model = &self.target.model;
-        let rows = model
-            .logits(&model.forward(&batch, &mut self.target_cache)?)?
-            .to_vec2::<f32>()?;
+        // Token matching under greedy sampling needs only each row's argmax.
+        let greedy = params.sampling.is_greedy();
+        let logits = model.logits(&model.forward(&batch, &mut self.target_cache)?)?;
+        let rows = LogitRows::fetch(&logits, greedy)?;
         let mut offset = 0;
         for prop in proposals {
-            let target_rows = &rows[offset..offset + prop.k + 1];
+            let target_rows = rows.slice(offset, prop.k + 1);
             offset += prop.k + 1;
             let s = &mut seqs[prop.index];
             let acceptance = self.accept(prop, target_rows, s, params)?;
@@ -372,7 +375,7 @@ impl<'e> DraftTargetDecoder<'e> {
     fn accept(
         &self,
         prop: &Proposal,
-        target_rows: &[Vec<f32>],
+        target_rows: LogitSlice<'_>,
         s: &mut Sequence,
         params: &GenerationParams,
     ) -> Result<ChainAcceptance> {
@@ -380,7 +383,8 @@ impl<'e> DraftTargetDecoder<'e> {
         let bad = |e: kestrel_spec::AcceptError| {
             RuntimeError::Engine(format!("draft-target acceptance of sequence {index}: {e}"))
         };
-        if self.options.use_logits && !params.sampling.is_greedy() {
+        let logits = target_rows.logits();
+        if let (true, Some(target_rows)) = (self.options.use_logits, logits) {
             let vocab = target_rows.first().map_or(0, Vec::len);
             let p: Vec<f32> = target_rows
                 .iter()
@@ -391,11 +395,10 @@ impl<'e> DraftTargetDecoder<'e> {
         // Token matching: the target's own token at each position (argmax, or a draw from
         // its distribution), taken only as far as the drafts agree.
         let mut target_tokens = Vec::with_capacity(prop.k + 1);
-        for (i, row) in target_rows.iter().enumerate() {
-            let t = if params.sampling.is_greedy() {
-                argmax(row)
-            } else {
-                sample(&probs(row, &params.sampling), &mut s.rng)
+        for i in 0..target_rows.len() {
+            let t = match logits {
+                None => target_rows.argmax(i),
+                Some(rows) => sample(&probs(&rows[i], &params.sampling), &mut s.rng),
             };
             target_tokens.push(t);
             if prop.tokens.get(i) != Some(&t) {

@@ -5,6 +5,7 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::kv_budget::{PoolShape, FRACTION_FLAG};
+use crate::logit_rows::argmax_rows;
 use crate::request::{GenerationParams, KvPoolStats, RunTimings, SequenceOutput, TokenSink};
 use crate::sequence::{validate_prompts, Sequence};
 use candle_core::Tensor;
@@ -128,6 +129,9 @@ pub(crate) fn sample_rows(
     seqs: &mut [&mut Sequence],
     params: &GenerationParams,
 ) -> Result<Vec<u32>> {
+    if params.sampling.is_greedy() {
+        return argmax_rows(logits);
+    }
     let rows = logits.to_vec2::<f32>()?;
     Ok(rows
         .iter()

@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 mod generate;
 pub mod kv_budget;
+mod logit_rows;
 mod plain;
 mod prefix;
 pub mod request;

@@ -2,26 +2,31 @@
 
 use super::draft::DraftedTree;
 use crate::error::{Result, RuntimeError};
+use crate::logit_rows::LogitSlice;
 use crate::Acceptance;
 use kestrel_spec::accept::{self, DraftProposal, TreeAcceptance, TypicalParams};
 use kestrel_spec::sampling::{self, SamplingParams};
 use kestrel_spec::SeqRng;
 
-/// `logits`: the target's rows for the tree's nodes, root first.
+/// `target`: the target's rows for the tree's nodes, root first (only their argmaxes when
+/// sampling is greedy).
 pub(crate) fn accept_tree(
     tree: &DraftedTree,
-    logits: &[Vec<f32>],
+    target: LogitSlice<'_>,
     rule: Acceptance,
     params: &SamplingParams,
     rng: &mut SeqRng,
 ) -> Result<TreeAcceptance> {
     let paths = tree.buffers.retrieve_paths();
-    let vocab = logits.first().map_or(0, Vec::len);
     let outcome = if params.is_greedy() {
         // Every rule is argmax matching under greedy sampling.
-        let argmax: Vec<u32> = logits.iter().map(|r| sampling::argmax(r)).collect();
+        let argmax: Vec<u32> = (0..target.len()).map(|i| target.argmax(i)).collect();
         accept::greedy_tree(&tree.tokens, &argmax, paths)
     } else {
+        let logits = target.logits().ok_or_else(|| {
+            RuntimeError::Engine("sampled tree acceptance needs the target's logits".into())
+        })?;
+        let vocab = logits.first().map_or(0, Vec::len);
         match rule {
             Acceptance::TokenMatch => {
                 // The target samples its own token at every node; drafts only guess them, so

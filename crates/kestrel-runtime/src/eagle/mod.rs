@@ -17,6 +17,7 @@ use crate::generate::{
     count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::logit_rows::LogitRows;
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
@@ -281,14 +282,14 @@ impl Decoder for EagleDecoder<'_> {
                 })
                 .collect();
             let hidden = model.forward(&batch, &mut self.base_cache)?;
-            let logits = model.logits(&hidden)?.to_vec2::<f32>()?;
+            let target = LogitRows::fetch(&model.logits(&hidden)?, params.sampling.is_greedy())?;
             let mut offset = 0;
             for ((&i, tree), &base_len) in live.iter().zip(&trees).zip(&bases) {
                 let n = tree.tokens.len();
                 let s = &mut seqs[i];
                 let acc = accept::accept_tree(
                     tree,
-                    &logits[offset..offset + n],
+                    target.slice(offset, n),
                     self.options.acceptance,
                     &params.sampling,
                     &mut s.rng,
