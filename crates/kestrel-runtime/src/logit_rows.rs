@@ -8,8 +8,14 @@
 //! chosen), so a greedy step picks the same token on either path, and plain decoding and
 //! verification pick alike.
 //!
-//! On the CPU the rows are already in host memory, and the plain scan
-//! ([`kestrel_spec::sampling::argmax`]) beats five tensor passes, so it stays there.
+//! EAGLE drafting needs the k best tokens of each head row and their log-probabilities. On a
+//! device those come from a two-stage sort ([`top_k_on_device`]): every 1024-wide slice of a
+//! row is sorted and keeps its k best, then the survivors are sorted again, so about fifteen
+//! launches replace copying `rows × vocab` floats. Equal logits may come out in another order
+//! than the host's (lower id first); drafts only propose, so that changes no output.
+//!
+//! On the CPU the rows are already in host memory, and the plain scans
+//! ([`kestrel_spec::sampling::argmax`], [`top_k`]) beat tensor passes, so they stay there.
 
 use crate::error::Result;
 use candle_core::{DType, Tensor, D};
@@ -108,6 +114,101 @@ pub fn argmax_on_device(logits: &Tensor) -> candle_core::Result<Tensor> {
         .to_dtype(DType::U32)
 }
 
+/// Each row's `k` best tokens, best first, with their log-probabilities under softmax(row):
+/// on the host for CPU tensors, on the device otherwise.
+pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+    if logits.device().is_cpu() {
+        return Ok(logits
+            .to_vec2::<f32>()?
+            .iter()
+            .map(|r| top_k_logp(r, k))
+            .collect());
+    }
+    let (ids, logp) = top_k_on_device(logits, k)?;
+    Ok(ids
+        .to_vec2::<u32>()?
+        .into_iter()
+        .zip(logp.to_vec2::<f32>()?)
+        .collect())
+}
+
+/// The k largest entries, best first (lower token id first on ties).
+pub(crate) fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(row.len());
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, row[i as usize])).collect()
+}
+
+/// Top-k tokens with their log-probabilities under softmax(row).
+pub(crate) fn top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max
+        + row
+            .iter()
+            .map(|&x| ((x - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
+    top_k(row, k)
+        .into_iter()
+        .map(|(t, l)| (t, (l - lse).min(0.0)))
+        .unzip()
+}
+
+/// Widest slice candle's device sort takes (one thread block per row).
+const SORT_WIDTH: usize = 1024;
+
+/// `([rows, k] u32 ids, [rows, k] f32 log-probs)`, best first, with tensor ops that run where
+/// `logits` (`[rows, vocab]` f32) lives: rows are cut into [`SORT_WIDTH`]-wide slices, each
+/// slice is sorted and keeps its k best, and the survivors are cut and sorted again until one
+/// slice is left.
+pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let (rows, vocab) = logits.dims2()?;
+    let k = k.clamp(1, vocab.min(SORT_WIDTH));
+    let dev = logits.device();
+    let max = logits.max_keepdim(D::Minus1)?;
+    let lse = logits
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        .add(&max)?;
+    let mut values = logits.contiguous()?;
+    let mut ids = Tensor::arange(0u32, vocab as u32, dev)?
+        .unsqueeze(0)?
+        .broadcast_as((rows, vocab))?
+        .contiguous()?;
+    while values.dim(1)? > SORT_WIDTH {
+        let width = values.dim(1)?;
+        let slices = width.div_ceil(SORT_WIDTH);
+        let pad = slices * SORT_WIDTH - width;
+        if pad > 0 {
+            let neg_inf = Tensor::full(f32::NEG_INFINITY, (rows, pad), dev)?;
+            values = Tensor::cat(&[&values, &neg_inf], 1)?;
+            ids = Tensor::cat(&[&ids, &Tensor::zeros((rows, pad), DType::U32, dev)?], 1)?;
+        }
+        let v = values.reshape((rows * slices, SORT_WIDTH))?;
+        let best = v.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
+        values = v.gather(&best, 1)?.reshape((rows, slices * k))?;
+        ids = ids
+            .reshape((rows * slices, SORT_WIDTH))?
+            .gather(&best, 1)?
+            .reshape((rows, slices * k))?;
+    }
+    let best = values
+        .arg_sort_last_dim(false)?
+        .narrow(1, 0, k)?
+        .contiguous()?;
+    let top = values.gather(&best, 1)?;
+    let logp = top.broadcast_sub(&lse)?.clamp(f32::NEG_INFINITY, 0.0)?;
+    Ok((ids.gather(&best, 1)?, logp))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +256,52 @@ mod tests {
         // Guard against a vacuous comparison: the planted ties are not all at index 0.
         assert_eq!(want[0], 5);
         assert_eq!(want[3], 0);
+    }
+
+    #[test]
+    fn top_k_orders_by_value_then_id() {
+        assert_eq!(
+            top_k(&[0.5, 2.0, 2.0, -1.0, 1.0], 3),
+            vec![(1, 2.0), (2, 2.0), (4, 1.0)]
+        );
+    }
+
+    #[test]
+    fn top_k_logp_are_log_softmax() {
+        let (t, lp) = top_k_logp(&[0.0, 0.0f32.ln_1p(), 1.0], 2);
+        assert_eq!(t, vec![2, 0]);
+        let z = 2.0 + std::f32::consts::E;
+        assert!((lp[0] - (std::f32::consts::E / z).ln()).abs() < 1e-6);
+        assert!((lp[1] - (1.0 / z).ln()).abs() < 1e-6);
+    }
+
+    /// The two-stage device sort, run on CPU tensors, against the host selection: rows wider
+    /// than two sort slices (so survivors are cut again) and a width that needs padding.
+    #[test]
+    fn device_top_k_equals_the_host_selection() {
+        for (vocab, k) in [(2500usize, 10usize), (1024 * 3, 4), (700, 1), (5000, 300)] {
+            let rows = 3;
+            // Distinct values (a permutation scaled), so the order is unique.
+            let mut data: Vec<f32> = Vec::with_capacity(rows * vocab);
+            for r in 0..rows {
+                data.extend((0..vocab).map(|i| ((i * 7919 + r * 104_729) % vocab) as f32 / 97.0));
+            }
+            let t = Tensor::from_vec(data.clone(), (rows, vocab), &Device::Cpu).unwrap();
+            let (ids, logp) = top_k_on_device(&t, k).unwrap();
+            let (ids, logp) = (
+                ids.to_vec2::<u32>().unwrap(),
+                logp.to_vec2::<f32>().unwrap(),
+            );
+            for r in 0..rows {
+                let (want_ids, want_logp) = top_k_logp(&data[r * vocab..(r + 1) * vocab], k);
+                assert_eq!(ids[r], want_ids, "vocab {vocab} k {k} row {r}");
+                for (g, w) in logp[r].iter().zip(&want_logp) {
+                    assert!(
+                        (g - w).abs() < 1e-4,
+                        "vocab {vocab} k {k}: log-prob {g} vs {w}"
+                    );
+                }
+            }
+        }
     }
 }

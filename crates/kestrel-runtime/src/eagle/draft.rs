@@ -3,6 +3,7 @@
 
 use super::feed::{feed_trees, TreeFeed};
 use crate::error::{Result, RuntimeError};
+use crate::logit_rows::top_k_rows;
 use candle_core::Tensor;
 use kestrel_model::{EagleHead, Llama, PagedKvCache, SeqId};
 use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
@@ -29,6 +30,13 @@ pub(crate) struct DraftedTree<'t> {
     pub tokens: Vec<u32>,
     pub buffers: Cow<'t, TreeBuffers>,
     pub draft_probs: Option<Vec<f32>>,
+}
+
+/// What a level's head rows are reduced to: the best tokens (found where the logits are) or
+/// the full rows (sampled children need the distribution).
+enum HeadRows {
+    TopK(Vec<(Vec<u32>, Vec<f32>)>),
+    Logits(Vec<Vec<f32>>),
 }
 
 /// How children are chosen from the head's distribution at a node.
@@ -105,23 +113,26 @@ impl Drafter<'_> {
                     }
                 }
             }
-            let rows = self.logits_of(&outputs, &level.expand)?;
-            for (s, seq_rows) in rows.chunks(level.expand.len()).enumerate() {
-                let mut children = Vec::with_capacity(seq_rows.len());
-                for (row, &node) in seq_rows.iter().zip(&level.expand) {
-                    children.push(match choice {
-                        ChildChoice::TopK => top_k(row, level.top_k)
-                            .into_iter()
-                            .map(|(t, _)| t)
-                            .collect(),
-                        ChildChoice::Sample(params) => {
-                            let q = sampling::probs(row, params);
+            let logits = self.logits_of(&outputs, &level.expand)?;
+            let rows = match choice {
+                ChildChoice::TopK => HeadRows::TopK(top_k_rows(&logits, level.top_k)?),
+                ChildChoice::Sample(_) => HeadRows::Logits(logits.to_vec2::<f32>()?),
+            };
+            for s in 0..roots.len() {
+                let mut children = Vec::with_capacity(level.expand.len());
+                for (j, &node) in level.expand.iter().enumerate() {
+                    let row = s * level.expand.len() + j;
+                    children.push(match (choice, &rows) {
+                        (ChildChoice::TopK, HeadRows::TopK(best)) => best[row].0.clone(),
+                        (ChildChoice::Sample(params), HeadRows::Logits(rows)) => {
+                            let q = sampling::probs(&rows[row], params);
                             let picked = sample_without_replacement(&q, level.top_k, rngs[s]);
                             if let Some(p) = probs[s].as_mut() {
                                 p[node * vocab..(node + 1) * vocab].copy_from_slice(&q);
                             }
                             picked
                         }
+                        _ => unreachable!("rows are fetched for the choice"),
                     });
                 }
                 for pick in &level.picks {
@@ -159,9 +170,8 @@ impl Drafter<'_> {
                 .collect::<Vec<_>>(),
             &[0],
         )?;
-        for row in &root_rows {
+        for (t, lp) in top_k_rows(&root_rows, top)? {
             let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
-            let (t, lp) = top_k_logp(row, top);
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);
         }
@@ -205,16 +215,15 @@ impl Drafter<'_> {
                 }
                 ids_per_seq.push(frontier.iter().map(|&c| c + 1).collect::<Vec<_>>());
             }
-            let rows = self.logits_of_ids(&outputs, &ids_per_seq)?;
+            let best = top_k_rows(&self.logits_of_ids(&outputs, &ids_per_seq)?, top)?;
             let mut offset = 0;
             for (s, b) in builders.iter_mut().enumerate() {
                 let k = ids_per_seq[s].len();
                 let (mut toks, mut lps) =
                     (Vec::with_capacity(k * top), Vec::with_capacity(k * top));
-                for row in &rows[offset..offset + k] {
-                    let (t, lp) = top_k_logp(row, top);
-                    toks.extend(t);
-                    lps.extend(lp);
+                for (t, lp) in &best[offset..offset + k] {
+                    toks.extend_from_slice(t);
+                    lps.extend_from_slice(lp);
                 }
                 offset += k;
                 b.push_layer(&toks, &lps).map_err(bad)?;
@@ -235,17 +244,14 @@ impl Drafter<'_> {
             .collect()
     }
 
-    /// Head logits (f32, host) of the given nodes of every sequence, sequence-major.
-    fn logits_of(&self, outputs: &[Vec<Option<Tensor>>], nodes: &[usize]) -> Result<Vec<Vec<f32>>> {
+    /// Head logits (`[rows, vocab]` f32, on the model's device) of the given nodes of every
+    /// sequence, sequence-major.
+    fn logits_of(&self, outputs: &[Vec<Option<Tensor>>], nodes: &[usize]) -> Result<Tensor> {
         let ids: Vec<Vec<usize>> = outputs.iter().map(|_| nodes.to_vec()).collect();
         self.logits_of_ids(outputs, &ids)
     }
 
-    fn logits_of_ids(
-        &self,
-        outputs: &[Vec<Option<Tensor>>],
-        ids: &[Vec<usize>],
-    ) -> Result<Vec<Vec<f32>>> {
+    fn logits_of_ids(&self, outputs: &[Vec<Option<Tensor>>], ids: &[Vec<usize>]) -> Result<Tensor> {
         let rows: Vec<Tensor> = outputs
             .iter()
             .zip(ids)
@@ -255,36 +261,8 @@ impl Drafter<'_> {
             })
             .collect();
         let hidden = Tensor::cat(&rows, 0)?;
-        Ok(self.base.logits(&hidden)?.to_vec2::<f32>()?)
+        Ok(self.base.logits(&hidden)?)
     }
-}
-
-/// The k largest entries, best first (lower token id first on ties).
-pub(crate) fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let k = k.min(row.len());
-    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    let cmp = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k, cmp);
-        idx.truncate(k);
-    }
-    idx.sort_by(cmp);
-    idx.into_iter().map(|i| (i, row[i as usize])).collect()
-}
-
-/// Top-k tokens with their log-probabilities under softmax(row).
-fn top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max
-        + row
-            .iter()
-            .map(|&x| ((x - max) as f64).exp())
-            .sum::<f64>()
-            .ln() as f32;
-    top_k(row, k)
-        .into_iter()
-        .map(|(t, l)| (t, (l - lse).min(0.0)))
-        .unzip()
 }
 
 /// k distinct tokens drawn without replacement from `q`; once q is exhausted the rest repeat
@@ -308,23 +286,6 @@ fn sample_without_replacement(q: &[f32], k: usize, rng: &mut SeqRng) -> Vec<u32>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn top_k_orders_by_value_then_id() {
-        assert_eq!(
-            top_k(&[0.5, 2.0, 2.0, -1.0, 1.0], 3),
-            vec![(1, 2.0), (2, 2.0), (4, 1.0)]
-        );
-    }
-
-    #[test]
-    fn top_k_logp_are_log_softmax() {
-        let (t, lp) = top_k_logp(&[0.0, 0.0f32.ln_1p(), 1.0], 2);
-        assert_eq!(t, vec![2, 0]);
-        let z = 2.0 + std::f32::consts::E;
-        assert!((lp[0] - (std::f32::consts::E / z).ln()).abs() < 1e-6);
-        assert!((lp[1] - (1.0 / z).ln()).abs() < 1e-6);
-    }
 
     #[test]
     fn sampling_without_replacement_gives_distinct_tokens() {
