@@ -5,7 +5,8 @@
 #   bash tools/gpu/train_eagle_h200.sh data    # base engine + answers + features -> /tmp/data
 #   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
 #   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
-# Knobs (environment): NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call).
+# Knobs (environment): NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
+# TTT_STEPS (training-time-test unroll passes, default 1) and TTT_DECAY (default 1).
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
 source tools/gpu/device-env.sh
@@ -38,6 +39,7 @@ train)
   timeout "${TRAIN_S:-540}" $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage train \
     --data_dir /tmp/data --output_dir /tmp/head "${resume[@]}" --epochs "${EPOCHS:-8}" \
     --lr "${LR:-1e-3}" --batch_size 32 --max_len 768 --logits_chunk 4096 --warmup_steps 50 \
+    --ttt_steps "${TTT_STEPS:-1}" --ttt_decay "${TTT_DECAY:-1}" \
     2>&1 | grep -E "epoch [0-9]+/|held-out|saved" || true
   cp -r /tmp/head "$OUT/head"
   ;;

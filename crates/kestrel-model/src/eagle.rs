@@ -4,7 +4,7 @@
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, Linear};
+use crate::layer::{causal_train_inputs, train_mask, AttnCtx, DecoderLayer, Linear};
 use crate::llama::{
     check_cache, check_supported, layer_dims, prepare_step, Llama, OutputRows, StepSeq,
 };
@@ -287,6 +287,59 @@ impl EagleHead {
     /// predicted features `[B, T, H]`, causal attention, positions `0..T`, built from
     /// differentiable candle ops.
     pub fn forward_train(&self, tokens: &Tensor, features: &Tensor) -> Result<Tensor> {
+        let x = self.train_input(tokens, features)?;
+        let (cos, sin, mask) =
+            causal_train_inputs(&self.rope, x.dim(1)?, self.dtype, &self.device)?;
+        self.layer.forward(
+            &x,
+            &AttnCtx::Train {
+                cos: &cos,
+                sin: &sin,
+                mask: &mask,
+            },
+        )
+    }
+
+    /// Pass `k = unroll.passes() + 1` of a training-time-test unroll (HASS, EAGLE-3): the
+    /// training forward of [`EagleHead::forward_train`] (pass 1 gives exactly its output),
+    /// except that from pass 2 on, query position `i` attends the way a depth-`k - 1` draft
+    /// node at head position `i` does at inference: to pass-1 K/V of positions
+    /// `<= i - k + 1` (the committed pairs in the head's cache) and to the K/V of passes
+    /// `2..=k` at positions `i - k + 2..=i`, one each (the node's chain ancestors and itself).
+    /// For that, `features[:, i]` of pass `k >= 2` must be pass `k - 1`'s output at `i - 1`,
+    /// the parent node's output; positions `i < k - 1` have no such chain and their outputs
+    /// are meaningless. The pass's K/V are appended to `unroll`.
+    pub fn forward_train_step(
+        &self,
+        tokens: &Tensor,
+        features: &Tensor,
+        unroll: &mut TrainUnroll,
+    ) -> Result<Tensor> {
+        let x = self.train_input(tokens, features)?;
+        let t = x.dim(1)?;
+        if let Some((k, _)) = unroll.kv.first() {
+            if k.dims()[..2] != x.dims()[..2] {
+                return Err(invalid(format!(
+                    "unrolled pass over [{}, {t}] after passes over {:?}",
+                    x.dim(0)?,
+                    &k.dims()[..2]
+                )));
+            }
+        }
+        let (cos, sin, causal) = causal_train_inputs(&self.rope, t, self.dtype, &self.device)?;
+        let mask = match unroll.passes() {
+            0 => causal,
+            done => train_mask(t, done, &self.device)?,
+        };
+        let (y, kv) = self
+            .layer
+            .forward_unrolled(&x, &cos, &sin, &mask, &unroll.kv)?;
+        unroll.kv.push(kv);
+        Ok(y)
+    }
+
+    /// `fc(cat(embed(tokens), features))` of a training batch, `[B, T, H]`.
+    fn train_input(&self, tokens: &Tensor, features: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         let h = self.cfg.llama.hidden_size;
         if features.dims() != [b, t, h] {
@@ -300,15 +353,21 @@ impl EagleHead {
             .embedding(&tokens.flatten_all()?)?
             .reshape((b, t, h))?;
         let x = Tensor::cat(&[&emb, &features.to_dtype(self.dtype)?], D::Minus1)?;
-        let x = self.fc.forward(&x)?;
-        let (cos, sin, mask) = causal_train_inputs(&self.rope, t, self.dtype, &self.device)?;
-        self.layer.forward(
-            &x,
-            &AttnCtx::Train {
-                cos: &cos,
-                sin: &sin,
-                mask: &mask,
-            },
-        )
+        self.fc.forward(&x)
+    }
+}
+
+/// The K/V of the passes of a training-time-test unroll so far
+/// ([`EagleHead::forward_train_step`]); start each batch with a fresh one.
+#[derive(Debug, Clone, Default)]
+pub struct TrainUnroll {
+    /// Per pass, roped K and V `[B, T, n_kv, head_dim]` (tracked for backprop).
+    kv: Vec<(Tensor, Tensor)>,
+}
+
+impl TrainUnroll {
+    /// Passes run so far.
+    pub fn passes(&self) -> usize {
+        self.kv.len()
     }
 }

@@ -217,14 +217,92 @@ pub(crate) fn causal_train_inputs(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let positions: Vec<u32> = (0..t as u32).collect();
     let (cos, sin) = rope.cos_sin(&positions, dtype, device)?;
+    Ok((cos, sin, train_mask(t, 0, device)?))
+}
+
+/// The additive mask `[t, t]` under which query `i` sees keys `j <= i - shift` (`shift = 0`:
+/// causal). A row with no visible key is all `f32::MIN`, which only the unrolled attention
+/// (which always adds keys of its own) may use.
+pub(crate) fn train_mask(t: usize, shift: usize, device: &Device) -> Result<Tensor> {
     let mut mask = vec![0f32; t * t];
     for i in 0..t {
-        for j in i + 1..t {
+        for j in (i + 1).saturating_sub(shift)..t {
             mask[i * t + j] = f32::MIN;
         }
     }
-    let mask = Tensor::from_vec(mask, (t, t), device)?;
-    Ok((cos, sin, mask))
+    Ok(Tensor::from_vec(mask, (t, t), device)?)
+}
+
+/// `x: [b, t, ..]` moved `s` rows later along the time axis: row `i` holds `x[i - s]`, the
+/// first `s` rows zeros.
+fn shift_rows(x: &Tensor, s: usize) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    if s == 0 {
+        return Ok(x.clone());
+    }
+    let mut pad_shape = x.dims().to_vec();
+    pad_shape[1] = s.min(t);
+    let pad = Tensor::zeros(pad_shape, x.dtype(), x.device())?;
+    if s >= t {
+        return Ok(pad);
+    }
+    Ok(Tensor::cat(&[&pad, &x.narrow(1, 0, t - s)?], 1)?)
+}
+
+/// Attention of pass `k = 1 + chain.len() >= 2` of a training-time-test unroll (see
+/// [`crate::eagle::TrainUnroll`]), differentiable. `q: [b, t, n_kv, group, d]`; `first`: K/V
+/// `[b, t, n_kv, d]` of pass 1 (real features); `chain[m]`: K/V of pass `m + 2`, the last
+/// being pass `k`'s own. Query `i` sees what an inference draft chain sees at depth `k - 1`:
+/// pass-1 keys `j <= i - k + 1` (the committed context, `mask` = [`train_mask`] with shift
+/// `k - 1`) and one key of each pass `m = 2..=k`, at position `i - (k - m)` (its chain
+/// ancestors, then itself). Those are diagonals, so they are scored row by row (`O(t)` each)
+/// instead of as `t × t` blocks that would be masked but for one entry per row. Returns
+/// `[b, t, n_kv * group * d]`, like [`attend`].
+fn attend_unrolled(
+    q: &Tensor,
+    first: &(Tensor, Tensor),
+    chain: &[(Tensor, Tensor)],
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (b, t, n_kv, g, d) = q.dims5()?;
+    let dtype = q.dtype();
+    let scale = 1.0 / (d as f64).sqrt();
+    let qh = q
+        .permute((0, 2, 3, 1, 4))?
+        .contiguous()?
+        .reshape((b, n_kv, g * t, d))?;
+    let k1 = first.0.transpose(1, 2)?.contiguous()?;
+    let v1 = first.1.transpose(1, 2)?.contiguous()?;
+    let context = (qh.matmul(&k1.t()?)? * scale)?
+        .to_dtype(DType::F32)?
+        .reshape((b, n_kv, g, t, t))?
+        .broadcast_add(mask)?;
+    let mut scores = vec![context];
+    let mut values = Vec::with_capacity(chain.len());
+    for (m, (k, v)) in chain.iter().enumerate() {
+        let lag = chain.len() - 1 - m;
+        let k = shift_rows(k, lag)?.unsqueeze(3)?;
+        // [b, t, n_kv, g, 1] → [b, n_kv, g, t, 1]
+        let s = (q.broadcast_mul(&k)?.sum_keepdim(D::Minus1)? * scale)?
+            .to_dtype(DType::F32)?
+            .permute((0, 2, 3, 1, 4))?;
+        scores.push(s);
+        values.push(shift_rows(v, lag)?.transpose(1, 2)?.unsqueeze(2)?);
+    }
+    let probs =
+        candle_nn::ops::softmax(&Tensor::cat(&scores, D::Minus1)?, D::Minus1)?.to_dtype(dtype)?;
+    let mut out = probs
+        .narrow(D::Minus1, 0, t)?
+        .reshape((b, n_kv, g * t, t))?
+        .matmul(&v1)?
+        .reshape((b, n_kv, g, t, d))?;
+    for (m, v) in values.iter().enumerate() {
+        let p = probs.narrow(D::Minus1, t + m, 1)?;
+        out = (out + p.broadcast_mul(v)?)?;
+    }
+    Ok(out
+        .permute((0, 3, 1, 2, 4))?
+        .reshape((b, t, n_kv * g * d))?)
 }
 
 impl AttnCtx<'_> {
@@ -288,7 +366,41 @@ pub(crate) fn attend(
 }
 
 impl Attention {
+    /// Differentiable attention over a training window `x: [B, T, H]` with RoPE `cos`/`sin`:
+    /// causal under `mask` when `prev` is empty, else pass `prev.len() + 1` of an unroll
+    /// whose earlier passes left `prev` (see [`attend_unrolled`]; `mask` is then the shifted
+    /// context mask). Returns the output and this pass's roped K and V `[B, T, n_kv, d]`.
+    fn forward_unrolled(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        prev: &[(Tensor, Tensor)],
+    ) -> Result<(Tensor, (Tensor, Tensor))> {
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
+        let qkv = self.qkv.forward(x, false)?;
+        let (b, t, _) = x.dims3()?;
+        let q = rope::apply(&qkv[0].reshape((b, t, nh, hd))?, cos, sin, true)?;
+        let k = rope::apply(&qkv[1].reshape((b, t, nkv, hd))?, cos, sin, true)?;
+        let v = qkv[2].reshape((b, t, nkv, hd))?;
+        let q = q.reshape((b, t, nkv, nh / nkv, hd))?;
+        let kv = (k, v);
+        let out = match prev.split_first() {
+            None => attend(&q, &kv.0, &kv.1, Some(mask), true)?,
+            Some((first, rest)) => {
+                let mut chain = rest.to_vec();
+                chain.push(kv.clone());
+                attend_unrolled(&q, first, &chain, mask)?
+            }
+        };
+        Ok((self.o.forward_with(&out, false)?, kv))
+    }
+
     fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
+        if let AttnCtx::Train { cos, sin, mask } = ctx {
+            return Ok(self.forward_unrolled(x, cos, sin, mask, &[])?.0);
+        }
         let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
         let g = nh / nkv;
         let fast = ctx.matvec();
@@ -365,13 +477,7 @@ impl Attention {
                     Tensor::cat(&outs, 0)?
                 }
             }
-            AttnCtx::Train { cos, sin, mask } => {
-                let (b, t, _) = x.dims3()?;
-                let q = rope::apply(&q.reshape((b, t, nh, hd))?, cos, sin, true)?;
-                let k = rope::apply(&k.reshape((b, t, nkv, hd))?, cos, sin, true)?;
-                let v = v.reshape((b, t, nkv, hd))?;
-                attend(&q.reshape((b, t, nkv, g, hd))?, &k, &v, Some(mask), true)?
-            }
+            AttnCtx::Train { .. } => unreachable!("training attention returned above"),
         };
         self.o.forward_with(&out, fast)
     }
@@ -482,13 +588,44 @@ impl DecoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
-        let diff = ctx.differentiable();
+        self.residual(x, ctx.differentiable(), ctx.matvec(), |h| {
+            self.attn.forward(h, ctx)
+        })
+    }
+
+    /// One pass of a training-time-test unroll over `x: [B, T, H]` (see
+    /// `Attention::forward_unrolled`); also returns the pass's K/V for the passes after it.
+    pub fn forward_unrolled(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        prev: &[(Tensor, Tensor)],
+    ) -> Result<(Tensor, (Tensor, Tensor))> {
+        let mut kv = None;
+        let y = self.residual(x, true, false, |h| {
+            let (out, pass_kv) = self.attn.forward_unrolled(h, cos, sin, mask, prev)?;
+            kv = Some(pass_kv);
+            Ok(out)
+        })?;
+        Ok((y, kv.expect("the attention ran")))
+    }
+
+    /// The layer around its attention: `x + attn(norm(x))`, then the MLP block.
+    fn residual(
+        &self,
+        x: &Tensor,
+        diff: bool,
+        matvec: bool,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let h = match &self.input_norm {
             Some(norm) => norm.forward(x, diff)?,
             None => x.clone(),
         };
-        let x = (x + self.attn.forward(&h, ctx)?)?;
+        let x = (x + attn(&h)?)?;
         let h = self.post_norm.forward(&x, diff)?;
-        Ok((&x + self.mlp.forward(&h, ctx.matvec())?)?)
+        Ok((&x + self.mlp.forward(&h, matvec)?)?)
     }
 }

@@ -26,7 +26,7 @@ pub mod unshard;
 mod weights;
 
 pub use cache::{PagedKvCache, SeqId};
-pub use eagle::{EagleHead, EagleSeqInput};
+pub use eagle::{EagleHead, EagleSeqInput, TrainUnroll};
 pub use error::{ModelError, Result};
 pub use llama::{Llama, OutputRows, SeqInput};
 pub use prefix_cache::PrefixKeys;

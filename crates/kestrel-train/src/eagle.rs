@@ -10,6 +10,31 @@
 //! (`clamp(pred - target, -1, 1) / (N·H)` and `ce_weight · (softmax(lm_head(pred)) - p) · W / N`),
 //! so the vocabulary-sized logits stay out of candle's autograd graph: they are computed in
 //! row chunks and dropped, and only `Σ pred · g` is back-propagated through the head.
+//!
+//! **Training-time test** (`ttt_steps = K > 1`; HASS, arXiv 2408.15766, and EAGLE-3's
+//! unrolled training). At inference a depth-d draft node is fed its parent's *predicted*
+//! feature, and it attends to K/V computed from real features only for the committed
+//! context; pass 1 alone never trains that. So the head runs K passes per batch
+//! ([`EagleHead::forward_train_step`]); pass `k` stands for the depth-`(k-1)` node at head
+//! position `i`, i.e. the chain drafted from the root pair at `i - k + 1` (the layout of
+//! `calibrate.rs`):
+//! - its input at `i` is (`t[i+1]`, pass `k-1`'s prediction at `i - 1`), the prediction
+//!   detached (HASS detaches it too; it keeps every pass's gradient closed-form and the
+//!   graph one pass deep in the features);
+//! - query `i` attends to pass-1 K/V of positions `<= i - k + 1` (shifted causal mask) and
+//!   to pass `m`'s K/V at `i - (k - m)` for `m = 2..=k`, one key per pass. Those keys are
+//!   diagonals, scored row by row, so a pass costs one `T × T` attention plus `O(T)`;
+//!   gradients do flow into the pass-1 K/V the deeper passes attend to;
+//! - its target is `f[i+1]`, like pass 1, with the same SmoothL1 + CE loss, on the loss rows
+//!   whose root is in the answer (`i >= first loss position + k - 1`: the whole drafted chain
+//!   is answer tokens, as in calibration); the loss is `Σ_k ttt_decay^(k-1) · loss_k`, each
+//!   a mean over its own rows (HASS weights every pass 1).
+//!
+//! The unit test `unrolled_passes_are_the_inference_draft_chain` checks pass k against the
+//! inference head drafting along the true tokens with its paged cache. `ttt_steps = 1` runs
+//! exactly the former single pass. Cost on CPU: K passes cost about K times one.
+//! The held-out evaluation measures passes `1..=max(eval_steps, ttt_steps)`: pass k's top-1
+//! is the head's top-1 at draft depth k along the true continuation.
 
 use crate::common::{clip_gradients, cosine_lr, RankFiles};
 use crate::dataset::FeatureDataset;
@@ -17,7 +42,7 @@ use crate::error::{file_err, invalid, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use kestrel_core::{AtomicDir, EagleHeadConfig, Mapping, ModelConfig};
-use kestrel_model::{EagleHead, Llama};
+use kestrel_model::{EagleHead, Llama, TrainUnroll};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -155,6 +180,25 @@ pub struct TrainConfig {
     /// Rows per chunk of vocabulary-sized logits (memory bound).
     pub logits_chunk: usize,
     pub seed: u64,
+    /// Passes of the training-time-test unroll (module docs): 1 trains on real features
+    /// only, `K` also trains draft depths `2..=K` on the head's own predictions.
+    #[serde(default = "one")]
+    pub ttt_steps: usize,
+    /// Pass `k`'s loss is weighted `ttt_decay^(k - 1)` (HASS: 1, EAGLE-3: 0.8).
+    #[serde(default = "one_f64")]
+    pub ttt_decay: f64,
+    /// Passes measured on the held-out set (at least `ttt_steps`): its top-1 at pass `k` is
+    /// the head's top-1 at draft depth `k` along the true continuation.
+    #[serde(default = "one")]
+    pub eval_steps: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn one_f64() -> f64 {
+    1.0
 }
 
 impl Default for TrainConfig {
@@ -174,6 +218,9 @@ impl Default for TrainConfig {
             ce_weight: 0.1,
             logits_chunk: 256,
             seed: 0,
+            ttt_steps: 1,
+            ttt_decay: 1.0,
+            eval_steps: 3,
         }
     }
 }
@@ -194,7 +241,18 @@ impl TrainConfig {
         if !(self.noise >= 0.0 && self.noise.is_finite()) {
             return Err(invalid("--noise must be non-negative"));
         }
+        if self.ttt_steps == 0 {
+            return Err(invalid("--ttt_steps must be at least 1 (1 = no unrolling)"));
+        }
+        if !(self.ttt_decay >= 0.0 && self.ttt_decay.is_finite()) {
+            return Err(invalid("--ttt_decay must be non-negative"));
+        }
         Ok(())
+    }
+
+    /// Passes of the held-out evaluation.
+    pub fn eval_passes(&self) -> usize {
+        self.eval_steps.max(self.ttt_steps)
     }
 
     /// The learning rate of step `step` (0-based) of `total`.
@@ -214,6 +272,9 @@ pub struct Batch {
     /// `[N, H]`: `f[i+1]` of those rows.
     pub targets: Tensor,
     pub n_rows: usize,
+    /// Per loss row, its distance from its sequence's first loss position (host): pass `k`
+    /// of the unroll trains on the rows where this is at least `k - 1`.
+    pub chain_room: Vec<u32>,
 }
 
 impl Batch {
@@ -225,7 +286,27 @@ impl Batch {
             loss_rows: self.loss_rows.to_device(device)?,
             targets: self.targets.to_device(device)?,
             n_rows: self.n_rows,
+            chain_room: self.chain_room.clone(),
         })
+    }
+
+    /// The loss rows of pass `k` (1-based) as (rows of the flattened `[B·T]` predictions,
+    /// their targets), `None` when there are none; pass 1 keeps them all.
+    fn pass_rows(&self, k: usize) -> Result<Option<(Tensor, Tensor)>> {
+        if k == 1 {
+            return Ok(Some((self.loss_rows.clone(), self.targets.clone())));
+        }
+        let keep: Vec<u32> = (0..self.n_rows as u32)
+            .filter(|&r| self.chain_room[r as usize] as usize + 1 >= k)
+            .collect();
+        if keep.is_empty() {
+            return Ok(None);
+        }
+        let keep = Tensor::from_vec(keep.clone(), keep.len(), self.targets.device())?;
+        Ok(Some((
+            self.loss_rows.index_select(&keep, 0)?,
+            self.targets.index_select(&keep, 0)?,
+        )))
     }
 }
 
@@ -262,6 +343,7 @@ pub fn make_batch(
     let mut feats = Vec::with_capacity(b);
     let mut loss_rows = Vec::new();
     let mut target_rows = Vec::new();
+    let mut chain_room = Vec::new();
     for (row, &(s, (start, end, first_loss))) in wins.iter().enumerate() {
         let off = data.offsets[s];
         let toks = data.seq_tokens(s);
@@ -280,6 +362,7 @@ pub fn make_batch(
         for i in first_loss..end {
             loss_rows.push((row * t + i - start) as u32);
             target_rows.push((off + i + 1) as u32);
+            chain_room.push((i - first_loss) as u32);
         }
     }
     let mut features = Tensor::stack(&feats, 0)?;
@@ -299,6 +382,7 @@ pub fn make_batch(
         loss_rows: Tensor::from_vec(loss_rows, n_rows, &Device::Cpu)?,
         targets,
         n_rows,
+        chain_room,
     }))
 }
 
@@ -398,6 +482,17 @@ fn losses(
         None => None,
     };
     Ok((sums, grad))
+}
+
+/// The features pass `k + 1` of the unroll is fed from pass `k`'s predictions `[B, T, H]`:
+/// position `i` gets the prediction at `i - 1` (position 0, which has no parent, zeros).
+fn parent_outputs(pred: &Tensor) -> Result<Tensor> {
+    let (b, t, h) = pred.dims3()?;
+    let zeros = Tensor::zeros((b, 1, h), pred.dtype(), pred.device())?;
+    if t == 1 {
+        return Ok(zeros);
+    }
+    Ok(Tensor::cat(&[&zeros, &pred.narrow(1, 0, t - 1)?], 1)?)
 }
 
 /// Seeded random head weights: linear weights and biases uniform in `±1/sqrt(fan_in)`
@@ -523,59 +618,135 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         &self.head_cfg
     }
 
-    /// Predicted features of the batch's loss rows, `[N, H]` (tracked for backprop).
-    fn predict(&self, batch: &Batch) -> Result<Tensor> {
+    /// Predicted features `[B, T, H]` of passes `1..=passes` of the unroll (tracked for
+    /// backprop). A single pass is the plain training forward; from pass 2 on, position `i`
+    /// is fed the previous pass's prediction at `i - 1` (its parent node's output), detached:
+    /// the gradient stays closed-form per pass, and HASS detaches the fed-back features too.
+    pub fn unrolled_predictions(&self, batch: &Batch, passes: usize) -> Result<Vec<Tensor>> {
         debug_assert!(batch.tokens.device().same_device(self.base.model.device()));
-        let pred = self.head.forward_train(&batch.tokens, &batch.features)?;
-        let (b, t, h) = pred.dims3()?;
-        Ok(pred
-            .reshape((b * t, h))?
-            .index_select(&batch.loss_rows, 0)?)
+        if passes == 1 {
+            return Ok(vec![self
+                .head
+                .forward_train(&batch.tokens, &batch.features)?]);
+        }
+        let mut unroll = TrainUnroll::default();
+        let mut preds: Vec<Tensor> = Vec::with_capacity(passes);
+        for _ in 0..passes {
+            let features = match preds.last() {
+                None => batch.features.clone(),
+                Some(p) => parent_outputs(&p.detach())?,
+            };
+            preds.push(
+                self.head
+                    .forward_train_step(&batch.tokens, &features, &mut unroll)?,
+            );
+        }
+        Ok(preds)
+    }
+
+    /// Per pass of the unroll that has loss rows: the predictions of those rows `[N_k, H]`
+    /// (tracked) and their targets.
+    fn predict(&self, batch: &Batch, passes: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        let mut out = Vec::with_capacity(passes);
+        for (k, pred) in self.unrolled_predictions(batch, passes)?.iter().enumerate() {
+            let Some((rows, targets)) = batch.pass_rows(k + 1)? else {
+                break;
+            };
+            let (b, t, h) = pred.dims3()?;
+            out.push((pred.reshape((b * t, h))?.index_select(&rows, 0)?, targets));
+        }
+        Ok(out)
+    }
+
+    /// Losses of every pass of `batch` (`[k - 1]` = pass k; passes without loss rows are
+    /// left out).
+    fn pass_losses(
+        &self,
+        preds: &[(Tensor, Tensor)],
+        with_grad: bool,
+    ) -> Result<Vec<(LossSums, Option<Tensor>)>> {
+        preds
+            .iter()
+            .map(|(pred, target)| {
+                losses(
+                    &pred.detach(),
+                    target,
+                    &self.base.lm_head,
+                    self.cfg.ce_weight,
+                    self.cfg.logits_chunk,
+                    with_grad.then(|| pred.dim(0)).transpose()?,
+                )
+            })
+            .collect()
     }
 
     /// One optimiser step on `batch` at learning rate `lr`; returns the batch's losses
-    /// (before the update) and the gradient norm (before clipping).
+    /// (before the update; pass 1 of the unroll) and the gradient norm (before clipping).
     pub fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<(LossSums, f64)> {
+        let (sums, norm) = self.train_step_unrolled(batch, lr)?;
+        Ok((sums[0], norm))
+    }
+
+    /// [`EagleTrainer::train_step`] with the losses of every pass (`[k - 1]` = pass k).
+    /// The loss is `Σ_k ttt_decay^(k - 1) · loss_k`, each pass's loss the mean over its own
+    /// rows.
+    pub fn train_step_unrolled(&mut self, batch: &Batch, lr: f64) -> Result<(Vec<LossSums>, f64)> {
         let batch = &batch.to_device(self.base.model.device())?;
-        let pred = self.predict(batch)?;
-        let (sums, grad) = losses(
-            &pred.detach(),
-            &batch.targets,
-            &self.base.lm_head,
-            self.cfg.ce_weight,
-            self.cfg.logits_chunk,
-            Some(batch.n_rows),
-        )?;
-        let grad = grad.ok_or_else(|| invalid("no gradient computed"))?;
-        let surrogate = (pred * grad)?.sum_all()?;
+        let preds = self.predict(batch, self.cfg.ttt_steps)?;
+        let mut all = Vec::with_capacity(preds.len());
+        let mut surrogate: Option<Tensor> = None;
+        for (k, ((pred, _), (sums, grad))) in preds
+            .iter()
+            .zip(self.pass_losses(&preds, true)?)
+            .enumerate()
+        {
+            let grad = grad.ok_or_else(|| invalid("no gradient computed"))?;
+            // Pass 1's weight is 1: its gradient is left untouched, bit for bit.
+            let grad = match k {
+                0 => grad,
+                _ => (grad * self.cfg.ttt_decay.powi(k as i32))?,
+            };
+            let term = (pred * grad)?.sum_all()?;
+            surrogate = Some(match surrogate {
+                None => term,
+                Some(s) => (s + term)?,
+            });
+            all.push(sums);
+        }
+        let surrogate = surrogate.ok_or_else(|| invalid("the batch has no loss rows"))?;
         let mut grads = surrogate.backward()?;
         let vars = self.varmap.all_vars();
         let norm = clip_gradients(&vars, &mut grads, self.cfg.grad_clip, self.step)?;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.step += 1;
-        Ok((sums, norm))
+        Ok((all, norm))
     }
 
-    /// Losses over `seqs` without noise or updates.
+    /// Losses over `seqs` without noise or updates (pass 1: real features).
     pub fn evaluate(&self, data: &FeatureDataset, seqs: &[usize]) -> Result<LossSums> {
-        let mut total = LossSums::default();
+        Ok(self.evaluate_unrolled(data, seqs, 1)?[0])
+    }
+
+    /// Losses of passes `1..=passes` over `seqs` without noise or updates; pass k's top-1 is
+    /// the head's top-1 at draft depth k along the true continuation.
+    pub fn evaluate_unrolled(
+        &self,
+        data: &FeatureDataset,
+        seqs: &[usize],
+        passes: usize,
+    ) -> Result<Vec<LossSums>> {
+        let mut total = vec![LossSums::default(); passes];
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         for group in seqs.chunks(self.cfg.batch_size) {
             let Some(batch) = make_batch(data, group, self.cfg.max_len, 0.0, &mut rng)? else {
                 continue;
             };
             let batch = batch.to_device(self.base.model.device())?;
-            let pred = self.predict(&batch)?.detach();
-            let (sums, _) = losses(
-                &pred,
-                &batch.targets,
-                &self.base.lm_head,
-                self.cfg.ce_weight,
-                self.cfg.logits_chunk,
-                None,
-            )?;
-            total.add(&sums);
+            let preds = self.predict(&batch, passes)?;
+            for (t, (sums, _)) in total.iter_mut().zip(self.pass_losses(&preds, false)?) {
+                t.add(&sums);
+            }
         }
         Ok(total)
     }
@@ -691,6 +862,12 @@ pub struct EpochLog {
     pub train: Option<LossMeans>,
     /// Held-out sequences, no noise.
     pub val: Option<LossMeans>,
+    /// Training means of unroll passes 2..=ttt_steps (`[0]` = pass 2, draft depth 2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub train_deeper: Vec<LossMeans>,
+    /// Held-out means of passes 2..=eval_steps: the head's accuracy at draft depth 2, 3, …
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub val_deeper: Vec<LossMeans>,
     pub grad_norm: f64,
     pub seconds: f64,
 }
@@ -748,17 +925,22 @@ pub fn train(
         steps: Vec::new(),
     };
     let t0 = Instant::now();
-    let val_means = |t: &EagleTrainer| -> Result<Option<LossMeans>> {
+    // Held-out means of pass 1 and of the deeper passes.
+    let val_means = |t: &EagleTrainer| -> Result<(Option<LossMeans>, Vec<LossMeans>)> {
         if val.is_empty() {
-            return Ok(None);
+            return Ok((None, Vec::new()));
         }
-        Ok(Some(t.evaluate(data, val)?.mean(cfg.ce_weight)))
+        let mut means = split_means(
+            &t.evaluate_unrolled(data, val, cfg.eval_passes())?,
+            cfg.ce_weight,
+        );
+        Ok((Some(means.remove(0)), means))
     };
-    let v0 = val_means(trainer)?;
+    let (v0, v0_deeper) = val_means(trainer)?;
     if let Some(v) = v0 {
         log(&format!(
-            "epoch 0 (init: {init_name}): val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3} over {} rows",
-            v.loss, v.smooth_l1, v.ce, v.top1, v.rows
+            "epoch 0 (init: {init_name}): val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{} over {} rows",
+            v.loss, v.smooth_l1, v.ce, v.top1, deeper_top1(&v0_deeper), v.rows
         ));
     }
     tlog.epochs.push(EpochLog {
@@ -767,6 +949,8 @@ pub fn train(
         lr: 0.0,
         train: None,
         val: v0,
+        train_deeper: Vec::new(),
+        val_deeper: v0_deeper,
         grad_norm: 0.0,
         seconds: t0.elapsed().as_secs_f64(),
     });
@@ -774,6 +958,7 @@ pub fn train(
     for epoch in 1..=cfg.epochs {
         let te = Instant::now();
         let mut sums = LossSums::default();
+        let mut deeper = vec![LossSums::default(); cfg.ttt_steps - 1];
         let mut window_sums = LossSums::default();
         let mut last_norm = 0.0;
         let mut lr = 0.0;
@@ -785,7 +970,11 @@ pub fn train(
                 continue;
             };
             lr = cfg.lr_at(trainer.step, total);
-            let (s, norm) = trainer.train_step(&batch, lr)?;
+            let (passes, norm) = trainer.train_step_unrolled(&batch, lr)?;
+            let s = passes[0];
+            for (d, p) in deeper.iter_mut().zip(&passes[1..]) {
+                d.add(p);
+            }
             last_norm = norm;
             sums.add(&s);
             window_sums.add(&s);
@@ -805,15 +994,25 @@ pub fn train(
             }
         }
         let tm = sums.mean(cfg.ce_weight);
-        let vm = val_means(trainer)?;
+        let tm_deeper = split_means(&deeper, cfg.ce_weight);
+        let (vm, vm_deeper) = val_means(trainer)?;
         let mut line = format!(
-            "epoch {epoch}/{}: train loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}",
-            cfg.epochs, tm.loss, tm.smooth_l1, tm.ce, tm.top1
+            "epoch {epoch}/{}: train loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{}",
+            cfg.epochs,
+            tm.loss,
+            tm.smooth_l1,
+            tm.ce,
+            tm.top1,
+            deeper_top1(&tm_deeper)
         );
         if let Some(v) = vm {
             line.push_str(&format!(
-                "; val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}",
-                v.loss, v.smooth_l1, v.ce, v.top1
+                "; val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{}",
+                v.loss,
+                v.smooth_l1,
+                v.ce,
+                v.top1,
+                deeper_top1(&vm_deeper)
             ));
         }
         line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
@@ -824,6 +1023,8 @@ pub fn train(
             lr,
             train: Some(tm),
             val: vm,
+            train_deeper: tm_deeper,
+            val_deeper: vm_deeper,
             grad_norm: last_norm,
             seconds: te.elapsed().as_secs_f64(),
         });
@@ -839,4 +1040,18 @@ pub fn train(
         }
     }
     Ok(tlog)
+}
+
+fn split_means(sums: &[LossSums], ce_weight: f64) -> Vec<LossMeans> {
+    sums.iter().map(|s| s.mean(ce_weight)).collect()
+}
+
+/// `", depth 2/3/…: a/b/…"` for the top-1 of passes 2.., empty without them.
+fn deeper_top1(deeper: &[LossMeans]) -> String {
+    if deeper.is_empty() {
+        return String::new();
+    }
+    let depths: Vec<String> = (2..deeper.len() + 2).map(|d| d.to_string()).collect();
+    let top1: Vec<String> = deeper.iter().map(|m| format!("{:.3}", m.top1)).collect();
+    format!(" (depth {}: {})", depths.join("/"), top1.join("/"))
 }

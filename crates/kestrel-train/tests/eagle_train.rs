@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use kestrel_core::ModelConfig;
 use kestrel_model::llama::random_tensors;
-use kestrel_model::{EagleHead, Llama, OutputRows, SeqInput};
+use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows, SeqInput};
 use kestrel_train::eagle::{
     head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
     SaveOptions, TrainConfig,
@@ -416,4 +416,148 @@ fn bad_inputs_are_errors_not_panics() {
     )
     .is_err());
     assert!(load_head(tmp.path()).is_err());
+}
+
+/// Training-time test: pass k of the trainer's unroll at head position i is exactly what the
+/// inference head (paged KV cache, one node at a time) computes for the depth-(k-1) node of
+/// a draft chain along the true continuation, as `calibrate.rs` replays it: the committed
+/// pairs (t[j+1], f[j]) for j <= i - k + 1 in the cache, then chain nodes fed their
+/// parent's output. This is what checks the per-query mixture of K/V from different passes.
+#[test]
+fn unrolled_passes_are_the_inference_draft_chain() {
+    const PASSES: usize = 4;
+    let t = tiny(true);
+    let data = dataset(&t, 3);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let hc = head_config(t.model.config(), true);
+    let cfg = TrainConfig {
+        ttt_steps: PASSES,
+        ..train_cfg(1)
+    };
+    let trainer = EagleTrainer::new(&base, hc.clone(), HeadInit::Random { seed: 5 }, cfg).unwrap();
+    let seqs = [0usize, 1, 2];
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let batch = make_batch(&data, &seqs, 512, 0.0, &mut rng)
+        .unwrap()
+        .unwrap();
+    let preds = trainer.unrolled_predictions(&batch, PASSES).unwrap();
+    // Pass 1 is the plain training forward, bit for bit.
+    let plain = trainer.unrolled_predictions(&batch, 1).unwrap();
+    assert_eq!(max_diff(&plain[0], &preds[0]), 0.0);
+
+    let head = EagleHead::from_tensors(
+        &hc,
+        trainer.tensors().unwrap(),
+        &t.model,
+        kestrel_core::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let tokens = batch.tokens.to_vec2::<u32>().unwrap();
+    let mut worst = vec![0f32; PASSES];
+    let mut compared = vec![0usize; PASSES];
+    for (row, &s) in seqs.iter().enumerate() {
+        let len = data.seq_len(s) - 1; // head positions
+        let feats = batch.features.get(row).unwrap();
+        let mut cache = head.new_cache(8, 16).unwrap();
+        let seq = cache.add_sequence();
+        let mut fed = 0;
+        // Root pair at head position r = n - 1: the cache holds positions < r, as spec-run's
+        // head cache does before its step over the newly committed pairs.
+        for r in 0..len {
+            let pos: Vec<u32> = (fed as u32..=r as u32).collect();
+            let mut out = head
+                .forward(
+                    &t.model,
+                    &[EagleSeqInput {
+                        seq,
+                        tokens: &tokens[row][fed..=r],
+                        features: feats.narrow(0, fed, r + 1 - fed).unwrap(),
+                        positions: &pos,
+                        mask: None,
+                        output_rows: OutputRows::Last,
+                    }],
+                    &mut cache,
+                )
+                .unwrap();
+            fed = r + 1;
+            for k in 1..=PASSES.min(len - r) {
+                let i = r + k - 1;
+                if k > 1 {
+                    out = head
+                        .forward(
+                            &t.model,
+                            &[EagleSeqInput {
+                                seq,
+                                tokens: &tokens[row][i..=i],
+                                features: out,
+                                positions: &[i as u32],
+                                mask: None,
+                                output_rows: OutputRows::Last,
+                            }],
+                            &mut cache,
+                        )
+                        .unwrap();
+                }
+                let trained = preds[k - 1].get(row).unwrap().narrow(0, i, 1).unwrap();
+                worst[k - 1] = worst[k - 1].max(max_diff(&trained, &out));
+                compared[k - 1] += 1;
+            }
+            cache.truncate(seq, fed).unwrap();
+        }
+    }
+    eprintln!("max |train - inference| per pass: {worst:?} over {compared:?} positions");
+    assert!(compared[PASSES - 1] >= 3 * 20, "{compared:?}");
+    assert!(
+        worst.iter().all(|&w| w < 2e-5),
+        "max |train - inference| per pass: {worst:?}"
+    );
+}
+
+/// With the deeper passes weighted 0, an unrolled trainer takes exactly the steps of the
+/// plain one: pass 1 of the unroll is the plain forward and the extra terms add nothing.
+#[test]
+fn unroll_with_zero_weight_trains_exactly_like_no_unroll() {
+    let t = tiny(true);
+    let data = dataset(&t, 8);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let hc = head_config(t.model.config(), true);
+    let make = |ttt_steps| {
+        let cfg = TrainConfig {
+            ttt_steps,
+            ttt_decay: 0.0,
+            noise: 0.05,
+            ..train_cfg(2)
+        };
+        EagleTrainer::new(&base, hc.clone(), HeadInit::Random { seed: 2 }, cfg).unwrap()
+    };
+    let (mut plain, mut unrolled) = (make(1), make(3));
+    let a = train(&mut plain, &data, &all, &all, "random", None, &mut |_| {}).unwrap();
+    let b = train(
+        &mut unrolled,
+        &data,
+        &all,
+        &all,
+        "random",
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    for (x, y) in a.epochs.iter().zip(&b.epochs) {
+        assert_eq!(
+            x.train.map(|m| m.loss.to_bits()),
+            y.train.map(|m| m.loss.to_bits())
+        );
+        assert_eq!(x.val.unwrap().loss.to_bits(), y.val.unwrap().loss.to_bits());
+        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits());
+        // Held-out depths 2 and 3 are measured either way; only the unrolled run trains them.
+        assert_eq!(x.val_deeper.len(), 2);
+        assert!(x.train_deeper.is_empty());
+        assert_eq!(y.train_deeper.len(), if y.epoch == 0 { 0 } else { 2 });
+    }
+    let (wa, wb) = (plain.tensors().unwrap(), unrolled.tensors().unwrap());
+    for (name, w) in &wa {
+        assert_eq!(max_diff(w, &wb[name]), 0.0, "{name}");
+    }
 }

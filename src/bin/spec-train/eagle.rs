@@ -107,6 +107,16 @@ pub struct EagleArgs {
     /// Seed of prompt sampling, noise, shuffling and the split.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Training-time test (HASS): passes of the unroll in which the head is fed its own
+    /// predicted features, as draft depths 2..K are at inference (1 = real features only).
+    #[arg(long, default_value_t = 1)]
+    ttt_steps: usize,
+    /// Loss weight of unroll pass k is ttt_decay^(k-1).
+    #[arg(long, default_value_t = 1.0)]
+    ttt_decay: f64,
+    /// Draft depths whose held-out top-1 is logged (at least --ttt_steps).
+    #[arg(long, default_value_t = 3)]
+    eval_steps: usize,
 }
 
 fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()> {
@@ -170,6 +180,9 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
         ce_weight: args.ce_weight,
         logits_chunk: args.logits_chunk,
         seed: args.seed,
+        ttt_steps: args.ttt_steps,
+        ttt_decay: args.ttt_decay,
+        eval_steps: args.eval_steps,
         ..TrainConfig::default()
     };
     let (train_idx, val_idx) = split(data.len(), args.val_fraction, args.seed);
