@@ -83,6 +83,10 @@ pub struct BenchArgs {
     pub copy_bytes: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
+    /// Kestrel's CUDA kernels: `plan` (an engine's recorded choice; all of them with
+    /// --random_weights), `all` or `none` (candle ops only), to compare the two on one GPU.
+    #[arg(long, default_value = "plan")]
+    pub cuda_kernels: String,
 }
 
 /// One `--modes` entry, checked for syntax before anything is loaded.
@@ -442,6 +446,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
     }
 
+    let kernel_override = match args.cuda_kernels.as_str() {
+        "plan" => None,
+        "all" => Some(kestrel_model::CudaKernels::all()),
+        "none" => Some(kestrel_model::CudaKernels::none()),
+        other => bail!("--cuda_kernels {other}: expected plan, all or none"),
+    };
     let device = kestrel_runtime::device::parse(&args.device)?;
     let device_name = measure::device_name(&device);
     let mut probe = MemProbe::new(&device)?;
@@ -477,6 +487,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
         (None, None) => unreachable!("checked above"),
     };
+    if let Some(k) = kernel_override {
+        engine.model.set_cuda_kernels(k);
+        if let Some(head) = &mut engine.eagle {
+            head.set_cuda_kernels(k);
+        }
+    }
     let draft = match &args.draft_engine_dir {
         Some(dir) => Some(Engine::load(dir, &device)?),
         None => None,

@@ -15,9 +15,10 @@ mv "$D/gguf.part.0" "$D/a/"; mv "$D/gguf.part.1" "$D/b/"; mv "$D/gguf.part.2" "$
 sha256sum "$G" | cut -d' ' -f1 > "$D/c/gguf.sha256"
 slots=(a b c a b)
 for i in "${!BINS[@]}"; do
-  xz -9 -T2 -c "$T/${BINS[$i]}" > "$D/${slots[$i]}/${BINS[$i]}.xz" &
+  xz -${XZ_LEVEL:-9} -T2 -c "$T/${BINS[$i]}" > "$D/${slots[$i]}/${BINS[$i]}.xz" &
 done
 wait
 # Prompt sets for self-distillation (the device machine has no ../shared).
-cp "${SHARED:-../shared}/data/sharegpt/ShareGPT_V3_filtered_1000.json" "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/c/"
+cp "${SHARED:-../shared}"/data/sharegpt/{ShareGPT_V3_filtered_1000.json,sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json} \
+  "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/c/"
 for s in a b c; do echo "$s: $(du -cb "$D/$s"/* | tail -1)"; done

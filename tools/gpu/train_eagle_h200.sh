@@ -5,7 +5,7 @@
 #   bash tools/gpu/train_eagle_h200.sh data    # base engine + answers + features -> /tmp/data
 #   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
 #   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
-# Knobs (environment): NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
+# Knobs (environment): PROMPT_FILES (names in the stage folder), NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
 # TTT_STEPS (training-time-test unroll passes, default 1) and TTT_DECAY (default 1).
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
@@ -19,7 +19,12 @@ data)
   $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/ckpt --dtype float32 --workers 16
   $B/spec-build --checkpoint_dir /tmp/ckpt --output_dir /tmp/eng --target_device cuda:sm_90 \
     --max_batch_size "${BATCH:-128}" --max_input_len 512 --max_seq_len $((512 + ${MAX_NEW:-256}))
-  prompts=(--prompts $S/ShareGPT_V3_filtered_1000.json --prompts $S/train.jsonl)
+  # ShareGPT conversations (first human turns) by default: GSM8K's 7.5k formulaic math answers
+  # would be most of a sample of the three files, and a head trained on them drafts chat badly.
+  prompts=()
+  for f in ${PROMPT_FILES:-ShareGPT_V3_filtered_1000.json sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json}; do
+    prompts+=(--prompts "$S/$f")
+  done
   if [ -z "${NUM_PROMPTS:-}" ]; then
     # Size the run to DATA_S seconds from a probe of one batch.
     $B/spec-run --engine_dir /tmp/eng --device cuda:0 --input_text hi --max_output_len 2 >/dev/null  # JIT warm-up

@@ -60,7 +60,7 @@ fn choice(op: &str, kernel: &str) -> KernelChoice {
 /// Picks the kernel for every op of a decode, prefill and verification step.
 pub fn choose_kernels(
     target: TargetDevice,
-    _dtype: DType,
+    dtype: DType,
     opts: &BuildOptions,
 ) -> Result<Vec<KernelChoice>, BuildError> {
     match target {
@@ -90,13 +90,24 @@ pub fn choose_kernels(
                     "--target_device cuda:sm_{major}{minor} is below compute capability 8.0: Kestrel's CUDA kernels need Ampere (sm_80) or newer"
                 )));
             }
-            let arch = if major >= 9 { "sm_90" } else { "sm_80" };
+            // Kestrel's own kernels (crates/kestrel-kernels, PTX for compute_80, so sm_80 and
+            // newer) under their extern "C" names; kestrel-model's `CudaKernels::from_choices`
+            // dispatches on the name's prefix. Engines built before they existed name
+            // candle ops for these ops and keep running those.
+            let dt = match dtype {
+                DType::F32 => "f32",
+                DType::F16 => "f16",
+                DType::BF16 => "bf16",
+            };
+            let attention = format!("kestrel_paged_attention_{dt}");
             Ok(vec![
                 choice("gemm", "cublas"),
-                choice("attention.decode", &format!("candle-cuda-{arch}")),
-                choice("attention.context", &format!("candle-cuda-{arch}")),
-                choice("attention.tree", &format!("candle-cuda-{arch}")),
-                choice("rmsnorm", "candle-cuda"),
+                choice("attention.decode", &attention),
+                choice("attention.context", &attention),
+                choice("attention.tree", &attention),
+                choice("kv_append", &format!("kestrel_kv_append_{dt}")),
+                choice("rmsnorm", &format!("kestrel_add_rmsnorm_{dt}")),
+                choice("swiglu", &format!("kestrel_swiglu_{dt}")),
                 choice("rope", "candle-cuda"),
                 choice("sampling", "kestrel-host"),
             ])
@@ -107,6 +118,35 @@ pub fn choose_kernels(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_targets_pick_kestrel_kernels() {
+        let opts = BuildOptions {
+            checkpoint_dir: "ckpt".into(),
+            output_dir: "engine".into(),
+            max_batch_size: 1,
+            max_input_len: 8,
+            max_seq_len: 16,
+            max_beam_width: 1,
+            speculative_mode: kestrel_core::SpeculativeMode::None,
+            max_draft_len: None,
+            tokens_per_block: 8,
+            use_paged_context_fmha: true,
+            gemm_plugin: GemmPlugin::Auto,
+            target_device: TargetDevice::Cuda { major: 9, minor: 0 },
+        };
+        let k = choose_kernels(
+            TargetDevice::Cuda { major: 9, minor: 0 },
+            DType::BF16,
+            &opts,
+        )
+        .unwrap();
+        let get = |op: &str| k.iter().find(|c| c.op == op).unwrap().kernel.clone();
+        assert_eq!(get("attention.decode"), "kestrel_paged_attention_bf16");
+        assert_eq!(get("kv_append"), "kestrel_kv_append_bf16");
+        assert_eq!(get("rmsnorm"), "kestrel_add_rmsnorm_bf16");
+        assert_eq!(get("swiglu"), "kestrel_swiglu_bf16");
+    }
 
     #[test]
     fn parses_devices() {

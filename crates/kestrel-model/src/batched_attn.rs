@@ -12,12 +12,27 @@ use crate::error::Result;
 use crate::layer::PagedSeq;
 use candle_core::{Device, Tensor};
 
+/// A step through Kestrel's paged-attention CUDA kernel: one metadata upload per step, one
+/// attention launch (and two KV appends) per layer, whatever the batch's shape.
+pub(crate) struct KernelAttn {
+    pub meta: kestrel_kernels::PagedAttnMeta,
+    /// Write the new K/V with the `kv_append` kernel (else `PagedKvCache::write`).
+    pub kv_append: bool,
+}
+
+/// How the batched step writes the new K/V rows.
+enum KvWrite {
+    /// `[b·n, n_kv, head_dim]` u32: each new token's pool row, broadcast for `scatter_set`.
+    Scatter(Tensor),
+    /// `[b·n]` u32 pool rows for Kestrel's `kv_append` CUDA kernel.
+    Append(Tensor),
+}
+
 pub(crate) struct BatchedStep {
     b: usize,
     n: usize,
     lmax: usize,
-    /// `[b·n, n_kv, head_dim]` u32: each new token's pool row, broadcast for `scatter_set`.
-    write_idx: Tensor,
+    write: KvWrite,
     /// `[b·lmax]` u32: every sequence's slots (cached then new), padded.
     gather_rows: Tensor,
     /// `[b, 1, 1, n, lmax]` additive f32.
@@ -26,11 +41,13 @@ pub(crate) struct BatchedStep {
 
 impl BatchedStep {
     /// `None` unless there are at least two sequences with the same number of new tokens.
+    /// `kv_append`: write K/V with Kestrel's CUDA kernel instead of candle's `scatter_set`.
     pub fn new(
         seqs: &[PagedSeq],
         n_kv: usize,
         head_dim: usize,
         device: &Device,
+        kv_append: bool,
     ) -> Result<Option<Self>> {
         let (b, n) = (seqs.len(), seqs.first().map_or(0, |s| s.n));
         if b < 2 || seqs.iter().any(|s| s.n != n) {
@@ -53,14 +70,20 @@ impl BatchedStep {
                 row[l..].fill(f32::MIN);
             }
         }
-        let write_idx = Tensor::from_vec(write, (b * n, 1, 1), device)?
-            .broadcast_as((b * n, n_kv, head_dim))?
-            .contiguous()?;
+        let write = if kv_append {
+            KvWrite::Append(Tensor::from_vec(write, b * n, device)?)
+        } else {
+            KvWrite::Scatter(
+                Tensor::from_vec(write, (b * n, 1, 1), device)?
+                    .broadcast_as((b * n, n_kv, head_dim))?
+                    .contiguous()?,
+            )
+        };
         Ok(Some(BatchedStep {
             b,
             n,
             lmax,
-            write_idx,
+            write,
             gather_rows: Tensor::from_vec(gather, b * lmax, device)?,
             mask: Tensor::from_vec(mask, (b, 1, 1, n, lmax), device)?,
         }))
@@ -80,8 +103,16 @@ impl BatchedStep {
         let (_, n_kv, d) = k.dims3()?;
         let nh = q.dim(1)?;
         let (kp, vp) = cache.pools(layer);
-        kp.scatter_set(&self.write_idx, &k.contiguous()?, 0)?;
-        vp.scatter_set(&self.write_idx, &v.contiguous()?, 0)?;
+        match &self.write {
+            KvWrite::Scatter(idx) => {
+                kp.scatter_set(idx, &k.contiguous()?, 0)?;
+                vp.scatter_set(idx, &v.contiguous()?, 0)?;
+            }
+            KvWrite::Append(slots) => {
+                kestrel_kernels::kv_append(kp, k, slots)?;
+                kestrel_kernels::kv_append(vp, v, slots)?;
+            }
+        }
         let ks = kp
             .index_select(&self.gather_rows, 0)?
             .reshape((self.b, self.lmax, n_kv, d))?;

@@ -3,6 +3,7 @@
 
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
+use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
 use crate::layer::{causal_train_inputs, train_mask, AttnCtx, DecoderLayer, Linear};
 use crate::llama::{
@@ -40,6 +41,7 @@ pub struct EagleHead {
     dtype: DType,
     device: Device,
     cpu_kernels: bool,
+    cuda_kernels: CudaKernels,
 }
 
 impl EagleHead {
@@ -148,6 +150,7 @@ impl EagleHead {
             dtype: src.dtype(),
             device: src.device().clone(),
             cpu_kernels: true,
+            cuda_kernels: CudaKernels::default(),
         })
     }
 
@@ -165,6 +168,11 @@ impl EagleHead {
     /// See [`Llama::set_cpu_kernels`].
     pub fn set_cpu_kernels(&mut self, enabled: bool) {
         self.cpu_kernels = enabled;
+    }
+
+    /// See [`Llama::set_cuda_kernels`].
+    pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
+        self.cuda_kernels = kernels;
     }
 
     /// A one-layer KV cache shaped for this head.
@@ -246,6 +254,7 @@ impl EagleHead {
             })
             .collect();
         let portable = !(self.cpu_kernels && self.device.is_cpu());
+        let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
         let step = prepare_step(
             &steps,
             &self.rope,
@@ -253,6 +262,8 @@ impl EagleHead {
             self.dtype,
             &self.device,
             portable,
+            cuda,
+            false,
         )?;
         let emb = Llama::embed_ids(&self.embed, &tokens, c.vocab_size, &self.device)?;
         let feats = if feats.len() == 1 {
@@ -268,6 +279,8 @@ impl EagleHead {
             sin: &step.sin,
             seqs: &step.seqs,
             batched: step.batched.as_ref(),
+            kernel: step.kernel.as_ref(),
+            cuda,
             cache,
             layer: 0,
             cpu_kernels: self.cpu_kernels,

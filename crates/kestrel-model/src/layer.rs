@@ -2,9 +2,10 @@
 //! (fused when loading for inference), RMSNorm, attention over the paged KV cache or over a
 //! plain causal window (training), the SwiGLU MLP, and the decoder layer itself.
 
-use crate::batched_attn::BatchedStep;
+use crate::batched_attn::{BatchedStep, KernelAttn};
 use crate::cache::PagedKvCache;
 use crate::cpu_attn::{self, AttnShape};
+use crate::cuda_kernels::CudaKernels;
 use crate::error::Result;
 use crate::matvec::{MatMulNt, MAX_ROWS};
 use crate::rope;
@@ -191,6 +192,11 @@ pub(crate) enum AttnCtx<'a> {
         seqs: &'a [PagedSeq],
         /// The whole batch in one attention call (portable path, equal new-token counts).
         batched: Option<&'a BatchedStep>,
+        /// The step through Kestrel's paged-attention kernel (CUDA, when the plan picks it).
+        kernel: Option<&'a KernelAttn>,
+        /// Kestrel's CUDA kernels in use; `None` off CUDA, which keeps the CPU and portable
+        /// paths exactly as they were.
+        cuda: Option<&'a CudaKernels>,
         cache: &'a PagedKvCache,
         layer: usize,
         /// Use the CPU kernels (matvec, paged attention) where they apply.
@@ -309,6 +315,13 @@ impl AttnCtx<'_> {
     fn differentiable(&self) -> bool {
         matches!(self, AttnCtx::Train { .. })
     }
+    /// The CUDA kernel choices of an inference step (never for training).
+    fn cuda(&self) -> Option<&CudaKernels> {
+        match self {
+            AttnCtx::Paged { cuda, .. } => *cuda,
+            AttnCtx::Train { .. } => None,
+        }
+    }
     fn matvec(&self) -> bool {
         matches!(
             self,
@@ -412,6 +425,7 @@ impl Attention {
                 sin,
                 seqs,
                 batched,
+                kernel,
                 cache,
                 layer,
                 cpu_kernels,
@@ -424,6 +438,25 @@ impl Attention {
                 let k =
                     rope::apply(&k.reshape((1, n_tok, nkv, hd))?, cos, sin, false)?.squeeze(0)?;
                 let v = v.reshape((n_tok, nkv, hd))?;
+                if let Some(ka) = kernel {
+                    let (kp, vp) = cache.pools(*layer);
+                    if ka.kv_append {
+                        kestrel_kernels::kv_append(kp, &k, &ka.meta.new_slots)?;
+                        kestrel_kernels::kv_append(vp, &v, &ka.meta.new_slots)?;
+                    } else {
+                        for s in seqs.iter() {
+                            cache.write(
+                                *layer,
+                                &s.new_rows,
+                                &k.narrow(0, s.offset, s.n)?,
+                                &v.narrow(0, s.offset, s.n)?,
+                            )?;
+                        }
+                    }
+                    // Same stream as the appends above: the kernel sees the new rows.
+                    let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
+                    return self.o.forward_with(&out, fast);
+                }
                 if let (Some(b), false) = (batched, cpu) {
                     let out = b.attend(cache, *layer, &q, &k, &v)?;
                     return self.o.forward_with(&out, fast);
@@ -490,7 +523,14 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
+    /// `swiglu_kernel`: run `silu(gate) · up` as Kestrel's CUDA kernel on the fused output.
+    fn forward(&self, x: &Tensor, fast: bool, swiglu_kernel: bool) -> Result<Tensor> {
+        if let (true, Proj::Fused { lin, sizes }) = (swiglu_kernel, &self.gate_up) {
+            if x.rank() == 2 && sizes.len() == 2 && sizes[0] == sizes[1] {
+                let h = kestrel_kernels::swiglu(&lin.forward_with(x, fast)?)?;
+                return self.down.forward_with(&h, fast);
+            }
+        }
         let gu = self.gate_up.forward(x, fast)?;
         let h = (gu[0].silu()? * &gu[1])?;
         self.down.forward_with(&h, fast)
@@ -588,7 +628,12 @@ impl DecoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
-        self.residual(x, ctx.differentiable(), ctx.matvec(), |h| {
+        if ctx.cuda().is_some_and(|k| k.add_rmsnorm) && x.rank() == 2 {
+            let (x, delta) = self.forward_deferred(x, None, ctx)?;
+            return Ok((x + delta)?);
+        }
+        let swiglu = ctx.cuda().is_some_and(|k| k.swiglu);
+        self.residual(x, ctx.differentiable(), ctx.matvec(), swiglu, |h| {
             self.attn.forward(h, ctx)
         })
     }
@@ -604,7 +649,7 @@ impl DecoderLayer {
         prev: &[(Tensor, Tensor)],
     ) -> Result<(Tensor, (Tensor, Tensor))> {
         let mut kv = None;
-        let y = self.residual(x, true, false, |h| {
+        let y = self.residual(x, true, false, false, |h| {
             let (out, pass_kv) = self.attn.forward_unrolled(h, cos, sin, mask, prev)?;
             kv = Some(pass_kv);
             Ok(out)
@@ -618,6 +663,7 @@ impl DecoderLayer {
         x: &Tensor,
         diff: bool,
         matvec: bool,
+        swiglu: bool,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let h = match &self.input_norm {
@@ -626,6 +672,33 @@ impl DecoderLayer {
         };
         let x = (x + attn(&h)?)?;
         let h = self.post_norm.forward(&x, diff)?;
-        Ok((&x + self.mlp.forward(&h, matvec)?)?)
+        Ok((&x + self.mlp.forward(&h, matvec, swiglu)?)?)
+    }
+
+    /// The layer with its residual adds fused into the RMSNorms that follow them (Kestrel's
+    /// `add_rms_norm` CUDA kernel, inference on `[N, H]` only). The layer's input is
+    /// `x + pending` (the previous layer's MLP output not yet added); returns the residual
+    /// stream after attention and this layer's MLP output, whose sum is the layer's output,
+    /// so the next layer can fuse that add into its input norm.
+    pub fn forward_deferred(
+        &self,
+        x: &Tensor,
+        pending: Option<&Tensor>,
+        ctx: &AttnCtx,
+    ) -> Result<(Tensor, Tensor)> {
+        let (x, h) = match (pending, &self.input_norm) {
+            (Some(p), Some(norm)) => kestrel_kernels::add_rms_norm(x, p, &norm.w, norm.eps as f32)?,
+            (Some(p), None) => {
+                let x = (x + p)?;
+                (x.clone(), x)
+            }
+            (None, Some(norm)) => (x.clone(), norm.forward(x, false)?),
+            (None, None) => (x.clone(), x.clone()),
+        };
+        let a = self.attn.forward(&h, ctx)?;
+        let (x, h) =
+            kestrel_kernels::add_rms_norm(&x, &a, &self.post_norm.w, self.post_norm.eps as f32)?;
+        let swiglu = ctx.cuda().is_some_and(|k| k.swiglu);
+        Ok((x, self.mlp.forward(&h, ctx.matvec(), swiglu)?))
     }
 }

@@ -8,12 +8,15 @@
 //!
 //! On CPU, projections of a few rows (decode, short drafts) go through a hand-written
 //! multi-threaded matrix-vector kernel ([`matvec`]); everything else is plain candle and runs
-//! on candle's CUDA backend as well.
+//! on candle's CUDA backend as well. On CUDA, the ops a plan assigns to Kestrel's own kernels
+//! ([`CudaKernels`]: paged attention, KV append, fused add + RMSNorm, SwiGLU) run those
+//! (`kestrel-kernels`) instead of sequences of candle ops.
 
 mod arena;
 mod batched_attn;
 pub mod cache;
 mod cpu_attn;
+pub mod cuda_kernels;
 pub mod eagle;
 pub mod error;
 mod layer;
@@ -26,6 +29,7 @@ pub mod unshard;
 mod weights;
 
 pub use cache::{PagedKvCache, SeqId};
+pub use cuda_kernels::CudaKernels;
 pub use eagle::{EagleHead, EagleSeqInput, TrainUnroll};
 pub use error::{ModelError, Result};
 pub use llama::{Llama, OutputRows, SeqInput};

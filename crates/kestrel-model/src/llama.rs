@@ -1,9 +1,10 @@
 //! The Llama decoder: embedding → decoder layers over the paged KV cache → final RMSNorm on
 //! the requested rows; `logits` applies the LM head.
 
-use crate::batched_attn::BatchedStep;
+use crate::batched_attn::{BatchedStep, KernelAttn};
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
+use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
 use crate::layer::{
     causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, PagedSeq, RmsNorm,
@@ -70,6 +71,8 @@ pub(crate) struct Step {
     pub seqs: Vec<PagedSeq>,
     /// The batch as one attention call, when the portable path runs and it applies.
     pub batched: Option<BatchedStep>,
+    /// The step through Kestrel's paged-attention CUDA kernel, when the plan picks it.
+    pub kernel: Option<KernelAttn>,
     pub cos: Tensor,
     pub sin: Tensor,
     /// Rows of the concatenated tokens to return, or `None` for all of them in order.
@@ -102,6 +105,8 @@ pub(crate) fn check_cache(
     Ok(())
 }
 
+// The step's inputs plus how it will run (portable path, CUDA kernels, prompt or not).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare_step(
     inputs: &[StepSeq],
     rope: &Rope,
@@ -109,6 +114,8 @@ pub(crate) fn prepare_step(
     dtype: DType,
     device: &Device,
     portable: bool,
+    cuda: Option<&CudaKernels>,
+    prompt: bool,
 ) -> Result<Step> {
     if inputs.is_empty() {
         return Err(invalid("empty batch"));
@@ -148,6 +155,10 @@ pub(crate) fn prepare_step(
     }
     let requests: Vec<(SeqId, usize)> = inputs.iter().map(|s| (s.seq, s.n)).collect();
     cache.reserve(&requests)?;
+    let single = inputs.iter().all(|s| s.n == 1);
+    let kernel_attn = cuda.is_some_and(|k| k.attention(prompt, single));
+    // Per-sequence slot and mask tensors are for the candle path only.
+    let per_seq_tensors = !device.is_cpu() && !kernel_attn;
 
     let mut seqs = Vec::with_capacity(inputs.len());
     let mut out_rows = Vec::new();
@@ -164,7 +175,7 @@ pub(crate) fn prepare_step(
         out_rows.extend(rows.iter().map(|&r| (offset + r) as u32));
         let new_rows = cache.slot_rows(s.seq, past, s.n)?;
         let all_rows = cache.slot_rows(s.seq, 0, total)?;
-        let all_rows_t = if device.is_cpu() {
+        let all_rows_t = if !per_seq_tensors {
             None
         } else {
             Some(Tensor::new(all_rows.as_slice(), device)?)
@@ -187,7 +198,7 @@ pub(crate) fn prepare_step(
             Some(m)
         };
         let mask_t = match &mask {
-            Some(m) if !device.is_cpu() => Some(Tensor::from_slice(m, (s.n, total), device)?),
+            Some(m) if per_seq_tensors => Some(Tensor::from_slice(m, (s.n, total), device)?),
             _ => None,
         };
         seqs.push(PagedSeq {
@@ -202,8 +213,32 @@ pub(crate) fn prepare_step(
         commit.push((s.seq, total));
         offset += s.n;
     }
-    let batched = if portable {
-        BatchedStep::new(&seqs, cache.n_kv_heads(), cache.head_dim(), device)?
+    let kv_append = cuda.is_some_and(|k| k.kv_append);
+    let kernel = if kernel_attn {
+        let attn: Vec<kestrel_kernels::AttnSeq> = seqs
+            .iter()
+            .zip(inputs)
+            .map(|(p, s)| kestrel_kernels::AttnSeq {
+                slots: &p.all_rows,
+                n_new: p.n,
+                mask: s.mask,
+            })
+            .collect();
+        Some(KernelAttn {
+            meta: kestrel_kernels::PagedAttnMeta::new(&attn, device)?,
+            kv_append,
+        })
+    } else {
+        None
+    };
+    let batched = if portable && kernel.is_none() {
+        BatchedStep::new(
+            &seqs,
+            cache.n_kv_heads(),
+            cache.head_dim(),
+            device,
+            kv_append,
+        )?
     } else {
         None
     };
@@ -217,6 +252,7 @@ pub(crate) fn prepare_step(
     Ok(Step {
         seqs,
         batched,
+        kernel,
         cos,
         sin,
         out_rows,
@@ -236,6 +272,7 @@ pub struct Llama {
     dtype: DType,
     device: Device,
     cpu_kernels: bool,
+    cuda_kernels: CudaKernels,
 }
 
 pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
@@ -420,6 +457,7 @@ impl Llama {
             dtype,
             device,
             cpu_kernels: true,
+            cuda_kernels: CudaKernels::default(),
         };
         // Packing copies the weights into one buffer: trainable variables must stay where
         // the optimiser updates them.
@@ -458,6 +496,15 @@ impl Llama {
     /// rows, paged attention). On by default; off runs the portable candle ops that CUDA uses.
     pub fn set_cpu_kernels(&mut self, enabled: bool) {
         self.cpu_kernels = enabled;
+    }
+
+    /// Which of Kestrel's CUDA kernels run on a CUDA device (all by default; an engine's
+    /// plan sets its own choice). Ignored off CUDA.
+    pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
+        self.cuda_kernels = kernels;
+    }
+    pub fn cuda_kernels(&self) -> CudaKernels {
+        self.cuda_kernels
     }
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -567,6 +614,7 @@ impl Llama {
             })
             .collect();
         let portable = !(self.cpu_kernels && self.device.is_cpu());
+        let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
         let step = prepare_step(
             &steps,
             &self.rope,
@@ -574,20 +622,38 @@ impl Llama {
             self.dtype,
             &self.device,
             portable,
+            cuda,
+            !matvec,
         )?;
         let mut x = Self::embed_ids(&self.embed, &tokens, self.cfg.vocab_size, &self.device)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let ctx = AttnCtx::Paged {
-                cos: &step.cos,
-                sin: &step.sin,
-                seqs: &step.seqs,
-                batched: step.batched.as_ref(),
-                cache,
-                layer: l,
-                cpu_kernels: self.cpu_kernels,
-                matvec,
-            };
-            x = layer.forward(&x, &ctx)?;
+        let kv: &PagedKvCache = cache;
+        let ctx = |l: usize| AttnCtx::Paged {
+            cos: &step.cos,
+            sin: &step.sin,
+            seqs: &step.seqs,
+            batched: step.batched.as_ref(),
+            kernel: step.kernel.as_ref(),
+            cuda,
+            cache: kv,
+            layer: l,
+            cpu_kernels: self.cpu_kernels,
+            matvec,
+        };
+        if cuda.is_some_and(|k| k.add_rmsnorm) {
+            // Each layer's last residual add is fused into the next layer's input norm.
+            let mut pending: Option<Tensor> = None;
+            for (l, layer) in self.layers.iter().enumerate() {
+                let (r, delta) = layer.forward_deferred(&x, pending.as_ref(), &ctx(l))?;
+                x = r;
+                pending = Some(delta);
+            }
+            if let Some(p) = pending {
+                x = (x + p)?;
+            }
+        } else {
+            for (l, layer) in self.layers.iter().enumerate() {
+                x = layer.forward(&x, &ctx(l))?;
+            }
         }
         if let Some(rows) = &step.out_rows {
             x = x.index_select(rows, 0)?;

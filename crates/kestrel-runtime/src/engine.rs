@@ -5,7 +5,7 @@ use crate::error::{Result, RuntimeError};
 use candle_core::Device;
 use kestrel_core::checkpoint::{CHAT_TEMPLATE_FILE, EAGLE_PREFIX, TOKENIZER_FILE};
 use kestrel_core::{EagleHeadConfig, EnginePlan, ModelConfig, SpeculativeMode};
-use kestrel_model::{EagleHead, Llama};
+use kestrel_model::{CudaKernels, EagleHead, Llama};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
@@ -39,7 +39,10 @@ impl Engine {
                 )));
             }
         }
-        let model = Llama::load(&config, plan.mapping, &rank_files, plan.dtype, device)?;
+        let mut model = Llama::load(&config, plan.mapping, &rank_files, plan.dtype, device)?;
+        // The plan says which ops run Kestrel's CUDA kernels (ignored on CPU).
+        let kernels = CudaKernels::from_choices(&plan.kernels);
+        model.set_cuda_kernels(kernels);
         let eagle = match (&plan.eagle_head_config_json, plan.speculative_mode) {
             (Some(json), SpeculativeMode::Eagle) => {
                 let head_cfg: EagleHeadConfig = serde_json::from_str(json).map_err(|e| {
@@ -48,13 +51,9 @@ impl Engine {
                         dir.display()
                     ))
                 })?;
-                Some(load_eagle_head(
-                    &head_cfg,
-                    &plan,
-                    &rank_files,
-                    &model,
-                    device,
-                )?)
+                let mut head = load_eagle_head(&head_cfg, &plan, &rank_files, &model, device)?;
+                head.set_cuda_kernels(kernels);
+                Some(head)
             }
             _ => None,
         };

@@ -3,10 +3,11 @@
 //! Greedy decoding needs one token id per row, not the row. On a GPU the logits of a verified
 //! 64-node tree are 64 × 49 152 floats (12.6 MB for SmolLM2): copying them to the host and
 //! scanning them there cost more than the target forward itself. So greedy steps reduce each
-//! row to its argmax where the logits are and copy `rows` ids. The device reduction keeps the
-//! host rule exactly (the largest value, the lowest token id among equal maxima, NaN never
-//! chosen), so a greedy step picks the same token on either path, and plain decoding and
-//! verification pick alike.
+//! row to its argmax on the device (`kestrel_kernels::argmax_rows`, one launch) and copy
+//! `rows` ids. The kernel keeps the host rule exactly (the largest value, the lowest token id
+//! among equal maxima, NaN never chosen; its GPU test checks it against
+//! [`kestrel_spec::sampling::argmax`]), so a greedy step picks the same token on either path,
+//! and plain decoding and verification pick alike.
 //!
 //! EAGLE drafting needs the k best tokens of each head row and their log-probabilities. On a
 //! device those come from a two-stage sort ([`top_k_on_device`]): every 1024-wide slice of a
@@ -89,29 +90,7 @@ pub(crate) fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
             .map(|r| sampling::argmax(r))
             .collect());
     }
-    Ok(argmax_on_device(logits)?.to_vec1::<u32>()?)
-}
-
-/// `[rows]` u32: the lowest index holding each row's largest non-NaN value (index 0 for a row
-/// of NaNs), with tensor ops that run where `logits` lives.
-pub fn argmax_on_device(logits: &Tensor) -> candle_core::Result<Tensor> {
-    let (rows, vocab) = logits.dims2()?;
-    let dev = logits.device();
-    let shape = (rows, vocab);
-    // NaN != NaN: NaNs become -inf, so they are never the maximum of a row that has numbers.
-    let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as(shape)?;
-    let clean = logits.eq(logits)?.where_cond(logits, &neg_inf)?;
-    let max = clean.max_keepdim(D::Minus1)?;
-    let at_max = clean.broadcast_eq(&max)?;
-    let ids = Tensor::arange(0u32, vocab as u32, dev)?
-        .unsqueeze(0)?
-        .broadcast_as(shape)?;
-    let past_end = Tensor::new(vocab as u32, dev)?.broadcast_as(shape)?;
-    // The smallest index at the maximum; a row of NaNs has its maximum (-inf) everywhere → 0.
-    at_max
-        .where_cond(&ids, &past_end)?
-        .min(D::Minus1)?
-        .to_dtype(DType::U32)
+    Ok(kestrel_kernels::argmax_rows(logits)?.to_vec1::<u32>()?)
 }
 
 /// Each row's `k` best tokens, best first, with their log-probabilities under softmax(row):
@@ -213,50 +192,6 @@ pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor
 mod tests {
     use super::*;
     use candle_core::Device;
-
-    /// The device formulation, run on CPU tensors, against the host scan on rows with planted
-    /// ties, NaNs, infinities and all-NaN / all -inf rows.
-    #[test]
-    fn device_argmax_keeps_the_host_rule() {
-        let vocab = 97;
-        let mut rows: Vec<Vec<f32>> = Vec::new();
-        let mut x = 0x2545_f491_u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x % 1000) as f32 / 37.0 - 13.0
-        };
-        for r in 0..24 {
-            let mut row: Vec<f32> = (0..vocab).map(|_| next()).collect();
-            let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 1.0;
-            match r % 6 {
-                // The same maximum at several ids: the lowest must win.
-                0 => {
-                    row[r + 5] = top;
-                    row[r + 40] = top;
-                    row[90] = top;
-                }
-                // A NaN bigger than nothing still must not be picked.
-                1 => {
-                    row[0] = f32::NAN;
-                    row[r] = f32::NAN;
-                }
-                2 => row[r + 3] = f32::INFINITY,
-                3 => row.iter_mut().for_each(|v| *v = f32::NAN),
-                4 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
-                _ => {}
-            }
-            rows.push(row);
-        }
-        let t = Tensor::from_vec(rows.concat(), (rows.len(), vocab), &Device::Cpu).unwrap();
-        let got = argmax_on_device(&t).unwrap().to_vec1::<u32>().unwrap();
-        let want: Vec<u32> = rows.iter().map(|r| sampling::argmax(r)).collect();
-        assert_eq!(got, want);
-        // Guard against a vacuous comparison: the planted ties are not all at index 0.
-        assert_eq!(want[0], 5);
-        assert_eq!(want[3], 0);
-    }
 
     #[test]
     fn top_k_orders_by_value_then_id() {

@@ -1,0 +1,398 @@
+//! candle custom ops that launch the kernels of `kernels.cu` on a tensor's CUDA device.
+//!
+//! The PTX is loaded once per device as a custom module (`get_or_load_custom_func` caches it
+//! by module name) and launched on candle's stream, so the kernels are ordered with candle's
+//! own work and no synchronisation is needed.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout,
+    Result, Shape, Storage, Tensor,
+};
+use half::{bf16, f16};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
+const MODULE: &str = "kestrel_kernels";
+
+/// `t`'s elements as a device view, which must be contiguous (possibly at an offset).
+fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<candle_core::cuda::cudarc::driver::CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+        None => bail!("{what} must be contiguous"),
+    }
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => bail!("Kestrel's CUDA kernels do not support {other:?}"),
+    })
+}
+
+fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads per block for a loop over `width` elements: a multiple of 32, 32 to 1024.
+fn threads_for(width: usize) -> u32 {
+    (width.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+fn i32_arg(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
+}
+
+/// Warps per block of the attention kernel (`PA_WARPS` in kernels.cu).
+const PA_THREADS: u32 = 4 * 32;
+
+pub(crate) struct PagedAttention {
+    pub table: Tensor,
+    pub n_seq: usize,
+    pub lmax: usize,
+}
+
+impl PagedAttention {
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        q: (&CudaStorage, &Layout),
+        k: (&CudaStorage, &Layout),
+        v: (&CudaStorage, &Layout),
+        table: (&CudaStorage, &Layout),
+        dims: (usize, usize, usize, usize),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let (n_tok, nh, nkv, d) = dims;
+        let qv = view::<T>(q.0, q.1, "attention q")?;
+        let kv = view::<T>(k.0, k.1, "K pool")?;
+        let vv = view::<T>(v.0, v.1, "V pool")?;
+        let tv = view::<u32>(table.0, table.1, "attention metadata")?;
+        // SAFETY: every element is written by the kernel (each block writes its row's d values).
+        let out = unsafe { dev.alloc::<T>(n_tok * nh * d)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("kestrel_paged_attention_{sfx}"), MODULE, PTX)?;
+        let (n_tok_a, n_seq, lmax, nh_a, nkv_a, d_a) = (
+            i32_arg(n_tok, "query rows")?,
+            i32_arg(self.n_seq, "sequences")?,
+            i32_arg(self.lmax, "slots")?,
+            i32_arg(nh, "heads")?,
+            i32_arg(nkv, "KV heads")?,
+            i32_arg(d, "head_dim")?,
+        );
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let mut b = func.builder();
+        b.arg(&qv);
+        b.arg(&kv);
+        b.arg(&vv);
+        b.arg(&out);
+        b.arg(&tv);
+        b.arg(&n_tok_a);
+        b.arg(&n_seq);
+        b.arg(&lmax);
+        b.arg(&nh_a);
+        b.arg(&nkv_a);
+        b.arg(&d_a);
+        b.arg(&scale);
+        // grid.y = heads ≤ 65535; static shared memory (~4 KiB) only.
+        let cfg = launch_cfg((n_tok as u32, nh as u32), PA_THREADS);
+        // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
+        // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
+
+impl CustomOp3 for PagedAttention {
+    fn name(&self) -> &'static str {
+        "kestrel-paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel paged attention runs on CUDA only (the CPU has its own kernel)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n_tok, nh, d) = ql.shape().dims3()?;
+        let (_, nkv, _) = kl.shape().dims3()?;
+        let (ts, tl) = self.table.storage_and_layout();
+        let Storage::Cuda(ts) = &*ts else {
+            bail!("paged attention metadata is not on the CUDA device")
+        };
+        let dev = q.device();
+        let dims = (n_tok, nh, nkv, d);
+        let args = ((q, ql), (k, kl), (v, vl), (ts, tl));
+        let out = match q.dtype() {
+            DType::F32 => self.run::<f32>(dev, args.0, args.1, args.2, args.3, dims, "f32")?,
+            DType::F16 => self.run::<f16>(dev, args.0, args.1, args.2, args.3, dims, "f16")?,
+            DType::BF16 => self.run::<bf16>(dev, args.0, args.1, args.2, args.3, dims, "bf16")?,
+            other => bail!("paged attention does not support {other:?}"),
+        };
+        Ok((out, Shape::from((n_tok, nh, d))))
+    }
+}
+
+pub(crate) struct KvAppend;
+
+impl KvAppend {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        pool: &mut CudaStorage,
+        pl: &Layout,
+        rows: (&CudaStorage, &Layout),
+        slots: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<()> {
+        let dev = pool.device().clone();
+        let n = rows.1.shape().dims()[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let width = rows.1.shape().elem_count() / n;
+        let rv = view::<T>(rows.0, rows.1, "appended rows")?;
+        let sv = view::<u32>(slots.0, slots.1, "slot ids")?;
+        let (a, b) = match pl.contiguous_offsets() {
+            Some(o) => o,
+            None => bail!("KV pool must be contiguous"),
+        };
+        let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
+        let func = dev.get_or_load_custom_func(&format!("kestrel_kv_append_{sfx}"), MODULE, PTX)?;
+        let width_a = i32_arg(width, "row width")?;
+        let mut bld = func.builder();
+        bld.arg(&mut pv);
+        bld.arg(&rv);
+        bld.arg(&sv);
+        bld.arg(&width_a);
+        let cfg = launch_cfg((n as u32, 1), threads_for(width).min(256));
+        // SAFETY: argument types match kestrel_kv_append_*; slot ids index pool rows (the
+        // cache hands out only rows of its own pool).
+        unsafe { bld.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+impl InplaceOp3 for KvAppend {
+    fn name(&self) -> &'static str {
+        "kestrel-kv-append"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        bail!("kestrel kv append runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        pool: &mut CudaStorage,
+        pl: &Layout,
+        rows: &CudaStorage,
+        rl: &Layout,
+        slots: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        let sfx = suffix(pool.dtype())?;
+        match pool.dtype() {
+            DType::F32 => Self::run::<f32>(pool, pl, (rows, rl), (slots, sl), sfx),
+            DType::F16 => Self::run::<f16>(pool, pl, (rows, rl), (slots, sl), sfx),
+            DType::BF16 => Self::run::<bf16>(pool, pl, (rows, rl), (slots, sl), sfx),
+            other => bail!("kv append does not support {other:?}"),
+        }
+    }
+}
+
+pub(crate) struct AddRmsNorm {
+    pub eps: f32,
+}
+
+impl AddRmsNorm {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        x: (&CudaStorage, &Layout),
+        r: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = x.0.device().clone();
+        let (rows, h) = x.1.shape().dims2()?;
+        let xv = view::<T>(x.0, x.1, "x")?;
+        let rv = view::<T>(r.0, r.1, "residual")?;
+        let wv = view::<T>(w.0, w.1, "norm weight")?;
+        // SAFETY: the kernel writes both halves of every row.
+        let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
+        if rows > 0 {
+            let func =
+                dev.get_or_load_custom_func(&format!("kestrel_add_rmsnorm_{sfx}"), MODULE, PTX)?;
+            let (rows_a, h_a) = (i32_arg(rows, "rows")?, i32_arg(h, "hidden size")?);
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&rv);
+            b.arg(&wv);
+            b.arg(&out);
+            b.arg(&rows_a);
+            b.arg(&h_a);
+            b.arg(&self.eps);
+            // block_sum needs a multiple of 32 threads, at most 1024.
+            let cfg = launch_cfg((rows as u32, 1), threads_for(h).min(1024));
+            // SAFETY: argument types match kestrel_add_rmsnorm_*.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "kestrel-add-rmsnorm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel add_rms_norm runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        r: &CudaStorage,
+        rl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (rows, h) = xl.shape().dims2()?;
+        let sfx = suffix(x.dtype())?;
+        let out = match x.dtype() {
+            DType::F32 => self.run::<f32>((x, xl), (r, rl), (w, wl), sfx)?,
+            DType::F16 => self.run::<f16>((x, xl), (r, rl), (w, wl), sfx)?,
+            DType::BF16 => self.run::<bf16>((x, xl), (r, rl), (w, wl), sfx)?,
+            other => bail!("add_rms_norm does not support {other:?}"),
+        };
+        Ok((out, Shape::from((2, rows, h))))
+    }
+}
+
+pub(crate) struct SwiGlu;
+
+impl SwiGlu {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        s: &CudaStorage,
+        l: &Layout,
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = s.device().clone();
+        let (rows, two_i) = l.shape().dims2()?;
+        let inter = two_i / 2;
+        let total = rows * inter;
+        let sv = view::<T>(s, l, "gate_up")?;
+        // SAFETY: the grid-stride loop writes every element.
+        let out = unsafe { dev.alloc::<T>(total)? };
+        if total > 0 {
+            let func =
+                dev.get_or_load_custom_func(&format!("kestrel_swiglu_{sfx}"), MODULE, PTX)?;
+            let inter_a = i32_arg(inter, "intermediate size")?;
+            let mut b = func.builder();
+            b.arg(&sv);
+            b.arg(&out);
+            b.arg(&total);
+            b.arg(&inter_a);
+            let blocks = total.div_ceil(256).min(65535) as u32;
+            // SAFETY: argument types match kestrel_swiglu_* (total is size_t there).
+            unsafe { b.launch(launch_cfg((blocks, 1), 256)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "kestrel-swiglu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel swiglu runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows, two_i) = l.shape().dims2()?;
+        let sfx = suffix(s.dtype())?;
+        let out = match s.dtype() {
+            DType::F32 => Self::run::<f32>(s, l, sfx)?,
+            DType::F16 => Self::run::<f16>(s, l, sfx)?,
+            DType::BF16 => Self::run::<bf16>(s, l, sfx)?,
+            other => bail!("swiglu does not support {other:?}"),
+        };
+        Ok((out, Shape::from((rows, two_i / 2))))
+    }
+}
+
+pub(crate) struct ArgMax;
+
+impl CustomOp1 for ArgMax {
+    fn name(&self) -> &'static str {
+        "kestrel-argmax"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel argmax runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let sv = view::<f32>(s, l, "logits")?;
+        // SAFETY: one block per row writes its id.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        if rows > 0 && vocab > 0 {
+            let func = dev.get_or_load_custom_func("kestrel_argmax_f32", MODULE, PTX)?;
+            let v_a = i32_arg(vocab, "vocabulary")?;
+            let mut b = func.builder();
+            b.arg(&sv);
+            b.arg(&out);
+            b.arg(&v_a);
+            // SAFETY: argument types match kestrel_argmax_f32.
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}

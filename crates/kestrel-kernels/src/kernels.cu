@@ -1,0 +1,331 @@
+// Kestrel's CUDA kernels for the decode hot path. Compiled by build.rs to PTX for compute_80
+// (JIT-compiled by the driver on sm_80 and newer, including sm_90) and loaded through candle's
+// CUDA device. Every kernel exists for f32, f16 and bf16 (extern "C" names end in the dtype);
+// arithmetic is in f32, storage in the tensor's dtype.
+//
+// Kept deliberately simple (one block per row or per (query token, head), warp reductions):
+// at decode sizes the step is bound by launches and weight reads, not by these kernels.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Rounds through T and back: reproduces the intermediate rounding of the candle ops the
+// kernels replace (e.g. RMSNorm normalised in f32, stored in bf16, then scaled in bf16).
+template <typename T> __device__ __forceinline__ float round_t(float x) { return to_f(from_f<T>(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets
+// the result. `red` is 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float *red) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nwarps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads(); // `red` may still be read by a previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? red[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged attention.
+//
+// q: [n_tok, nh, d] (RoPE applied), k_pool / v_pool: [slots, nkv, d], out: [n_tok, nh, d].
+// meta (u32), built by kestrel_kernels::PagedAttnMeta:
+//   tok_seq[n_tok]                      sequence of each query token
+//   seq_len[n_seq]                      L: slots of the sequence (cached then new)
+//   seq_new[n_seq]                      n: its new tokens (the last n of its L slots)
+//   q_start[n_seq]                      its first query token
+//   mask_off[n_seq]                     offset of its n×n mask in `masks`, or 0xffffffff for
+//                                       causal over the new tokens
+//   slots[n_seq * lmax]                 pool row of slot i of sequence s at s*lmax + i
+//   masks[...]                          0/1 per (new row, new column), row-major
+// Query row r of a sequence sees every cached slot (i < L - n) and new slot j = i - (L - n)
+// when its mask allows (causal: j <= r). Masked slots are skipped, i.e. contribute exact
+// zeros, like the additive f32::MIN mask of the candle path.
+//
+// One block of PA_WARPS warps per (query token, head). Each warp walks chunks of 32 slots:
+// lane j scores slot base + j (a full dot product over d), the warp updates its online
+// softmax (running max m, sum l, accumulator acc over d spread across lanes) and adds the
+// chunk's V rows. The warps' partial states are merged through shared memory at the end.
+// ---------------------------------------------------------------------------------------
+#define PA_WARPS 4
+#define PA_MAX_D 256
+#define PA_PER_LANE (PA_MAX_D / WARP)
+
+template <typename T>
+__device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k_pool,
+                                const T *__restrict__ v_pool, T *__restrict__ out,
+                                const unsigned int *__restrict__ meta, const int n_tok,
+                                const int n_seq, const int lmax, const int nh, const int nkv,
+                                const int d, const float scale) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const unsigned int *tok_seq = meta;
+    const unsigned int *seq_len = tok_seq + n_tok;
+    const unsigned int *seq_new = seq_len + n_seq;
+    const unsigned int *q_start = seq_new + n_seq;
+    const unsigned int *mask_off = q_start + n_seq;
+    const unsigned int *slot_tab = mask_off + n_seq;
+    const unsigned int *masks = slot_tab + (size_t)n_seq * lmax;
+
+    const int s = tok_seq[t];
+    const int L = seq_len[s];
+    const int n = seq_new[s];
+    const int r = t - (int)q_start[s];
+    const int past = L - n;
+    const unsigned int moff = mask_off[s];
+    const unsigned int *slots = slot_tab + (size_t)s * lmax;
+    const int kvh = h / (nh / nkv);
+    const size_t row_stride = (size_t)nkv * d;
+    const T *k_base = k_pool + (size_t)kvh * d;
+    const T *v_base = v_pool + (size_t)kvh * d;
+
+    __shared__ float qs[PA_MAX_D];
+    __shared__ float w_m[PA_WARPS], w_l[PA_WARPS];
+    __shared__ float w_acc[PA_WARPS][PA_MAX_D];
+
+    for (int e = threadIdx.x; e < d; e += blockDim.x)
+        qs[e] = to_f(q[((size_t)t * nh + h) * d + e]) * scale;
+    __syncthreads();
+
+    float m = -INFINITY, l = 0.f;
+    float acc[PA_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < PA_PER_LANE; ++k) acc[k] = 0.f;
+
+    for (int base = warp * WARP; base < L; base += PA_WARPS * WARP) {
+        const int i = base + lane;
+        float sc = -INFINITY;
+        unsigned int slot = 0;
+        if (i < L) {
+            slot = slots[i];
+            bool ok = true;
+            if (i >= past) {
+                const int j = i - past;
+                ok = moff == 0xffffffffu ? j <= r : masks[moff + (size_t)r * n + j] != 0;
+            }
+            if (ok) {
+                const T *kr = k_base + (size_t)slot * row_stride;
+                float dot = 0.f;
+                for (int e = 0; e < d; ++e) dot += qs[e] * to_f(kr[e]);
+                sc = dot;
+            }
+        }
+        const float cm = warp_max(sc); // warp-uniform
+        if (cm == -INFINITY) continue; // the whole chunk is masked or past the end
+        const float m_new = fmaxf(m, cm);
+        const float corr = expf(m - m_new); // 0 on the first chunk (m = -inf)
+        const float p = sc == -INFINITY ? 0.f : expf(sc - m_new);
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int k = 0; k < PA_PER_LANE; ++k) acc[k] *= corr;
+        const int cnt = min(WARP, L - base); // warp-uniform
+        for (int j = 0; j < cnt; ++j) {
+            const float pj = __shfl_sync(FULL_MASK, p, j);
+            const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
+            if (pj == 0.f) continue; // masked: exact zero contribution
+            const T *vr = v_base + (size_t)sj * row_stride;
+#pragma unroll
+            for (int k = 0; k < PA_PER_LANE; ++k) {
+                const int e = lane + WARP * k;
+                if (e < d) acc[k] += pj * to_f(vr[e]);
+            }
+        }
+        m = m_new;
+    }
+
+    if (lane == 0) {
+        w_m[warp] = m;
+        w_l[warp] = l;
+    }
+#pragma unroll
+    for (int k = 0; k < PA_PER_LANE; ++k) {
+        const int e = lane + WARP * k;
+        if (e < d) w_acc[warp][e] = acc[k];
+    }
+    __syncthreads();
+
+    float mx = -INFINITY;
+    for (int w = 0; w < PA_WARPS; ++w) mx = fmaxf(mx, w_m[w]);
+    float denom = 0.f;
+    for (int w = 0; w < PA_WARPS; ++w)
+        if (w_m[w] != -INFINITY) denom += w_l[w] * expf(w_m[w] - mx);
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < PA_WARPS; ++w)
+            if (w_m[w] != -INFINITY) o += w_acc[w][e] * expf(w_m[w] - mx);
+        out[((size_t)t * nh + h) * d + e] = from_f<T>(denom > 0.f ? o / denom : 0.f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// KV append: pool[slots[r]] = rows[r] for r < n_rows; rows are `width` = nkv·d wide.
+// One block per row.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
+                          const unsigned int *__restrict__ slots, const int width) {
+    const int r = blockIdx.x;
+    T *dst = pool + (size_t)slots[r] * width;
+    const T *src = rows + (size_t)r * width;
+    for (int e = threadIdx.x; e < width; e += blockDim.x) dst[e] = src[e];
+}
+
+// ---------------------------------------------------------------------------------------
+// Fused residual add + RMSNorm. out: [2, n_rows, h]: out[0] = x + res (rounded to T),
+// out[1] = round_T(round_T(sum · rsqrt(mean(sum²) + eps)) · w). For f32 this is candle's
+// rms_norm; for f16/bf16 it is the model's path (normalise in f32, store, scale in dtype).
+// One block per row.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
+                            const T *__restrict__ w, T *__restrict__ out, const int n_rows,
+                            const int h, const float eps) {
+    __shared__ float red[32];
+    const int row = blockIdx.x;
+    const T *xr = x + (size_t)row * h;
+    const T *rr = res + (size_t)row * h;
+    T *sum_out = out + (size_t)row * h;
+    T *norm_out = out + ((size_t)n_rows + row) * h;
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < h; e += blockDim.x) {
+        const T s = from_f<T>(to_f(xr[e]) + to_f(rr[e]));
+        sum_out[e] = s;
+        const float sf = to_f(s);
+        ss += sf * sf;
+    }
+    const float total = block_sum(ss, red);
+    const float scale = rsqrtf(total / h + eps);
+    // Each thread reads back only the elements it wrote itself: no barrier needed.
+    for (int e = threadIdx.x; e < h; e += blockDim.x) {
+        const float normed = round_t<T>(scale * to_f(sum_out[e]));
+        norm_out[e] = from_f<T>(normed * to_f(w[e]));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// SwiGLU on the fused gate_up projection: gu [n_rows, 2·inter] (gate then up) →
+// out [n_rows, inter] = round_T(round_T(silu(gate)) · up), the rounding of candle's
+// `silu(gate) * up` in the tensor's dtype.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, const size_t total,
+                       const int inter) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / inter, c = i % inter;
+        const float g = to_f(gu[row * 2 * inter + c]);
+        const float u = to_f(gu[row * 2 * inter + inter + c]);
+        const float sg = round_t<T>(g / (1.f + expf(-g)));
+        out[i] = from_f<T>(sg * u);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Row argmax of f32 logits [n_rows, v] → u32 [n_rows]; ties go to the lowest index, NaNs are
+// skipped.
+// One block per row.
+// ---------------------------------------------------------------------------------------
+extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
+                                              unsigned int *__restrict__ out, const int v) {
+    __shared__ float bv[32];
+    __shared__ unsigned int bi[32];
+    const int row = blockIdx.x;
+    const float *xr = x + (size_t)row * v;
+    float best = -INFINITY;
+    unsigned int idx = 0xffffffffu;
+    for (int e = threadIdx.x; e < v; e += blockDim.x) {
+        const float val = xr[e];
+        // NaN is never chosen (the host rule, kestrel_spec::sampling::argmax); otherwise the
+        // first element seen, then strictly greater ones.
+        if (!isnan(val) && (val > best || idx == 0xffffffffu)) {
+            best = val;
+            idx = e;
+        }
+    }
+    // Warp then block reduction of (value, index), lower index on equal values.
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+        const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
+        if (oi != 0xffffffffu && (idx == 0xffffffffu || ov > best || (ov == best && oi < idx))) {
+            best = ov;
+            idx = oi;
+        }
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) {
+        bv[warp] = best;
+        bi[warp] = idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nwarps = blockDim.x / WARP;
+        best = lane < nwarps ? bv[lane] : -INFINITY;
+        idx = lane < nwarps ? bi[lane] : 0xffffffffu;
+#pragma unroll
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+            const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
+            if (oi != 0xffffffffu &&
+                (idx == 0xffffffffu || ov > best || (ov == best && oi < idx))) {
+                best = ov;
+                idx = oi;
+            }
+        }
+        if (lane == 0) out[row] = idx == 0xffffffffu ? 0u : idx; // a row of NaNs → 0, as on the host
+    }
+}
+
+#define KESTREL_OPS(T, SUFFIX)                                                                  \
+    extern "C" __global__ void kestrel_paged_attention_##SUFFIX(                                \
+        const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,         \
+        const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,          \
+        const int d, const float scale) {                                                       \
+        paged_attention<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale); \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_kv_append_##SUFFIX(T *pool, const T *rows,               \
+                                                          const unsigned int *slots,            \
+                                                          const int width) {                    \
+        kv_append<T>(pool, rows, slots, width);                                                 \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_add_rmsnorm_##SUFFIX(const T *x, const T *res,           \
+                                                            const T *w, T *out,                 \
+                                                            const int n_rows, const int h,      \
+                                                            const float eps) {                  \
+        add_rmsnorm<T>(x, res, w, out, n_rows, h, eps);                                         \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
+                                                       const int inter) {                       \
+        swiglu<T>(gu, out, total, inter);                                                       \
+    }
+
+KESTREL_OPS(float, f32)
+KESTREL_OPS(__half, f16)
+KESTREL_OPS(__nv_bfloat16, bf16)

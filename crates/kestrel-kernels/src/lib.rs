@@ -1,0 +1,367 @@
+//! Kestrel's own CUDA kernels for the decode hot path, launched through candle's CUDA device.
+//!
+//! - [`paged_attention`]: attention of every sequence's new query rows over its paged KV slots
+//!   (slot table, GQA, causal or tree mask over the new tokens) in one launch per layer.
+//! - [`kv_append`]: writes a step's new K or V rows into a pool at u32 slot ids.
+//! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
+//! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
+//! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
+//!
+//! The `.cu` source is compiled to PTX by build.rs only with the `cuda` feature; without it
+//! this crate holds only the host-side metadata layout ([`PagedAttnMeta::host`]) and the
+//! kernel launchers return an error, so the CPU build needs no CUDA toolkit.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// Kernel names (their `extern "C"` names, dtype suffix appended) as recorded in plans.
+pub mod names {
+    pub const PAGED_ATTENTION: &str = "kestrel_paged_attention";
+    pub const KV_APPEND: &str = "kestrel_kv_append";
+    pub const ADD_RMSNORM: &str = "kestrel_add_rmsnorm";
+    pub const SWIGLU: &str = "kestrel_swiglu";
+    pub const ARGMAX: &str = "kestrel_argmax";
+
+    /// `"kestrel_paged_attention_bf16"` etc.: the suffix the kernels use for a dtype.
+    pub fn with_dtype(kernel: &str, dtype: &str) -> String {
+        format!("{kernel}_{dtype}")
+    }
+}
+
+/// The largest head dimension [`paged_attention`] supports (its per-block shared memory and
+/// per-lane registers are sized for it).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// `mask_off` of a sequence without an explicit mask: causal over its new tokens.
+const CAUSAL: u32 = u32::MAX;
+
+/// One sequence of a paged attention step.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    /// Pool rows of all its slots, cached then new (`L` of them).
+    pub slots: &'a [u32],
+    /// Its new tokens: the query rows, whose K/V are the last `n_new` slots.
+    pub n_new: usize,
+    /// `n_new × n_new` row-major over the new tokens, `true` = may attend; `None` = causal.
+    /// Every new token sees all cached slots.
+    pub mask: Option<&'a [bool]>,
+}
+
+/// A step's attention metadata, uploaded once and shared by every layer: the slot table,
+/// per-sequence lengths and masks, and the new tokens' slot ids for [`kv_append`].
+#[derive(Debug, Clone)]
+pub struct PagedAttnMeta {
+    /// `[n_tok]` u32: pool row of every new token, in query order (for [`kv_append`]).
+    pub new_slots: Tensor,
+    /// The rest of the buffer, read by the attention kernel (layout in `kernels.cu`).
+    pub table: Tensor,
+    pub n_tok: usize,
+    pub n_seq: usize,
+    pub lmax: usize,
+}
+
+impl PagedAttnMeta {
+    /// The host buffer: `new_slots[n_tok]` then the table (see `kernels.cu`):
+    /// `tok_seq[n_tok] | seq_len[b] | seq_new[b] | q_start[b] | mask_off[b] | slots[b·lmax] |
+    /// masks`. Returns it with `(n_tok, lmax)`.
+    pub fn host(seqs: &[AttnSeq]) -> Result<(Vec<u32>, usize, usize)> {
+        let b = seqs.len();
+        if b == 0 {
+            candle_core::bail!("paged attention: empty batch");
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            if s.n_new == 0 || s.n_new > s.slots.len() {
+                candle_core::bail!(
+                    "paged attention: sequence {i} has {} new tokens for {} slots",
+                    s.n_new,
+                    s.slots.len()
+                );
+            }
+            if let Some(m) = s.mask {
+                if m.len() != s.n_new * s.n_new {
+                    candle_core::bail!(
+                        "paged attention: sequence {i} has a mask of {} entries for {} new tokens",
+                        m.len(),
+                        s.n_new
+                    );
+                }
+            }
+        }
+        let n_tok: usize = seqs.iter().map(|s| s.n_new).sum();
+        let lmax = seqs.iter().map(|s| s.slots.len()).max().unwrap_or(0);
+        let masked: usize = seqs
+            .iter()
+            .filter(|s| s.mask.is_some())
+            .map(|s| s.n_new * s.n_new)
+            .sum();
+        let mut buf = Vec::with_capacity(2 * n_tok + 4 * b + b * lmax + masked);
+        for s in seqs {
+            buf.extend_from_slice(&s.slots[s.slots.len() - s.n_new..]);
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            buf.extend(std::iter::repeat_n(i as u32, s.n_new));
+        }
+        buf.extend(seqs.iter().map(|s| s.slots.len() as u32));
+        buf.extend(seqs.iter().map(|s| s.n_new as u32));
+        let mut start = 0u32;
+        for s in seqs {
+            buf.push(start);
+            start += s.n_new as u32;
+        }
+        let mut off = 0u32;
+        for s in seqs {
+            match s.mask {
+                Some(_) => {
+                    buf.push(off);
+                    off += (s.n_new * s.n_new) as u32;
+                }
+                None => buf.push(CAUSAL),
+            }
+        }
+        for s in seqs {
+            buf.extend_from_slice(s.slots);
+            // Padding is never read (the kernel stops at the sequence's length).
+            buf.extend(std::iter::repeat_n(0, lmax - s.slots.len()));
+        }
+        for s in seqs {
+            if let Some(m) = s.mask {
+                buf.extend(m.iter().map(|&a| a as u32));
+            }
+        }
+        Ok((buf, n_tok, lmax))
+    }
+
+    /// Builds the buffer and uploads it in one copy.
+    pub fn new(seqs: &[AttnSeq], device: &Device) -> Result<Self> {
+        let (buf, n_tok, lmax) = Self::host(seqs)?;
+        let len = buf.len();
+        let all = Tensor::from_vec(buf, len, device)?;
+        Ok(PagedAttnMeta {
+            new_slots: all.narrow(0, 0, n_tok)?,
+            table: all.narrow(0, n_tok, len - n_tok)?,
+            n_tok,
+            n_seq: seqs.len(),
+            lmax,
+        })
+    }
+}
+
+fn dtype_suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => candle_core::bail!("Kestrel's CUDA kernels do not support {other:?}"),
+    })
+}
+
+/// The name a plan records for `kernel` on `dtype` (e.g. `kestrel_paged_attention_bf16`).
+pub fn kernel_name(kernel: &str, dtype: DType) -> Result<String> {
+    Ok(names::with_dtype(kernel, dtype_suffix(dtype)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda<T>(what: &str) -> Result<T> {
+    candle_core::bail!("{what}: kestrel-kernels was built without the `cuda` feature")
+}
+
+/// Attention of the step's query rows `q: [n_tok, n_heads, head_dim]` (RoPE applied) over
+/// the pools `[slots, n_kv, head_dim]` as described by `meta`; returns
+/// `[n_tok, n_heads·head_dim]` in `q`'s dtype. Scores, softmax and accumulation in f32.
+pub fn paged_attention(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+) -> Result<Tensor> {
+    let (n_tok, nh, d) = q.dims3()?;
+    let (_, nkv, dk) = k_pool.dims3()?;
+    if n_tok != meta.n_tok
+        || dk != d
+        || v_pool.dims() != k_pool.dims()
+        || nkv == 0
+        || nh % nkv != 0
+        || d == 0
+        || d > MAX_HEAD_DIM
+        || q.dtype() != k_pool.dtype()
+        || v_pool.dtype() != k_pool.dtype()
+    {
+        candle_core::bail!(
+            "paged attention: q {:?} {:?}, pools {:?} {:?} / {:?} {:?}, {} query rows in the \
+             metadata (head_dim at most {MAX_HEAD_DIM}, heads a multiple of KV heads)",
+            q.dims(),
+            q.dtype(),
+            k_pool.dims(),
+            k_pool.dtype(),
+            v_pool.dims(),
+            v_pool.dtype(),
+            meta.n_tok
+        );
+    }
+    dtype_suffix(q.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        let q = q.contiguous()?;
+        let op = cuda::PagedAttention {
+            table: meta.table.clone(),
+            n_seq: meta.n_seq,
+            lmax: meta.lmax,
+        };
+        q.apply_op3_no_bwd(k_pool, v_pool, &op)?
+            .reshape((n_tok, nh * d))
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("paged attention")
+}
+
+/// Writes `rows: [n, n_kv, head_dim]` into `pool: [slots, n_kv, head_dim]` at the pool rows
+/// `slots: [n]` u32 (in place).
+pub fn kv_append(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
+    let n = rows.dim(0)?;
+    if rows.dims()[1..] != pool.dims()[1..]
+        || rows.dtype() != pool.dtype()
+        || slots.dims() != [n]
+        || slots.dtype() != DType::U32
+    {
+        candle_core::bail!(
+            "kv append: rows {:?} {:?}, pool {:?} {:?}, slots {:?} {:?}",
+            rows.dims(),
+            rows.dtype(),
+            pool.dims(),
+            pool.dtype(),
+            slots.dims(),
+            slots.dtype()
+        );
+    }
+    dtype_suffix(pool.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        pool.inplace_op3(&rows.contiguous()?, slots, &cuda::KvAppend)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("kv append")
+}
+
+/// `(x + res, rms_norm(x + res) · w)` for `x`, `res: [rows, h]`, `w: [h]`: the sum rounded to
+/// the dtype, then normalised in f32 (like candle's `rms_norm` for f32; normalised, stored in
+/// the dtype, then scaled for f16/bf16, like the model's RMSNorm).
+pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let (rows, h) = x.dims2()?;
+    if res.dims() != x.dims()
+        || w.dims() != [h]
+        || res.dtype() != x.dtype()
+        || w.dtype() != x.dtype()
+    {
+        candle_core::bail!(
+            "add_rms_norm: x {:?} {:?}, res {:?} {:?}, w {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            res.dims(),
+            res.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    dtype_suffix(x.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        let both = x.contiguous()?.apply_op3_no_bwd(
+            &res.contiguous()?,
+            &w.contiguous()?,
+            &cuda::AddRmsNorm { eps },
+        )?;
+        let _ = rows;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (rows, eps);
+        no_cuda("add_rms_norm")
+    }
+}
+
+/// `silu(gate) · up` for the fused projection `gu: [rows, 2·inter]` (gate columns first) →
+/// `[rows, inter]`, rounded to the dtype after the silu like candle's two ops.
+pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
+    let (_, two_i) = gu.dims2()?;
+    if two_i % 2 != 0 {
+        candle_core::bail!("swiglu: odd fused width {two_i}");
+    }
+    dtype_suffix(gu.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        gu.contiguous()?.apply_op1_no_bwd(&cuda::SwiGlu)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("swiglu")
+}
+
+/// Index of the largest value of every row of f32 `logits: [rows, vocab]` → u32 `[rows]`;
+/// ties go to the lowest index.
+pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    logits.dims2()?;
+    if logits.dtype() != DType::F32 {
+        candle_core::bail!("argmax_rows: f32 logits expected, got {:?}", logits.dtype());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        logits.contiguous()?.apply_op1_no_bwd(&cuda::ArgMax)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("argmax_rows")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_layout() {
+        let a = [10u32, 11, 12];
+        let b = [20u32, 21];
+        let mask = [true, false, true, true];
+        let seqs = [
+            AttnSeq {
+                slots: &a,
+                n_new: 1,
+                mask: None,
+            },
+            AttnSeq {
+                slots: &b,
+                n_new: 2,
+                mask: Some(&mask),
+            },
+        ];
+        let (buf, n_tok, lmax) = PagedAttnMeta::host(&seqs).unwrap();
+        assert_eq!((n_tok, lmax), (3, 3));
+        #[rustfmt::skip]
+        let want = vec![
+            12, 20, 21,        // new slots
+            0, 1, 1,           // tok_seq
+            3, 2,              // seq_len
+            1, 2,              // seq_new
+            0, 1,              // q_start
+            CAUSAL, 0,         // mask_off
+            10, 11, 12, 20, 21, 0, // slots, padded
+            1, 0, 1, 1,        // masks
+        ];
+        assert_eq!(buf, want);
+    }
+
+    #[test]
+    fn rejects_bad_sequences() {
+        let a = [1u32];
+        let err = PagedAttnMeta::host(&[AttnSeq {
+            slots: &a,
+            n_new: 2,
+            mask: None,
+        }])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("2 new tokens for 1 slots"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,411 @@
+//! Kestrel's CUDA kernels against CPU references on the same random inputs.
+//!
+//! Built only with the `cuda` feature; a binary built that way fails (not skips) when no CUDA
+//! device is present, so a GPU run cannot pass vacuously.
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use kestrel_kernels::{
+    add_rms_norm, argmax_rows, kv_append, paged_attention, swiglu, AttnSeq, PagedAttnMeta,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)")
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
+}
+
+/// The values as `dtype` rounds them (so the CPU reference sees the kernel's inputs).
+fn rounded(v: &[f32], dtype: DType) -> Vec<f32> {
+    Tensor::new(v, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn to_dev(v: &[f32], shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
+    Tensor::from_slice(v, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(dev)
+        .unwrap()
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Attention tolerances per dtype: the reference sees the rounded inputs and computes in
+/// f32, so the error is the kernel's f32 order plus the output's rounding.
+fn attn_tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    }
+}
+
+struct Case {
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    /// Per sequence: (slots L, new tokens n, explicit tree mask?).
+    seqs: Vec<(usize, usize, bool)>,
+}
+
+/// A tree mask over n new tokens: node i's parent is (i − 1) / 2, visible = ancestors + self.
+fn tree_mask(n: usize) -> Vec<bool> {
+    let mut m = vec![false; n * n];
+    for i in 0..n {
+        let mut k = i;
+        loop {
+            m[i * n + k] = true;
+            if k == 0 {
+                break;
+            }
+            k = (k - 1) / 2;
+        }
+    }
+    m
+}
+
+fn run_attention_case(case: &Case, dtype: DType, seed: u64) {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (nh, nkv, d) = (case.nh, case.nkv, case.d);
+    let total_slots: usize = case.seqs.iter().map(|s| s.0).sum::<usize>() + 7;
+    // Slots scattered over the pool: a random permutation of its rows.
+    let mut perm: Vec<u32> = (0..total_slots as u32).collect();
+    for i in (1..perm.len()).rev() {
+        let j = rng.random_range(0..=i);
+        perm.swap(i, j);
+    }
+    let mut next = 0;
+    let mut slot_lists = Vec::new();
+    let mut masks = Vec::new();
+    for &(l, n, tree) in &case.seqs {
+        slot_lists.push(perm[next..next + l].to_vec());
+        next += l;
+        masks.push(tree.then(|| tree_mask(n)));
+    }
+    let seqs: Vec<AttnSeq> = case
+        .seqs
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, n, _))| AttnSeq {
+            slots: &slot_lists[i],
+            n_new: n,
+            mask: masks[i].as_deref(),
+        })
+        .collect();
+    let n_tok: usize = case.seqs.iter().map(|s| s.1).sum();
+    let kp = rounded(&randn(&mut rng, total_slots * nkv * d, 1.0), dtype);
+    let vp = rounded(&randn(&mut rng, total_slots * nkv * d, 1.0), dtype);
+    let q = rounded(&randn(&mut rng, n_tok * nh * d, 1.0), dtype);
+
+    // CPU reference, f32 over the rounded values.
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut want = vec![0f32; n_tok * nh * d];
+    let mut t = 0;
+    for (s, &(l, n, _)) in case.seqs.iter().enumerate() {
+        for r in 0..n {
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qr = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let mut scores = Vec::new();
+                for i in 0..l {
+                    let visible = i < l - n || {
+                        let j = i - (l - n);
+                        match &masks[s] {
+                            Some(m) => m[r * n + j],
+                            None => j <= r,
+                        }
+                    };
+                    if !visible {
+                        continue;
+                    }
+                    let row = slot_lists[s][i] as usize;
+                    let kr = &kp[(row * nkv + kvh) * d..(row * nkv + kvh + 1) * d];
+                    let dot: f32 = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
+                    scores.push((row, dot * scale));
+                }
+                let mx = scores.iter().map(|s| s.1).fold(f32::NEG_INFINITY, f32::max);
+                let denom: f32 = scores.iter().map(|s| (s.1 - mx).exp()).sum();
+                let o = &mut want[(t * nh + h) * d..(t * nh + h + 1) * d];
+                for &(row, sc) in &scores {
+                    let p = (sc - mx).exp() / denom;
+                    let vr = &vp[(row * nkv + kvh) * d..(row * nkv + kvh + 1) * d];
+                    for e in 0..d {
+                        o[e] += p * vr[e];
+                    }
+                }
+            }
+            t += 1;
+        }
+    }
+
+    let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
+    let out = paged_attention(
+        &to_dev(&q, &[n_tok, nh, d], dtype, &dev),
+        &to_dev(&kp, &[total_slots, nkv, d], dtype, &dev),
+        &to_dev(&vp, &[total_slots, nkv, d], dtype, &dev),
+        &meta,
+    )
+    .unwrap();
+    assert_eq!(out.dims(), [n_tok, nh * d]);
+    assert_eq!(out.dtype(), dtype);
+    let got = host(&out);
+    let err = max_abs(&got, &want);
+    assert!(
+        err <= attn_tol(dtype),
+        "paged attention {dtype:?} nh {nh} nkv {nkv} d {d} seqs {:?}: max abs error {err}",
+        case.seqs
+    );
+}
+
+#[test]
+fn paged_attention_matches_cpu_reference() {
+    let cases = [
+        // SmolLM2's heads: decode of three sequences of different lengths (one long enough
+        // for several 32-slot chunks per warp).
+        Case {
+            nh: 9,
+            nkv: 3,
+            d: 64,
+            seqs: vec![(1, 1, false), (37, 1, false), (300, 1, false)],
+        },
+        // Verification: a tree under an explicit mask next to a causal chain.
+        Case {
+            nh: 9,
+            nkv: 3,
+            d: 64,
+            seqs: vec![(45, 7, true), (20, 5, false), (130, 1, false)],
+        },
+        // Llama-2 shape (MHA, d 128) with a prompt (all slots new, causal).
+        Case {
+            nh: 4,
+            nkv: 4,
+            d: 128,
+            seqs: vec![(70, 70, false), (9, 3, true)],
+        },
+        // Head dims that are not a multiple of 32, MQA, the tiny test model's d 8.
+        Case {
+            nh: 6,
+            nkv: 1,
+            d: 40,
+            seqs: vec![(33, 2, false), (65, 1, false)],
+        },
+        Case {
+            nh: 4,
+            nkv: 2,
+            d: 8,
+            seqs: vec![(12, 4, true), (3, 1, false)],
+        },
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (i, case) in cases.iter().enumerate() {
+            run_attention_case(case, dtype, 100 + i as u64);
+        }
+    }
+}
+
+#[test]
+fn kv_append_writes_exactly_the_given_rows() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (slots, nkv, d) = (16, 3, 64);
+        let ids = [5u32, 2, 9, 15];
+        let rows = rounded(&randn(&mut rng, ids.len() * nkv * d, 1.0), dtype);
+        let pool = Tensor::zeros((slots, nkv, d), dtype, &dev).unwrap();
+        kv_append(
+            &pool,
+            &to_dev(&rows, &[ids.len(), nkv, d], dtype, &dev),
+            &Tensor::new(&ids, &dev).unwrap(),
+        )
+        .unwrap();
+        let got = host(&pool);
+        let w = nkv * d;
+        for s in 0..slots {
+            let want: Vec<f32> = match ids.iter().position(|&i| i as usize == s) {
+                Some(r) => rows[r * w..(r + 1) * w].to_vec(),
+                None => vec![0.0; w],
+            };
+            assert_eq!(&got[s * w..(s + 1) * w], &want[..], "{dtype:?} slot {s}");
+        }
+    }
+}
+
+#[test]
+fn kv_append_accepts_a_narrowed_slot_tensor() {
+    // The model passes `PagedAttnMeta::new_slots`, a view at offset 0 of a longer buffer,
+    // and rows built from a non-contiguous narrow.
+    let dev = gpu();
+    let a = [3u32, 1];
+    let seqs = [AttnSeq {
+        slots: &a,
+        n_new: 2,
+        mask: None,
+    }];
+    let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
+    let wide = Tensor::arange(0f32, 2.0 * 8.0, &dev)
+        .unwrap()
+        .reshape((2, 8))
+        .unwrap();
+    let rows = wide.narrow(1, 4, 4).unwrap().reshape((2, 1, 4)).unwrap();
+    let pool = Tensor::zeros((4, 1, 4), DType::F32, &dev).unwrap();
+    kv_append(&pool, &rows, &meta.new_slots).unwrap();
+    let got = host(&pool);
+    assert_eq!(&got[12..16], &[4.0, 5.0, 6.0, 7.0]);
+    assert_eq!(&got[4..8], &[12.0, 13.0, 14.0, 15.0]);
+    assert_eq!(&got[0..4], &[0.0; 4]);
+}
+
+#[test]
+fn add_rms_norm_matches_candle_cpu() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let eps = 1e-5f32;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (rows, h) in [(1usize, 576usize), (5, 4096), (3, 20), (2, 1500)] {
+            let x = rounded(&randn(&mut rng, rows * h, 2.0), dtype);
+            let r = rounded(&randn(&mut rng, rows * h, 2.0), dtype);
+            let w = rounded(&randn(&mut rng, h, 0.5), dtype)
+                .iter()
+                .map(|v| v + 1.0)
+                .collect::<Vec<_>>();
+            let w = rounded(&w, dtype);
+            // CPU reference: candle ops as the model runs them.
+            let xc = Tensor::from_slice(&x, (rows, h), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let rc = Tensor::from_slice(&r, (rows, h), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let wc = Tensor::from_slice(&w, h, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let sum = (&xc + &rc).unwrap();
+            let ones = Tensor::ones(h, DType::F32, &Device::Cpu).unwrap();
+            let normed = candle_nn::ops::rms_norm(&sum.to_dtype(DType::F32).unwrap(), &ones, eps)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .broadcast_mul(&wc)
+                .unwrap();
+            let (gs, gn) = add_rms_norm(
+                &to_dev(&x, &[rows, h], dtype, &dev),
+                &to_dev(&r, &[rows, h], dtype, &dev),
+                &to_dev(&w, &[h], dtype, &dev),
+                eps,
+            )
+            .unwrap();
+            assert_eq!(gs.dims(), [rows, h]);
+            assert_eq!(gn.dims(), [rows, h]);
+            assert_eq!(host(&gs), host(&sum), "{dtype:?} sum must be exact");
+            let tol = match dtype {
+                DType::F32 => 1e-5,
+                // One rounding step of a value up to ~4 (|normed|·|w|).
+                DType::F16 => 4e-3,
+                _ => 3.2e-2,
+            };
+            let err = max_abs(&host(&gn), &host(&normed));
+            assert!(err <= tol, "{dtype:?} [{rows}, {h}]: max abs error {err}");
+        }
+    }
+}
+
+#[test]
+fn swiglu_matches_candle_cpu() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (rows, inter) in [(1usize, 1536usize), (7, 40), (3, 11008)] {
+            let gu = rounded(&randn(&mut rng, rows * 2 * inter, 4.0), dtype);
+            let c = Tensor::from_slice(&gu, (rows, 2 * inter), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want = (c.narrow(1, 0, inter).unwrap().silu().unwrap()
+                * c.narrow(1, inter, inter).unwrap())
+            .unwrap();
+            let got = swiglu(&to_dev(&gu, &[rows, 2 * inter], dtype, &dev)).unwrap();
+            assert_eq!(got.dims(), [rows, inter]);
+            let tol = match dtype {
+                DType::F32 => 1e-5,
+                DType::F16 => 2e-2,
+                _ => 1.3e-1,
+            };
+            let err = max_abs(&host(&got), &host(&want));
+            assert!(
+                err <= tol,
+                "{dtype:?} [{rows}, {inter}]: max abs error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn argmax_rows_matches_cpu_with_ties_to_the_lowest_index() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let (rows, vocab) = (6, 49_152 + 7);
+    let mut x = randn(&mut rng, rows * vocab, 10.0);
+    // Row 1: a tie between two far-apart entries; row 2: all equal.
+    x[vocab + 100] = 50.0;
+    x[vocab + 40_000] = 50.0;
+    for v in &mut x[2 * vocab..3 * vocab] {
+        *v = 1.0;
+    }
+    // Row 3: NaNs, one of them first; row 4: all NaN; row 5: all -inf.
+    x[3 * vocab] = f32::NAN;
+    x[3 * vocab + 7] = f32::NAN;
+    for v in &mut x[4 * vocab..5 * vocab] {
+        *v = f32::NAN;
+    }
+    for v in &mut x[5 * vocab..6 * vocab] {
+        *v = f32::NEG_INFINITY;
+    }
+    let want: Vec<u32> = (0..rows)
+        .map(|r| kestrel_spec::sampling::argmax(&x[r * vocab..(r + 1) * vocab]))
+        .collect();
+    let t = Tensor::from_slice(&x, (rows, vocab), &Device::Cpu)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    let got = argmax_rows(&t).unwrap().to_vec1::<u32>().unwrap();
+    assert_eq!(got, want);
+    assert_eq!(got[1], 100);
+    assert_eq!(got[2], 0);
+    assert_ne!(got[3], 0, "a NaN must not win");
+    assert_eq!(got[4], 0);
+}
