@@ -4,50 +4,26 @@
 
 mod common;
 
-use common::{build_ok, convert_ok, exec, one_line_error, repo, s, stderr, stdout};
+use common::{exec, one_line_error, s, stderr, stdout, tiny_engine_with};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 const BENCH: &str = env!("CARGO_BIN_EXE_spec-bench");
 
-/// Whitespace word-level tokenizer whose ids fit the tiny models' vocabulary of 16.
-const TOKENIZER_JSON: &str = r#"{
-  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-  "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-  "decoder": null,
-  "model": {"type": "WordLevel", "unk_token": "<unk>",
-            "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7}}
-}"#;
-
 /// The tiny Llama (vocab 16, 1 layer), optionally with its tiny EAGLE head, as an engine.
 fn tiny_engine(dir: &Path, eagle: bool) -> PathBuf {
-    let data = repo().join("crates/kestrel-formats/tests/data");
-    let ckpt = dir.join("ckpt");
-    let (src, head) = (data.join("tiny_llama_bin"), data.join("tiny_eagle_bin"));
-    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
-    if eagle {
-        args.extend(["--eagle_model_dir", s(&head)]);
-    }
-    convert_ok(&args);
-    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
-    let engine = dir.join("engine");
-    let mut args = vec![
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--max_input_len",
-        "16",
-        "--max_seq_len",
-        "64",
-        "--max_batch_size",
-        "4",
-    ];
-    if eagle {
-        args.extend(["--speculative_decoding_mode", "eagle"]);
-    }
-    build_ok(&args);
-    engine
+    tiny_engine_with(
+        dir,
+        eagle,
+        &[
+            "--max_input_len",
+            "16",
+            "--max_seq_len",
+            "64",
+            "--max_batch_size",
+            "4",
+        ],
+    )
 }
 
 fn prompts(dir: &Path) -> PathBuf {

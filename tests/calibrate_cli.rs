@@ -4,56 +4,17 @@
 
 mod common;
 
-use common::{build_ok, convert_ok, exec, one_line_error, repo, s, spec_run, stderr};
+use common::{exec, one_line_error, output_ids, s, spec_run, stderr, tiny_engine_with, TRAIN};
 use std::path::{Path, PathBuf};
-
-const TRAIN: &str = env!("CARGO_BIN_EXE_spec-train");
-
-/// A whitespace word-level tokenizer whose ids fit the tiny model's vocabulary of 16.
-const TOKENIZER_JSON: &str = r#"{
-  "version": "1.0",
-  "truncation": null,
-  "padding": null,
-  "added_tokens": [],
-  "normalizer": null,
-  "pre_tokenizer": {"type": "WhitespaceSplit"},
-  "post_processor": null,
-  "decoder": null,
-  "model": {
-    "type": "WordLevel",
-    "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7},
-    "unk_token": "<unk>"
-  }
-}"#;
 
 /// The tiny Llama (vocab 16, hidden 8, 1 layer) converted with (`eagle`) or without its tiny
 /// EAGLE head and built into `<dir>/engine` (max_draft_len 63, num_eagle_layers 4).
 fn tiny_engine(dir: &Path, eagle: bool) -> PathBuf {
-    let data = repo().join("crates/kestrel-formats/tests/data");
-    let ckpt = dir.join("ckpt");
-    let (llama, head) = (data.join("tiny_llama_bin"), data.join("tiny_eagle_bin"));
-    let mut args = vec!["--model_dir", s(&llama), "--output_dir", s(&ckpt)];
-    if eagle {
-        args.extend(["--eagle_model_dir", s(&head)]);
-    }
-    convert_ok(&args);
-    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
-    let engine = dir.join("engine");
-    let mut args = vec![
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--max_input_len",
-        "16",
-        "--max_seq_len",
-        "64",
-    ];
-    if eagle {
-        args.extend(["--speculative_decoding_mode", "eagle"]);
-    }
-    build_ok(&args);
-    engine
+    tiny_engine_with(
+        dir,
+        eagle,
+        &["--max_input_len", "16", "--max_seq_len", "64"],
+    )
 }
 
 fn prompts_file(dir: &Path) -> PathBuf {
@@ -81,17 +42,6 @@ fn calibrate(engine: &Path, prompts: &Path, output: &Path, extra: &[&str]) -> st
     ];
     args.extend_from_slice(extra);
     exec(TRAIN, &args)
-}
-
-fn output_ids(json: &Path) -> Vec<serde_json::Value> {
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
-    doc["outputs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o["output_ids"].clone())
-        .collect()
 }
 
 #[test]
@@ -172,7 +122,7 @@ fn calibrated_tree_runs_in_spec_run_with_plain_greedy_output() {
         args.extend_from_slice(extra);
         let out = spec_run(&args);
         assert!(out.status.success(), "spec-run {extra:?}: {}", stderr(&out));
-        output_ids(json)
+        output_ids::<serde_json::Value>(json)
     };
     let eagle = run(
         &["--eagle_choices", s(&tree)],

@@ -4,63 +4,16 @@
 mod common;
 
 use common::{
-    build_ok, convert_ok, fixture, one_line_error, repo, s, spec_build, spec_run, stderr, stdout,
+    build_ok, fixture, one_line_error, s, spec_build, spec_run, stderr, stdout, tiny_checkpoint,
+    tiny_engine_with,
 };
 use kestrel_formats::candle_core::{self, DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// A whitespace word-level tokenizer whose ids fit the tiny models' vocabulary of 16.
-const TOKENIZER_JSON: &str = r#"{
-  "version": "1.0",
-  "truncation": null,
-  "padding": null,
-  "added_tokens": [],
-  "normalizer": null,
-  "pre_tokenizer": {"type": "WhitespaceSplit"},
-  "post_processor": null,
-  "decoder": null,
-  "model": {
-    "type": "WordLevel",
-    "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7},
-    "unk_token": "<unk>"
-  }
-}"#;
-
-/// The tiny Llama (vocab 16, hidden 8, 1 layer) and its EAGLE head in pytorch_model.bin form.
-fn tiny_llama() -> PathBuf {
-    repo().join("crates/kestrel-formats/tests/data/tiny_llama_bin")
-}
-
-fn tiny_eagle() -> PathBuf {
-    repo().join("crates/kestrel-formats/tests/data/tiny_eagle_bin")
-}
-
-/// Converts the tiny Llama (with `extra` convert flags) into `<dir>/ckpt`, adding a tokenizer.
-fn tiny_checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
-    let src = tiny_llama();
-    let ckpt = dir.join("ckpt");
-    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
-    args.extend_from_slice(extra);
-    convert_ok(&args);
-    std::fs::write(ckpt.join("tokenizer.json"), TOKENIZER_JSON).unwrap();
-    ckpt
-}
-
 /// A plain engine for the tiny Llama with a tokenizer and no chat template, max_input_len 4.
 fn tiny_engine(dir: &Path) -> PathBuf {
-    let ckpt = tiny_checkpoint(dir, &[]);
-    let engine = dir.join("engine");
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--max_input_len",
-        "4",
-        "--max_seq_len",
-        "64",
-    ]);
+    let engine = tiny_engine_with(dir, false, &["--max_input_len", "4", "--max_seq_len", "64"]);
     assert!(engine.join("tokenizer.json").is_file());
     assert!(!engine.join("chat_template.jinja").exists());
     engine
@@ -68,21 +21,7 @@ fn tiny_engine(dir: &Path) -> PathBuf {
 
 /// An EAGLE engine: the tiny Llama with its tiny EAGLE head.
 fn tiny_eagle_engine(dir: &Path) -> PathBuf {
-    let ckpt = tiny_checkpoint(dir, &["--eagle_model_dir", s(&tiny_eagle())]);
-    let engine = dir.join("engine");
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--speculative_decoding_mode",
-        "eagle",
-        "--max_input_len",
-        "16",
-        "--max_seq_len",
-        "64",
-    ]);
-    engine
+    tiny_engine_with(dir, true, &["--max_input_len", "16", "--max_seq_len", "64"])
 }
 
 fn build_error(ckpt: &Path, out: &Path, extra: &[&str]) -> String {
@@ -131,75 +70,52 @@ fn build_refuses_a_directory_that_is_not_a_checkpoint() {
 }
 
 #[test]
-fn build_refuses_beam_search() {
+fn build_refuses_bad_flags() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(tmp.path(), &[]);
-    assert_eq!(
-        build_error(&ckpt, &tmp.path().join("e"), &["--max_beam_width", "2"]),
-        "--max_beam_width 2 is not supported: Kestrel decodes with beam width 1 (speculative decoding has no beam search)"
-    );
-}
-
-#[test]
-fn build_refuses_an_input_len_not_below_the_seq_len() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(tmp.path(), &[]);
-    for input in ["128", "200"] {
-        assert_eq!(
-            build_error(
-                &ckpt,
-                &tmp.path().join("e"),
-                &["--max_input_len", input, "--max_seq_len", "128"]
+    let input_len = |input: &str| {
+        format!("--max_input_len {input} must be smaller than --max_seq_len 128 (the sequence holds the input and at least one output token)")
+    };
+    let cases: Vec<(&[&str], String)> = vec![
+        (
+            &["--max_beam_width", "2"],
+            "--max_beam_width 2 is not supported: Kestrel decodes with beam width 1 (speculative decoding has no beam search)".into(),
+        ),
+        (
+            &["--max_input_len", "128", "--max_seq_len", "128"],
+            input_len("128"),
+        ),
+        (
+            &["--max_input_len", "200", "--max_seq_len", "128"],
+            input_len("200"),
+        ),
+        (
+            &["--speculative_decoding_mode", "eagle"],
+            format!(
+                "--speculative_decoding_mode eagle needs an EAGLE head, but {} has none: convert with --eagle_model_dir",
+                ckpt.display()
             ),
-            format!("--max_input_len {input} must be smaller than --max_seq_len 128 (the sequence holds the input and at least one output token)")
+        ),
+        (
+            &["--speculative_decoding_mode", "medusa"],
+            "unknown --speculative_decoding_mode 'medusa': expected none, eagle or draft_tokens_external".into(),
+        ),
+        (
+            &["--target_device", "cuda:sm_75"],
+            "--target_device cuda:sm_75 is below compute capability 8.0: Kestrel's CUDA kernels need Ampere (sm_80) or newer".into(),
+        ),
+        (
+            &["--target_device", "tpu"],
+            "unknown --target_device 'tpu': expected cpu or cuda:sm_XY (for example cuda:sm_90)".into(),
+        ),
+    ];
+    for (args, want) in cases {
+        assert_eq!(
+            build_error(&ckpt, &tmp.path().join("e"), args),
+            want,
+            "{args:?}"
         );
     }
-}
-
-#[test]
-fn build_refuses_eagle_mode_without_a_head() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(tmp.path(), &[]);
-    assert_eq!(
-        build_error(
-            &ckpt,
-            &tmp.path().join("e"),
-            &["--speculative_decoding_mode", "eagle"]
-        ),
-        format!(
-            "--speculative_decoding_mode eagle needs an EAGLE head, but {} has none: convert with --eagle_model_dir",
-            ckpt.display()
-        )
-    );
-}
-
-#[test]
-fn build_refuses_an_unknown_speculative_mode() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(tmp.path(), &[]);
-    assert_eq!(
-        build_error(
-            &ckpt,
-            &tmp.path().join("e"),
-            &["--speculative_decoding_mode", "medusa"]
-        ),
-        "unknown --speculative_decoding_mode 'medusa': expected none, eagle or draft_tokens_external"
-    );
-}
-
-#[test]
-fn build_refuses_old_or_unknown_target_devices() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(tmp.path(), &[]);
-    let out = tmp.path().join("e");
-    assert_eq!(
-        build_error(&ckpt, &out, &["--target_device", "cuda:sm_75"]),
-        "--target_device cuda:sm_75 is below compute capability 8.0: Kestrel's CUDA kernels need Ampere (sm_80) or newer"
-    );
-    assert_eq!(
-        build_error(&ckpt, &out, &["--target_device", "tpu"]),
-        "unknown --target_device 'tpu': expected cpu or cuda:sm_XY (for example cuda:sm_90)"
-    );
 }
 
 // ---------------------------------------------------------------- spec-build: broken weights
@@ -463,74 +379,52 @@ fn run_refuses_a_bad_kv_cache_memory_fraction() {
 }
 
 #[test]
-fn run_refuses_a_prompt_longer_than_max_input_len() {
+fn run_refuses_bad_requests() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a b", "--input_text", "a b c d e"]),
-        "input 1 has 5 tokens, more than the engine's max_input_len 4: shorten it or rebuild with a larger --max_input_len"
-    );
-}
-
-#[test]
-fn run_refuses_beam_search() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a", "--num_beams", "2"]),
-        "--num_beams 2 is not supported: speculative decoding decodes with one beam"
-    );
-}
-
-#[test]
-fn run_needs_input() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &[]),
-        "no input: give --input_text TEXT (repeatable) or --input_file FILE"
-    );
-}
-
-#[test]
-fn run_chat_needs_a_chat_template() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a", "--chat"]),
-        format!(
-            "--chat needs a chat template, but {} has no chat_template.jinja",
-            engine.display()
-        )
-    );
-}
-
-#[test]
-fn run_refuses_eagle_flags_on_a_plain_engine() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a", "--eagle_choices", "[[0]]"]),
-        format!(
-            "--eagle_* flags need an EAGLE engine, but {} was built with --speculative_decoding_mode none",
-            engine.display()
-        )
-    );
-}
-
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn run_refuses_cuda_in_a_cpu_build() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path());
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a", "--device", "cuda:0"]),
-        "--device cuda:0: this binary was built without CUDA support; rebuild with --features cuda"
-    );
-    assert_eq!(
-        run_error(&engine, &["--input_text", "a", "--device", "gpu"]),
-        "unknown --device 'gpu': expected cpu or cuda:N"
-    );
+    #[allow(unused_mut)]
+    let mut cases: Vec<(&[&str], String)> = vec![
+        (
+            &["--input_text", "a b", "--input_text", "a b c d e"],
+            "input 1 has 5 tokens, more than the engine's max_input_len 4: shorten it or rebuild with a larger --max_input_len".into(),
+        ),
+        (
+            &["--input_text", "a", "--num_beams", "2"],
+            "--num_beams 2 is not supported: speculative decoding decodes with one beam".into(),
+        ),
+        (
+            &[],
+            "no input: give --input_text TEXT (repeatable) or --input_file FILE".into(),
+        ),
+        (
+            &["--input_text", "a", "--chat"],
+            format!(
+                "--chat needs a chat template, but {} has no chat_template.jinja",
+                engine.display()
+            ),
+        ),
+        (
+            &["--input_text", "a", "--eagle_choices", "[[0]]"],
+            format!(
+                "--eagle_* flags need an EAGLE engine, but {} was built with --speculative_decoding_mode none",
+                engine.display()
+            ),
+        ),
+    ];
+    #[cfg(not(feature = "cuda"))]
+    cases.extend([
+        (
+            &["--input_text", "a", "--device", "cuda:0"][..],
+            "--device cuda:0: this binary was built without CUDA support; rebuild with --features cuda".to_string(),
+        ),
+        (
+            &["--input_text", "a", "--device", "gpu"],
+            "unknown --device 'gpu': expected cpu or cuda:N".into(),
+        ),
+    ]);
+    for (args, want) in cases {
+        assert_eq!(run_error(&engine, args), want, "{args:?}");
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{one_line_error, pipeline, s, spec_run, spec_train, stderr};
+use common::{one_line_error, output_ids, pipeline, s, spec_run, spec_train, stderr};
 use kestrel_core::ModelConfig;
 use kestrel_formats::candle_core::{self, Tensor};
 use kestrel_model::llama::random_tensors;
@@ -85,17 +85,6 @@ fn prompts_file(dir: &Path) -> PathBuf {
     path
 }
 
-fn output_ids(path: &Path) -> Vec<Vec<u32>> {
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    doc["outputs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| serde_json::from_value(r["output_ids"].clone()).unwrap())
-        .collect()
-}
-
 #[test]
 fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
     let tmp = tempfile::tempdir().unwrap();
@@ -169,7 +158,7 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
         args.extend_from_slice(extra);
         let out = spec_run(&args);
         assert!(out.status.success(), "spec-run {extra:?}: {}", stderr(&out));
-        output_ids(json)
+        output_ids::<Vec<u32>>(json)
     };
     let plain = run(&[], &w.join("plain.json"));
     assert!(plain.iter().all(|ids| ids.len() == 40));

@@ -136,3 +136,73 @@ pub fn smollm2_gguf() -> PathBuf {
     );
     p
 }
+
+/// A whitespace word-level tokenizer whose ids fit the tiny models' vocabulary of 16.
+pub const TINY_TOKENIZER_JSON: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "WhitespaceSplit"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "hello": 6, "world": 7},
+    "unk_token": "<unk>"
+  }
+}"#;
+
+/// The tiny Llama (vocab 16, hidden 8, 1 layer) in pytorch_model.bin form.
+pub fn tiny_llama() -> PathBuf {
+    repo().join("crates/kestrel-formats/tests/data/tiny_llama_bin")
+}
+
+/// The tiny Llama's EAGLE head in pytorch_model.bin form.
+pub fn tiny_eagle() -> PathBuf {
+    repo().join("crates/kestrel-formats/tests/data/tiny_eagle_bin")
+}
+
+/// Converts the tiny Llama (with `extra` convert flags) into `<dir>/ckpt`, adding a tokenizer.
+pub fn tiny_checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
+    let src = tiny_llama();
+    let ckpt = dir.join("ckpt");
+    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
+    args.extend_from_slice(extra);
+    convert_ok(&args);
+    std::fs::write(ckpt.join("tokenizer.json"), TINY_TOKENIZER_JSON).unwrap();
+    ckpt
+}
+
+/// The tiny Llama, converted with its tiny EAGLE head and built with
+/// `--speculative_decoding_mode eagle` when `eagle`, into `<dir>/engine` with `build_args`.
+pub fn tiny_engine_with(dir: &Path, eagle: bool, build_args: &[&str]) -> PathBuf {
+    let head = tiny_eagle();
+    let convert_args: &[&str] = if eagle {
+        &["--eagle_model_dir", s(&head)]
+    } else {
+        &[]
+    };
+    let ckpt = tiny_checkpoint(dir, convert_args);
+    let engine = dir.join("engine");
+    let mut args = vec!["--checkpoint_dir", s(&ckpt), "--output_dir", s(&engine)];
+    args.extend_from_slice(build_args);
+    if eagle {
+        args.extend(["--speculative_decoding_mode", "eagle"]);
+    }
+    build_ok(&args);
+    engine
+}
+
+/// The `output_ids` of every output in a `--output_json` report.
+pub fn output_ids<T: serde::de::DeserializeOwned>(json: &Path) -> Vec<T> {
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    doc["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| serde_json::from_value(o["output_ids"].clone()).unwrap())
+        .collect()
+}

@@ -1,17 +1,20 @@
 //! Pieces shared by the EAGLE-head and draft-model trainers: reading a frozen model's full
 //! tensors back from an engine's rank files, the train/validation split, length-grouped
-//! batches, the learning-rate schedule and gradient clipping.
+//! batches, the learning-rate schedule and gradient clipping, and writing and reading a
+//! model folder.
 
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result};
 use candle_core::backprop::GradStore;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor, Var};
-use kestrel_core::{Mapping, ModelConfig};
+use kestrel_core::{AtomicDir, Mapping, ModelConfig};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::path::PathBuf;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 
 /// The training log written next to a trained draft.
 pub const TRAIN_LOG_FILE: &str = "train_log.json";
@@ -154,4 +157,114 @@ pub fn clip_gradients(
         }
     }
     Ok(norm)
+}
+
+/// A config's JSON text with `torch_dtype` set to `dtype`'s HF name, as published model
+/// folders carry it.
+pub(crate) fn config_json_with_dtype(cfg: &impl Serialize, dtype: DType) -> String {
+    let mut v = serde_json::to_value(cfg).expect("config serialises");
+    let name = match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    };
+    v["torch_dtype"] = serde_json::Value::String(name.into());
+    serde_json::to_string_pretty(&v).expect("JSON prints")
+}
+
+/// Refuses a save dtype other than float16, bfloat16 or float32.
+pub(crate) fn check_save_dtype(dtype: DType) -> Result<()> {
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(invalid(format!(
+            "save dtype {dtype:?}: use float16, bfloat16 or float32"
+        )));
+    }
+    Ok(())
+}
+
+/// The `expected` tensors out of `tensors`, checked against their shapes (`what` names them
+/// in errors: "draft", "head"), each passed through `convert`.
+pub(crate) fn expected_for_save(
+    expected: Vec<(String, Vec<usize>)>,
+    tensors: &BTreeMap<String, Tensor>,
+    what: &str,
+    convert: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut map = HashMap::new();
+    for (name, shape) in expected {
+        let t = tensors
+            .get(&name)
+            .ok_or_else(|| invalid(format!("{what} tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(invalid(format!(
+                "{what} tensor '{name}' has shape {:?}, expected {shape:?}",
+                t.dims()
+            )));
+        }
+        map.insert(name, convert(t)?);
+    }
+    Ok(map)
+}
+
+/// A model folder's files, written by [`write_model_dir`].
+pub(crate) struct ModelDirFiles<'a> {
+    pub weights_file: &'a str,
+    pub config_file: &'a str,
+    pub config_json: String,
+    /// Copied into the folder under their file names.
+    pub copy_files: &'a [PathBuf],
+    /// Further text files: (name, text).
+    pub extra: &'a [(&'a str, String)],
+}
+
+/// Writes `weights` (safetensors) and `files` into `dir`, replacing it atomically.
+pub(crate) fn write_model_dir(
+    dir: &Path,
+    weights: &HashMap<String, Tensor>,
+    files: ModelDirFiles,
+) -> Result<()> {
+    let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
+    let path = out.path().join(files.weights_file);
+    candle_core::safetensors::save(weights, &path).map_err(|e| file_err(&path, e))?;
+    let config = out.path().join(files.config_file);
+    std::fs::write(&config, files.config_json).map_err(|e| file_err(&config, e))?;
+    for src in files.copy_files {
+        let name = src
+            .file_name()
+            .ok_or_else(|| file_err(src, "not a file to copy"))?;
+        std::fs::copy(src, out.path().join(name)).map_err(|e| file_err(src, e))?;
+    }
+    for (name, text) in files.extra {
+        let p = out.path().join(name);
+        std::fs::write(&p, text).map_err(|e| file_err(&p, e))?;
+    }
+    out.commit().map_err(|e| file_err(dir, e))?;
+    Ok(())
+}
+
+/// The `expected` tensors of the safetensors file `path`, f32 on the CPU, checked against
+/// their shapes.
+pub(crate) fn load_expected(
+    path: &Path,
+    expected: Vec<(String, Vec<usize>)>,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut all =
+        candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| file_err(path, e))?;
+    let mut out = BTreeMap::new();
+    for (name, shape) in expected {
+        let t = all
+            .remove(&name)
+            .ok_or_else(|| file_err(path, format!("tensor '{name}' is missing")))?;
+        if t.dims() != shape.as_slice() {
+            return Err(file_err(
+                path,
+                format!(
+                    "tensor '{name}' has shape {:?}, expected {shape:?}",
+                    t.dims()
+                ),
+            ));
+        }
+        out.insert(name, t.to_dtype(DType::F32)?);
+    }
+    Ok(out)
 }

@@ -24,18 +24,21 @@
 //!   engine's tokenizer files, `train_log.json`), rewritten atomically after every epoch, that
 //!   `convert-checkpoint --model_dir` reads.
 
-use crate::common::{clip_gradients, cosine_lr, epoch_batches, RankFiles, TRAIN_LOG_FILE};
+use crate::common::{
+    check_save_dtype, clip_gradients, config_json_with_dtype, cosine_lr, expected_for_save,
+    load_expected, write_model_dir, ModelDirFiles, RankFiles, TRAIN_LOG_FILE,
+};
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result, TrainError};
+use crate::train_loop::{log_initial, run_epochs, EpochEnd, EpochMeans, EpochTrainer, Schedule};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use kestrel_core::{AtomicDir, ModelConfig};
+use kestrel_core::ModelConfig;
 use kestrel_model::llama::{expected_tensors, random_tensors};
 use kestrel_model::Llama;
-use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -667,14 +670,7 @@ impl DraftTrainer {
 
 /// The HF `config.json` of a draft: its config plus `torch_dtype`.
 pub fn draft_config_json(cfg: &ModelConfig, dtype: DType) -> String {
-    let mut v = serde_json::to_value(cfg).expect("config serialises");
-    let name = match dtype {
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        _ => "float32",
-    };
-    v["torch_dtype"] = serde_json::Value::String(name.into());
-    serde_json::to_string_pretty(&v).expect("JSON prints")
+    config_json_with_dtype(cfg, dtype)
 }
 
 /// Writes a draft as an HF model folder: `config.json`, `model.safetensors` (HF names, in
@@ -688,44 +684,21 @@ pub fn save_draft(
     copy_files: &[PathBuf],
     extra: &[(&str, String)],
 ) -> Result<()> {
-    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
-        return Err(invalid(format!(
-            "save dtype {dtype:?}: use float16, bfloat16 or float32"
-        )));
-    }
-    let mut map = HashMap::new();
-    for (name, shape) in expected_tensors(cfg) {
-        let t = tensors
-            .get(&name)
-            .ok_or_else(|| invalid(format!("draft tensor '{name}' is missing")))?;
-        if t.dims() != shape.as_slice() {
-            return Err(invalid(format!(
-                "draft tensor '{name}' has shape {:?}, expected {shape:?}",
-                t.dims()
-            )));
-        }
-        map.insert(
-            name,
-            t.to_device(&Device::Cpu)?.to_dtype(dtype)?.contiguous()?,
-        );
-    }
-    let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
-    let weights = out.path().join(DRAFT_WEIGHTS_FILE);
-    candle_core::safetensors::save(&map, &weights).map_err(|e| file_err(&weights, e))?;
-    let config = out.path().join(DRAFT_CONFIG_FILE);
-    std::fs::write(&config, draft_config_json(cfg, dtype)).map_err(|e| file_err(&config, e))?;
-    for src in copy_files {
-        let name = src
-            .file_name()
-            .ok_or_else(|| file_err(src, "not a file to copy"))?;
-        std::fs::copy(src, out.path().join(name)).map_err(|e| file_err(src, e))?;
-    }
-    for (name, text) in extra {
-        let p = out.path().join(name);
-        std::fs::write(&p, text).map_err(|e| file_err(&p, e))?;
-    }
-    out.commit().map_err(|e| file_err(dir, e))?;
-    Ok(())
+    check_save_dtype(dtype)?;
+    let map = expected_for_save(expected_tensors(cfg), tensors, "draft", |t| {
+        Ok(t.to_device(&Device::Cpu)?.to_dtype(dtype)?.contiguous()?)
+    })?;
+    write_model_dir(
+        dir,
+        &map,
+        ModelDirFiles {
+            weights_file: DRAFT_WEIGHTS_FILE,
+            config_file: DRAFT_CONFIG_FILE,
+            config_json: draft_config_json(cfg, dtype),
+            copy_files,
+            extra,
+        },
+    )
 }
 
 /// Reads a draft folder written by [`save_draft`]: its config, f32 tensors (checked against
@@ -734,25 +707,7 @@ pub fn load_draft(
     dir: &Path,
 ) -> Result<(ModelConfig, BTreeMap<String, Tensor>, Option<DraftTrainLog>)> {
     let cfg = ModelConfig::from_json_file(&dir.join(DRAFT_CONFIG_FILE))?;
-    let path = dir.join(DRAFT_WEIGHTS_FILE);
-    let mut all =
-        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| file_err(&path, e))?;
-    let mut out = BTreeMap::new();
-    for (name, shape) in expected_tensors(&cfg) {
-        let t = all
-            .remove(&name)
-            .ok_or_else(|| file_err(&path, format!("tensor '{name}' is missing")))?;
-        if t.dims() != shape.as_slice() {
-            return Err(file_err(
-                &path,
-                format!(
-                    "tensor '{name}' has shape {:?}, expected {shape:?}",
-                    t.dims()
-                ),
-            ));
-        }
-        out.insert(name, t.to_dtype(DType::F32)?);
-    }
+    let out = load_expected(&dir.join(DRAFT_WEIGHTS_FILE), expected_tensors(&cfg))?;
     let log_path = dir.join(TRAIN_LOG_FILE);
     let log = if log_path.is_file() {
         let text = std::fs::read_to_string(&log_path).map_err(|e| file_err(&log_path, e))?;
@@ -854,16 +809,8 @@ pub fn train_draft(
     if train.is_empty() {
         return Err(invalid("no training sequences"));
     }
-    let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
-    let total = steps_per_epoch * cfg.epochs;
     let t0 = Instant::now();
-    let val_means = |t: &DraftTrainer| -> Result<Option<KdMeans>> {
-        if val.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(t.evaluate(data, val)?.mean(&cfg)))
-    };
-    let mut tlog = match resume {
+    let tlog = match resume {
         Some(mut prior) => {
             let done = prior.epochs.last().map_or(0, |e| e.epoch);
             trainer.step = prior.epochs.last().map_or(0, |e| e.steps);
@@ -877,13 +824,8 @@ pub fn train_draft(
             prior
         }
         None => {
-            let v0 = val_means(trainer)?;
-            if let Some(v) = v0 {
-                log(&format!(
-                    "epoch 0 (init: {init_name}): val loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3} over {} rows",
-                    v.loss, v.kl, v.ce, v.top1, v.rows
-                ));
-            }
+            let v0 = val_means(trainer, data, val)?;
+            log_initial(init_name, v0.as_ref(), log);
             DraftTrainLog {
                 command,
                 config: cfg.clone(),
@@ -907,78 +849,124 @@ pub fn train_draft(
         }
     };
     let first_epoch = tlog.epochs.last().map_or(0, |e| e.epoch) + 1;
-    let every = (steps_per_epoch / 10).max(1);
-    for epoch in first_epoch..=cfg.epochs {
-        let te = Instant::now();
-        let mut rng = ChaCha8Rng::seed_from_u64(
-            cfg.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        );
-        let mut sums = KdSums::default();
-        let mut window_sums = KdSums::default();
-        let (mut last_norm, mut lr) = (0.0, 0.0);
-        for (i, group) in epoch_batches(data, train, cfg.batch_size, &mut rng)
-            .iter()
-            .enumerate()
-        {
-            let Some(batch) = make_draft_batch(data, group, cfg.max_len, &trainer.device)? else {
-                continue;
-            };
-            lr = cfg.lr_at(trainer.step, total);
-            let (s, norm) = trainer.train_step(&batch, lr)?;
-            last_norm = norm;
-            sums.add(&s);
-            window_sums.add(&s);
-            if (i + 1) % every == 0 {
-                let m = window_sums.mean(&cfg);
-                tlog.steps.push((trainer.step, m.loss, m.top1));
-                log(&format!(
-                    "epoch {epoch} step {}/{steps_per_epoch} ({} total): loss {:.4} agreement {:.3} lr {lr:.2e} |g| {norm:.3} [{:.0}s]",
-                    i + 1,
-                    trainer.step,
-                    m.loss,
-                    m.top1,
-                    t0.elapsed().as_secs_f64()
-                ));
-                window_sums = KdSums::default();
-            }
-        }
-        let tm = sums.mean(&cfg);
-        let vm = val_means(trainer)?;
-        let mut line = format!(
-            "epoch {epoch}/{}: train loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3}",
-            cfg.epochs, tm.loss, tm.kl, tm.ce, tm.top1
-        );
-        if let Some(v) = vm {
-            line.push_str(&format!(
-                "; val loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3}",
-                v.loss, v.kl, v.ce, v.top1
-            ));
-        }
-        line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
-        log(&line);
-        tlog.epochs.push(DraftEpochLog {
-            epoch,
-            steps: trainer.step,
-            lr,
-            train: Some(tm),
-            val: vm,
-            grad_norm: last_norm,
-            seconds: te.elapsed().as_secs_f64(),
-        });
-        if let Some(save) = save {
-            let text = serde_json::to_string_pretty(&tlog).expect("log serialises");
-            save_draft(
-                save.output_dir,
-                &trainer.model_cfg,
-                &trainer.tensors()?,
-                save.dtype,
-                &save.copy_files,
-                &[(TRAIN_LOG_FILE, text)],
-            )?;
-            log(&format!("saved {}", save.output_dir.display()));
-        }
+    let schedule = Schedule {
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        reseed_each_epoch: true,
+    };
+    let mut run = DraftRun {
+        trainer,
+        data,
+        val,
+        save,
+        tlog,
+    };
+    run_epochs(&mut run, data, train, &schedule, first_epoch, t0, log)?;
+    Ok(run.tlog)
+}
+
+/// The held-out means of `trainer` over `val`; `None` without held-out sequences.
+fn val_means(
+    trainer: &DraftTrainer,
+    data: &FeatureDataset,
+    val: &[usize],
+) -> Result<Option<KdMeans>> {
+    if val.is_empty() {
+        return Ok(None);
     }
-    Ok(tlog)
+    Ok(Some(trainer.evaluate(data, val)?.mean(&trainer.cfg)))
+}
+
+impl EpochMeans for KdMeans {
+    const TOP1: &'static str = "agreement";
+    fn loss(&self) -> f64 {
+        self.loss
+    }
+    fn top1(&self) -> f64 {
+        self.top1
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn describe(&self) -> String {
+        format!(
+            "loss {:.4} (kl {:.4}, ce {:.3}) agreement {:.3}",
+            self.loss, self.kl, self.ce, self.top1
+        )
+    }
+}
+
+/// [`train_draft`]'s state as the shared epoch loop drives it.
+struct DraftRun<'r, 'p> {
+    trainer: &'r mut DraftTrainer,
+    data: &'r FeatureDataset,
+    val: &'r [usize],
+    save: Option<&'r DraftSaveOptions<'p>>,
+    tlog: DraftTrainLog,
+}
+
+impl EpochTrainer for DraftRun<'_, '_> {
+    type Batch = DraftBatch;
+    type Sums = KdSums;
+    type Means = KdMeans;
+
+    fn steps(&self) -> usize {
+        self.trainer.step
+    }
+    fn lr_at(&self, step: usize, total: usize) -> f64 {
+        self.trainer.cfg.lr_at(step, total)
+    }
+    fn make_batch(&self, seqs: &[usize], _rng: &mut ChaCha8Rng) -> Result<Option<DraftBatch>> {
+        make_draft_batch(
+            self.data,
+            seqs,
+            self.trainer.cfg.max_len,
+            &self.trainer.device,
+        )
+    }
+    fn train_step(&mut self, batch: &DraftBatch, lr: f64) -> Result<(KdSums, f64)> {
+        self.trainer.train_step(batch, lr)
+    }
+    fn zero_sums(&self) -> KdSums {
+        KdSums::default()
+    }
+    fn add(total: &mut KdSums, sums: &KdSums) {
+        total.add(sums);
+    }
+    fn means(&self, sums: &KdSums) -> KdMeans {
+        sums.mean(&self.trainer.cfg)
+    }
+    fn validate(&self) -> Result<Option<KdMeans>> {
+        val_means(self.trainer, self.data, self.val)
+    }
+    fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
+        &mut self.tlog.steps
+    }
+    fn end_epoch(&mut self, end: EpochEnd<KdMeans>) -> Result<Option<&Path>> {
+        self.tlog.epochs.push(DraftEpochLog {
+            epoch: end.epoch,
+            steps: end.steps,
+            lr: end.lr,
+            train: Some(end.train),
+            val: end.val,
+            grad_norm: end.grad_norm,
+            seconds: end.seconds,
+        });
+        let Some(save) = self.save else {
+            return Ok(None);
+        };
+        let text = serde_json::to_string_pretty(&self.tlog).expect("log serialises");
+        save_draft(
+            save.output_dir,
+            &self.trainer.model_cfg,
+            &self.trainer.tensors()?,
+            save.dtype,
+            &save.copy_files,
+            &[(TRAIN_LOG_FILE, text)],
+        )?;
+        Ok(Some(save.output_dir))
+    }
 }
 
 #[cfg(test)]

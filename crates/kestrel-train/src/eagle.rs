@@ -36,17 +36,21 @@
 //! The held-out evaluation measures passes `1..=max(eval_steps, ttt_steps)`: pass k's top-1
 //! is the head's top-1 at draft depth k along the true continuation.
 
-use crate::common::{clip_gradients, cosine_lr, RankFiles};
+use crate::common::{
+    check_save_dtype, clip_gradients, config_json_with_dtype, cosine_lr, expected_for_save,
+    load_expected, write_model_dir, ModelDirFiles, RankFiles,
+};
 use crate::dataset::FeatureDataset;
-use crate::error::{file_err, invalid, Result};
+use crate::error::{invalid, Result};
+use crate::train_loop::{log_initial, run_epochs, EpochEnd, EpochMeans, EpochTrainer, Schedule};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use kestrel_core::{AtomicDir, EagleHeadConfig, Mapping, ModelConfig};
+use kestrel_core::{EagleHeadConfig, Mapping, ModelConfig};
 use kestrel_model::{EagleHead, Llama, TrainUnroll};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -773,14 +777,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
 
 /// The published `config.json` of a head: the head config plus `torch_dtype`.
 pub fn head_config_json(head_cfg: &EagleHeadConfig, dtype: DType) -> String {
-    let mut v = serde_json::to_value(head_cfg).expect("config serialises");
-    let name = match dtype {
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        _ => "float32",
-    };
-    v["torch_dtype"] = serde_json::Value::String(name.into());
-    serde_json::to_string_pretty(&v).expect("JSON prints")
+    config_json_with_dtype(head_cfg, dtype)
 }
 
 /// Writes `tensors` as an EAGLE head directory (see [`EagleTrainer::save`]).
@@ -791,63 +788,32 @@ pub fn save_head(
     dtype: DType,
     extra: &[(&str, String)],
 ) -> Result<()> {
-    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
-        return Err(invalid(format!(
-            "save dtype {dtype:?}: use float16, bfloat16 or float32"
-        )));
-    }
-    let mut map = HashMap::new();
-    for (name, shape) in EagleHead::expected_tensors(head_cfg) {
-        let t = tensors
-            .get(&name)
-            .ok_or_else(|| invalid(format!("head tensor '{name}' is missing")))?;
-        if t.dims() != shape.as_slice() {
-            return Err(invalid(format!(
-                "head tensor '{name}' has shape {:?}, expected {shape:?}",
-                t.dims()
-            )));
-        }
-        map.insert(
-            name,
-            t.to_dtype(dtype)?.to_device(&Device::Cpu)?.contiguous()?,
-        );
-    }
-    let out = AtomicDir::new(dir).map_err(|e| file_err(dir, e))?;
-    let weights = out.path().join(HEAD_WEIGHTS_FILE);
-    candle_core::safetensors::save(&map, &weights).map_err(|e| file_err(&weights, e))?;
-    let config = out.path().join(HEAD_CONFIG_FILE);
-    std::fs::write(&config, head_config_json(head_cfg, dtype)).map_err(|e| file_err(&config, e))?;
-    for (name, text) in extra {
-        let p = out.path().join(name);
-        std::fs::write(&p, text).map_err(|e| file_err(&p, e))?;
-    }
-    out.commit().map_err(|e| file_err(dir, e))?;
-    Ok(())
+    check_save_dtype(dtype)?;
+    let expected = EagleHead::expected_tensors(head_cfg);
+    let map = expected_for_save(expected, tensors, "head", |t| {
+        Ok(t.to_dtype(dtype)?.to_device(&Device::Cpu)?.contiguous()?)
+    })?;
+    write_model_dir(
+        dir,
+        &map,
+        ModelDirFiles {
+            weights_file: HEAD_WEIGHTS_FILE,
+            config_file: HEAD_CONFIG_FILE,
+            config_json: head_config_json(head_cfg, dtype),
+            copy_files: &[],
+            extra,
+        },
+    )
 }
 
 /// Reads a head directory written by [`save_head`] (or any EAGLE-1 head in safetensors):
 /// its config and f32 tensors, checked against the config.
 pub fn load_head(dir: &Path) -> Result<(EagleHeadConfig, BTreeMap<String, Tensor>)> {
     let cfg = EagleHeadConfig::from_json_file(&dir.join(HEAD_CONFIG_FILE))?;
-    let path = dir.join(HEAD_WEIGHTS_FILE);
-    let all =
-        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| file_err(&path, e))?;
-    let mut out = BTreeMap::new();
-    for (name, shape) in EagleHead::expected_tensors(&cfg) {
-        let t = all
-            .get(&name)
-            .ok_or_else(|| file_err(&path, format!("tensor '{name}' is missing")))?;
-        if t.dims() != shape.as_slice() {
-            return Err(file_err(
-                &path,
-                format!(
-                    "tensor '{name}' has shape {:?}, expected {shape:?}",
-                    t.dims()
-                ),
-            ));
-        }
-        out.insert(name, t.to_dtype(DType::F32)?);
-    }
+    let out = load_expected(
+        &dir.join(HEAD_WEIGHTS_FILE),
+        EagleHead::expected_tensors(&cfg),
+    )?;
     Ok((cfg, out))
 }
 
@@ -908,9 +874,6 @@ pub fn train(
     if train.is_empty() {
         return Err(invalid("no training sequences"));
     }
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
-    let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
-    let total = steps_per_epoch * cfg.epochs;
     let train_rows: usize = train
         .iter()
         .filter_map(|&s| window(data, s, cfg.max_len).map(|(_, e, f)| e - f))
@@ -925,24 +888,9 @@ pub fn train(
         steps: Vec::new(),
     };
     let t0 = Instant::now();
-    // Held-out means of pass 1 and of the deeper passes.
-    let val_means = |t: &EagleTrainer| -> Result<(Option<LossMeans>, Vec<LossMeans>)> {
-        if val.is_empty() {
-            return Ok((None, Vec::new()));
-        }
-        let mut means = split_means(
-            &t.evaluate_unrolled(data, val, cfg.eval_passes())?,
-            cfg.ce_weight,
-        );
-        Ok((Some(means.remove(0)), means))
-    };
-    let (v0, v0_deeper) = val_means(trainer)?;
-    if let Some(v) = v0 {
-        log(&format!(
-            "epoch 0 (init: {init_name}): val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{} over {} rows",
-            v.loss, v.smooth_l1, v.ce, v.top1, deeper_top1(&v0_deeper), v.rows
-        ));
-    }
+    let v0 = val_means(trainer, data, val)?;
+    log_initial(init_name, v0.as_ref(), log);
+    let (v0, v0_deeper) = PassMeans::split(v0);
     tlog.epochs.push(EpochLog {
         epoch: 0,
         steps: 0,
@@ -954,92 +902,158 @@ pub fn train(
         grad_norm: 0.0,
         seconds: t0.elapsed().as_secs_f64(),
     });
-    let every = (steps_per_epoch / 10).max(1);
-    for epoch in 1..=cfg.epochs {
-        let te = Instant::now();
-        let mut sums = LossSums::default();
-        let mut deeper = vec![LossSums::default(); cfg.ttt_steps - 1];
-        let mut window_sums = LossSums::default();
-        let mut last_norm = 0.0;
-        let mut lr = 0.0;
-        for (i, group) in epoch_batches(data, train, cfg.batch_size, &mut rng)
-            .iter()
-            .enumerate()
-        {
-            let Some(batch) = make_batch(data, group, cfg.max_len, cfg.noise, &mut rng)? else {
-                continue;
-            };
-            lr = cfg.lr_at(trainer.step, total);
-            let (passes, norm) = trainer.train_step_unrolled(&batch, lr)?;
-            let s = passes[0];
-            for (d, p) in deeper.iter_mut().zip(&passes[1..]) {
-                d.add(p);
-            }
-            last_norm = norm;
-            sums.add(&s);
-            window_sums.add(&s);
-            if (i + 1) % every == 0 {
-                let m = window_sums.mean(cfg.ce_weight);
-                tlog.steps.push((trainer.step, m.loss, m.top1));
-                log(&format!(
-                    "epoch {epoch} step {}/{} ({} total): loss {:.4} top-1 {:.3} lr {lr:.2e} |g| {norm:.3} [{:.0}s]",
-                    i + 1,
-                    steps_per_epoch,
-                    trainer.step,
-                    m.loss,
-                    m.top1,
-                    t0.elapsed().as_secs_f64()
-                ));
-                window_sums = LossSums::default();
-            }
-        }
-        let tm = sums.mean(cfg.ce_weight);
-        let tm_deeper = split_means(&deeper, cfg.ce_weight);
-        let (vm, vm_deeper) = val_means(trainer)?;
-        let mut line = format!(
-            "epoch {epoch}/{}: train loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{}",
-            cfg.epochs,
-            tm.loss,
-            tm.smooth_l1,
-            tm.ce,
-            tm.top1,
-            deeper_top1(&tm_deeper)
-        );
-        if let Some(v) = vm {
-            line.push_str(&format!(
-                "; val loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{}",
-                v.loss,
-                v.smooth_l1,
-                v.ce,
-                v.top1,
-                deeper_top1(&vm_deeper)
-            ));
-        }
-        line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
-        log(&line);
-        tlog.epochs.push(EpochLog {
-            epoch,
-            steps: trainer.step,
-            lr,
-            train: Some(tm),
-            val: vm,
-            train_deeper: tm_deeper,
-            val_deeper: vm_deeper,
-            grad_norm: last_norm,
-            seconds: te.elapsed().as_secs_f64(),
-        });
-        if let Some(save) = save {
-            let mut extra: Vec<(&str, String)> =
-                save.extra.iter().map(|(n, t)| (*n, t.clone())).collect();
-            extra.push((
-                TRAIN_LOG_FILE,
-                serde_json::to_string_pretty(&tlog).expect("log serialises"),
-            ));
-            trainer.save(save.output_dir, save.dtype, &extra)?;
-            log(&format!("saved {}", save.output_dir.display()));
+    let schedule = Schedule {
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        reseed_each_epoch: false,
+    };
+    let mut run = EagleRun {
+        trainer,
+        data,
+        val,
+        save,
+        tlog,
+    };
+    run_epochs(&mut run, data, train, &schedule, 1, t0, log)?;
+    Ok(run.tlog)
+}
+
+/// Means of pass 1 and of the deeper passes of the unroll (`deeper[0]` = pass 2).
+struct PassMeans {
+    first: LossMeans,
+    deeper: Vec<LossMeans>,
+}
+
+impl PassMeans {
+    fn new(sums: &[LossSums], ce_weight: f64) -> Self {
+        let mut means = split_means(sums, ce_weight);
+        let first = means.remove(0);
+        PassMeans {
+            first,
+            deeper: means,
         }
     }
-    Ok(tlog)
+
+    /// Held-out means as the epoch log holds them: pass 1's, and the deeper passes'.
+    fn split(means: Option<PassMeans>) -> (Option<LossMeans>, Vec<LossMeans>) {
+        match means {
+            Some(m) => (Some(m.first), m.deeper),
+            None => (None, Vec::new()),
+        }
+    }
+}
+
+impl EpochMeans for PassMeans {
+    const TOP1: &'static str = "top-1";
+    fn loss(&self) -> f64 {
+        self.first.loss
+    }
+    fn top1(&self) -> f64 {
+        self.first.top1
+    }
+    fn rows(&self) -> usize {
+        self.first.rows
+    }
+    fn describe(&self) -> String {
+        let m = &self.first;
+        format!(
+            "loss {:.4} (smooth_l1 {:.4}, ce {:.3}) top-1 {:.3}{}",
+            m.loss,
+            m.smooth_l1,
+            m.ce,
+            m.top1,
+            deeper_top1(&self.deeper)
+        )
+    }
+}
+
+/// Held-out means of every evaluated pass; `None` without held-out sequences.
+fn val_means(
+    trainer: &EagleTrainer,
+    data: &FeatureDataset,
+    val: &[usize],
+) -> Result<Option<PassMeans>> {
+    if val.is_empty() {
+        return Ok(None);
+    }
+    let cfg = &trainer.cfg;
+    Ok(Some(PassMeans::new(
+        &trainer.evaluate_unrolled(data, val, cfg.eval_passes())?,
+        cfg.ce_weight,
+    )))
+}
+
+/// [`train`]'s state as the shared epoch loop drives it.
+struct EagleRun<'r, 'b, 'a, 'p> {
+    trainer: &'r mut EagleTrainer<'b, 'a>,
+    data: &'r FeatureDataset,
+    val: &'r [usize],
+    save: Option<&'r SaveOptions<'p>>,
+    tlog: TrainLog,
+}
+
+impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
+    type Batch = Batch;
+    /// Sums of every unroll pass (`[k - 1]` = pass k).
+    type Sums = Vec<LossSums>;
+    type Means = PassMeans;
+
+    fn steps(&self) -> usize {
+        self.trainer.step
+    }
+    fn lr_at(&self, step: usize, total: usize) -> f64 {
+        self.trainer.cfg.lr_at(step, total)
+    }
+    fn make_batch(&self, seqs: &[usize], rng: &mut ChaCha8Rng) -> Result<Option<Batch>> {
+        let cfg = &self.trainer.cfg;
+        make_batch(self.data, seqs, cfg.max_len, cfg.noise, rng)
+    }
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<(Vec<LossSums>, f64)> {
+        self.trainer.train_step_unrolled(batch, lr)
+    }
+    fn zero_sums(&self) -> Vec<LossSums> {
+        vec![LossSums::default(); self.trainer.cfg.ttt_steps]
+    }
+    fn add(total: &mut Vec<LossSums>, sums: &Vec<LossSums>) {
+        for (t, s) in total.iter_mut().zip(sums) {
+            t.add(s);
+        }
+    }
+    fn means(&self, sums: &Vec<LossSums>) -> PassMeans {
+        PassMeans::new(sums, self.trainer.cfg.ce_weight)
+    }
+    fn validate(&self) -> Result<Option<PassMeans>> {
+        val_means(self.trainer, self.data, self.val)
+    }
+    fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
+        &mut self.tlog.steps
+    }
+    fn end_epoch(&mut self, end: EpochEnd<PassMeans>) -> Result<Option<&Path>> {
+        let (val, val_deeper) = PassMeans::split(end.val);
+        self.tlog.epochs.push(EpochLog {
+            epoch: end.epoch,
+            steps: end.steps,
+            lr: end.lr,
+            train: Some(end.train.first),
+            val,
+            train_deeper: end.train.deeper,
+            val_deeper,
+            grad_norm: end.grad_norm,
+            seconds: end.seconds,
+        });
+        let Some(save) = self.save else {
+            return Ok(None);
+        };
+        let mut extra: Vec<(&str, String)> =
+            save.extra.iter().map(|(n, t)| (*n, t.clone())).collect();
+        extra.push((
+            TRAIN_LOG_FILE,
+            serde_json::to_string_pretty(&self.tlog).expect("log serialises"),
+        ));
+        self.trainer.save(save.output_dir, save.dtype, &extra)?;
+        Ok(Some(save.output_dir))
+    }
 }
 
 fn split_means(sums: &[LossSums], ce_weight: f64) -> Vec<LossMeans> {

@@ -12,7 +12,8 @@
 //! * [`draft`]: distils a small draft model (the target's config with fewer layers, started
 //!   from a subset of its layers) on the same data with KL to the target's distributions,
 //!   and writes it as an HF model folder that `convert-checkpoint --model_dir` reads.
-//! * [`common`]: what both trainers share (engine tensors, split, batches, schedule, clipping).
+//! * [`common`]: what both trainers share (engine tensors, split, batches, schedule, clipping);
+//!   `train_loop`: their shared epoch loop (step lines, epoch summaries, saving).
 
 pub mod calibrate;
 pub mod common;
@@ -22,6 +23,7 @@ pub mod draft;
 pub mod eagle;
 pub mod error;
 pub mod prompts;
+mod train_loop;
 
 pub use dataset::FeatureDataset;
 pub use error::{Result, TrainError};

@@ -3,9 +3,11 @@
 //! tokens more often than an untrained one, the written folder is what convert-checkpoint
 //! reads, resuming continues the run, and bad layer choices are refused with exact messages.
 
-use candle_core::{DType, Device, Tensor, D};
+mod common;
+
+use candle_core::{DType, Device};
+use common::{greedy_sequences, max_diff, Tiny};
 use kestrel_core::ModelConfig;
-use kestrel_model::llama::random_tensors;
 use kestrel_model::{Llama, OutputRows, SeqInput};
 use kestrel_train::common::split;
 use kestrel_train::draft::{
@@ -13,75 +15,26 @@ use kestrel_train::draft::{
     resolve_init_layers, train_draft, DraftInit, DraftSaveOptions, DraftTrainConfig, DraftTrainer,
 };
 use kestrel_train::FeatureDataset;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
 
 fn tiny_config(tied: bool) -> ModelConfig {
-    serde_json::from_str(&format!(
-        r#"{{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": {tied},
-            "bos_token_id": 1, "eos_token_id": 2}}"#
-    ))
-    .unwrap()
-}
-
-struct Tiny {
-    model: Llama,
-    tensors: BTreeMap<String, Tensor>,
+    common::tiny_config(
+        4,
+        10000.0,
+        tied,
+        r#", "bos_token_id": 1, "eos_token_id": 2"#,
+    )
 }
 
 /// A random target. Tied, its greedy token is nearly always the current one (the logits are
 /// the embedding's dot products with a hidden state dominated by that token's embedding), so
 /// the learning tests use an untied one, whose next token depends on the context.
 fn tiny(tied: bool) -> Tiny {
-    let cfg = tiny_config(tied);
-    let tensors = random_tensors(&cfg, 11).unwrap();
-    Tiny {
-        model: Llama::from_tensors(
-            &cfg,
-            tensors.clone(),
-            kestrel_core::DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap(),
-        tensors,
-    }
+    Tiny::new(&tiny_config(tied), 11)
 }
 
 /// Greedy continuations of random prompts (what self-distillation produces at temperature 0).
 fn greedy_data(model: &Llama, n: usize, prompt_len: usize, answer_len: usize) -> FeatureDataset {
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let vocab = model.config().vocab_size as u32;
-    let seqs = (0..n)
-        .map(|_| {
-            let mut toks: Vec<u32> = (0..prompt_len)
-                .map(|_| rng.random_range(0..vocab))
-                .collect();
-            let mut cache = model.new_cache(16, 8).unwrap();
-            let seq = cache.add_sequence();
-            let mut new = toks.clone();
-            let mut pos = 0u32;
-            for _ in 0..answer_len {
-                let positions: Vec<u32> = (pos..pos + new.len() as u32).collect();
-                let input = SeqInput {
-                    seq,
-                    tokens: &new,
-                    positions: &positions,
-                    mask: None,
-                    output_rows: OutputRows::Last,
-                };
-                let h = model.forward(&[input], &mut cache).unwrap();
-                pos += new.len() as u32;
-                let logits = model.logits(&h).unwrap();
-                let next = logits.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap()[0];
-                toks.push(next);
-                new = vec![next];
-            }
-            (toks, prompt_len)
-        })
-        .collect();
+    let seqs = greedy_sequences(model, n, prompt_len, answer_len, 5);
     FeatureDataset::extract(model, seqs, 256, &mut |_, _| {}).unwrap()
 }
 
@@ -99,17 +52,6 @@ fn trainer(t: &Tiny, layers: usize, init: DraftInit, c: DraftTrainConfig) -> Dra
     let target_cfg = t.model.config();
     let student = initial_student(target_cfg, &t.tensors, layers, init).unwrap();
     DraftTrainer::new(draft_config(target_cfg, layers), student, c, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 #[test]

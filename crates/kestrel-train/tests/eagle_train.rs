@@ -1,38 +1,26 @@
 //! EAGLE head training on a tiny random Llama (CPU, seconds).
 
-use candle_core::{DType, Device, Tensor, D};
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{greedy_sequences, max_diff, Tiny};
 use kestrel_core::ModelConfig;
-use kestrel_model::llama::random_tensors;
-use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows, SeqInput};
+use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows};
 use kestrel_train::eagle::{
     head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
     SaveOptions, TrainConfig,
 };
 use kestrel_train::FeatureDataset;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
 fn tiny_config(tied: bool) -> ModelConfig {
-    serde_json::from_str(&format!(
-        r#"{{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": {tied}}}"#
-    ))
-    .unwrap()
-}
-
-struct Tiny {
-    model: Llama,
-    tensors: BTreeMap<String, Tensor>,
+    common::tiny_config(2, 50000.0, tied, "")
 }
 
 fn tiny(tied: bool) -> Tiny {
-    let cfg = tiny_config(tied);
-    Tiny {
-        model: Llama::random(&cfg, 7, kestrel_core::DType::F32, &Device::Cpu).unwrap(),
-        tensors: random_tensors(&cfg, 7).unwrap(),
-    }
+    Tiny::new(&tiny_config(tied), 7)
 }
 
 /// Greedy continuations of random prompts: the distribution a self-distilled head sees.
@@ -42,45 +30,7 @@ fn greedy_data(
     prompt_len: usize,
     answer_len: usize,
 ) -> Vec<(Vec<u32>, usize)> {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let vocab = model.config().vocab_size as u32;
-    (0..n)
-        .map(|_| {
-            let mut toks: Vec<u32> = (0..prompt_len)
-                .map(|_| rng.random_range(0..vocab))
-                .collect();
-            let mut cache = model.new_cache(16, 8).unwrap();
-            let seq = cache.add_sequence();
-            let mut new = toks.clone();
-            let mut pos = 0u32;
-            for _ in 0..answer_len {
-                let positions: Vec<u32> = (pos..pos + new.len() as u32).collect();
-                let h = model
-                    .forward(
-                        &[SeqInput {
-                            seq,
-                            tokens: &new,
-                            positions: &positions,
-                            mask: None,
-                            output_rows: OutputRows::Last,
-                        }],
-                        &mut cache,
-                    )
-                    .unwrap();
-                pos += new.len() as u32;
-                let next = model
-                    .logits(&h)
-                    .unwrap()
-                    .argmax(D::Minus1)
-                    .unwrap()
-                    .to_vec1::<u32>()
-                    .unwrap()[0];
-                toks.push(next);
-                new = vec![next];
-            }
-            (toks, prompt_len)
-        })
-        .collect()
+    greedy_sequences(model, n, prompt_len, answer_len, 3)
 }
 
 fn dataset(t: &Tiny, n: usize) -> FeatureDataset {
@@ -215,17 +165,6 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
     );
     assert_eq!(log.epochs.len(), 9);
     assert!(log.epochs[0].val.is_some() && log.epochs[0].train.is_none());
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 #[test]

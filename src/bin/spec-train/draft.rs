@@ -2,6 +2,7 @@
 
 use crate::data::{generate_data, DataArgs};
 use crate::parse_dtype;
+use crate::train_args::{check_data_shapes, TrainArgs};
 use anyhow::{bail, Context, Result};
 use kestrel_core::checkpoint::{CHAT_TEMPLATE_FILE, TOKENIZER_FILE};
 use kestrel_core::{DType, EnginePlan};
@@ -12,7 +13,6 @@ use kestrel_train::draft::{
     check_features, draft_config, initial_student, load_draft, resolve_init_layers, train_draft,
     DraftInit, DraftSaveOptions, DraftTrainConfig, DraftTrainer, DRAFT_WEIGHTS_FILE,
 };
-use kestrel_train::eagle::split;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -52,33 +52,14 @@ pub struct DraftArgs {
     /// Weight of the cross-entropy on the target's greedy tokens.
     #[arg(long, default_value_t = 0.0)]
     ce_weight: f64,
-    /// Total epochs (with --resume, the run continues up to this many).
-    #[arg(long, default_value_t = 4)]
-    epochs: usize,
     /// Peak AdamW learning rate (SmolLM2, 4 layers: 1e-3 beat 3e-4 on held-out agreement).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     #[arg(long, default_value_t = 10)]
     warmup_steps: usize,
-    #[arg(long, default_value_t = 0.1)]
-    min_lr_ratio: f64,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
     /// Global gradient-norm clip (0 = off).
     #[arg(long, default_value_t = 1.0)]
     grad_clip: f64,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 8)]
-    batch_size: usize,
-    /// Longest training window in tokens; longer sequences keep their start.
-    #[arg(long, default_value_t = 512)]
-    max_len: usize,
-    /// Held-out fraction of the sequences (validation: KL and greedy agreement).
-    #[arg(long, default_value_t = 0.1)]
-    val_fraction: f64,
-    /// Rows per chunk of vocabulary-sized logits.
-    #[arg(long, default_value_t = 256)]
-    logits_chunk: usize,
     /// Dtype of the written weights.
     #[arg(long, default_value = "float16", value_parser = parse_dtype)]
     dtype: DType,
@@ -88,12 +69,8 @@ pub struct DraftArgs {
     /// Continue the draft in --output_dir (its weights and train_log.json).
     #[arg(long)]
     resume: bool,
-    /// Also write the training log here (it is always written into --output_dir).
-    #[arg(long)]
-    log_json: Option<PathBuf>,
-    /// Seed of prompt sampling, shuffling and the split.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    train: TrainArgs,
 }
 
 pub fn run_draft(args: &DraftArgs) -> Result<()> {
@@ -114,19 +91,19 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         args.init_layers.as_deref(),
     )?;
     let tcfg = DraftTrainConfig {
-        epochs: args.epochs,
+        epochs: args.train.epochs,
         lr: args.lr,
         warmup_steps: args.warmup_steps,
-        min_lr_ratio: args.min_lr_ratio,
-        weight_decay: args.weight_decay,
+        min_lr_ratio: args.train.min_lr_ratio,
+        weight_decay: args.train.weight_decay,
         grad_clip: args.grad_clip,
-        batch_size: args.batch_size,
-        max_len: args.max_len,
+        batch_size: args.train.batch_size,
+        max_len: args.train.max_len,
         kd_temperature: args.kd_temperature,
         ce_weight: args.ce_weight,
         train_embeddings: args.train_embeddings,
-        logits_chunk: args.logits_chunk,
-        seed: args.seed,
+        logits_chunk: args.train.logits_chunk,
+        seed: args.train.seed,
         ..DraftTrainConfig::default()
     };
     tcfg.validate()?;
@@ -164,7 +141,7 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
             &args.data,
             &args.engine_dir,
             &args.data_dir,
-            args.seed,
+            args.train.seed,
             &engine,
         )?;
     } else {
@@ -174,17 +151,7 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         );
     }
     let data = FeatureDataset::load(&args.data_dir)?;
-    if data.hidden_size != cfg.hidden_size || data.vocab_size != cfg.vocab_size {
-        bail!(
-            "{}: the data was made for hidden_size {} / vocab {}, but {} has {} / {}: regenerate the data for this engine",
-            args.data_dir.display(),
-            data.hidden_size,
-            data.vocab_size,
-            args.engine_dir.display(),
-            cfg.hidden_size,
-            cfg.vocab_size
-        );
-    }
+    check_data_shapes(&data, cfg, &args.data_dir, &args.engine_dir, "data was")?;
     // The targets are the cached features through the LM head: they must be this engine's.
     let rel = check_features(&engine.model, &data)?;
     if rel > 0.05 {
@@ -218,7 +185,7 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
     let student = initial_student(cfg, &target, args.num_layers, initial)?;
     let draft_cfg = draft_config(cfg, args.num_layers);
     let mut trainer = DraftTrainer::new(draft_cfg, student, tcfg.clone(), &device)?;
-    let (train_idx, val_idx) = split(data.len(), args.val_fraction, args.seed);
+    let (train_idx, val_idx) = args.train.split(data.len());
     eprintln!(
         "spec-train: {}-layer draft ({} trained parameters, init {init_name}); {} train / {} held-out sequences ({} answer tokens in all), {} epochs of {} steps",
         args.num_layers,
@@ -251,9 +218,5 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         Some(&save),
         &mut |line| eprintln!("spec-train: {line}"),
     )?;
-    if let Some(path) = &args.log_json {
-        std::fs::write(path, serde_json::to_string_pretty(&log)?)
-            .with_context(|| format!("--log_json {}: cannot write it", path.display()))?;
-    }
-    Ok(())
+    args.train.write_log(&log)
 }

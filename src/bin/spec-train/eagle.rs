@@ -2,14 +2,14 @@
 
 use crate::data::{generate_data, DataArgs};
 use crate::parse_dtype;
-use anyhow::{bail, Context, Result};
+use crate::train_args::{check_data_shapes, TrainArgs};
+use anyhow::{bail, Result};
 use clap::ValueEnum;
 use kestrel_core::DType;
 use kestrel_runtime::Engine;
 use kestrel_train::dataset::FeatureDataset;
 use kestrel_train::eagle::{
-    head_config, load_head, split, train, EagleTrainer, FrozenBase, HeadInit, SaveOptions,
-    TrainConfig,
+    head_config, load_head, train, EagleTrainer, FrozenBase, HeadInit, SaveOptions, TrainConfig,
 };
 use std::path::{Path, PathBuf};
 
@@ -55,34 +55,19 @@ pub struct EagleArgs {
     data: DataArgs,
 
     // --- training ---
-    #[arg(long, default_value_t = 4)]
-    epochs: usize,
     #[arg(long, default_value_t = 5e-4)]
     lr: f64,
     #[arg(long, default_value_t = 20)]
     warmup_steps: usize,
-    #[arg(long, default_value_t = 0.1)]
-    min_lr_ratio: f64,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
     /// Global gradient-norm clip (0 = off).
     #[arg(long, default_value_t = 0.5)]
     grad_clip: f64,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 8)]
-    batch_size: usize,
-    /// Longest training window (head positions); longer sequences keep their end.
-    #[arg(long, default_value_t = 512)]
-    max_len: usize,
     /// Input features get uniform noise in [-noise, noise].
     #[arg(long, default_value_t = 0.1)]
     noise: f32,
     /// Weight of the distribution (cross-entropy) term.
     #[arg(long, default_value_t = 0.1)]
     ce_weight: f64,
-    /// Held-out fraction of the sequences (validation: loss and top-1 proxy).
-    #[arg(long, default_value_t = 0.1)]
-    val_fraction: f64,
     #[arg(long, value_enum, default_value_t = Init::Copy)]
     init: Init,
     /// With --init copy: scale of the copied layer's o_proj and down_proj (0 = the head
@@ -98,15 +83,6 @@ pub struct EagleArgs {
     /// Dtype of the written head.
     #[arg(long, default_value = "float16", value_parser = parse_dtype)]
     save_dtype: DType,
-    /// Also write the training log here (it is always written into --output_dir).
-    #[arg(long)]
-    log_json: Option<PathBuf>,
-    /// Rows per chunk of vocabulary-sized logits.
-    #[arg(long, default_value_t = 256)]
-    logits_chunk: usize,
-    /// Seed of prompt sampling, noise, shuffling and the split.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Training-time test (HASS): passes of the unroll in which the head is fed its own
     /// predicted features, as draft depths 2..K are at inference (1 = real features only).
     #[arg(long, default_value_t = 1)]
@@ -117,22 +93,20 @@ pub struct EagleArgs {
     /// Draft depths whose held-out top-1 is logged (at least --ttt_steps).
     #[arg(long, default_value_t = 3)]
     eval_steps: usize,
+    #[command(flatten)]
+    train: TrainArgs,
 }
 
 fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()> {
     let data = FeatureDataset::load(&args.data_dir)?;
     let cfg = &engine.config;
-    if data.hidden_size != cfg.hidden_size || data.vocab_size != cfg.vocab_size {
-        bail!(
-            "{}: the features were made for hidden_size {} / vocab {}, but {} has {} / {}: regenerate the data for this engine",
-            args.data_dir.display(),
-            data.hidden_size,
-            data.vocab_size,
-            args.engine_dir.display(),
-            cfg.hidden_size,
-            cfg.vocab_size
-        );
-    }
+    check_data_shapes(
+        &data,
+        cfg,
+        &args.data_dir,
+        &args.engine_dir,
+        "features were",
+    )?;
     let rank_files: Vec<PathBuf> = engine
         .plan
         .weights
@@ -161,31 +135,33 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
                 ),
                 Init::Random => (
                     hc,
-                    HeadInit::Random { seed: args.seed },
+                    HeadInit::Random {
+                        seed: args.train.seed,
+                    },
                     "random".to_string(),
                 ),
             }
         }
     };
     let tcfg = TrainConfig {
-        epochs: args.epochs,
+        epochs: args.train.epochs,
         lr: args.lr,
         warmup_steps: args.warmup_steps,
-        min_lr_ratio: args.min_lr_ratio,
-        weight_decay: args.weight_decay,
+        min_lr_ratio: args.train.min_lr_ratio,
+        weight_decay: args.train.weight_decay,
         grad_clip: args.grad_clip,
-        batch_size: args.batch_size,
-        max_len: args.max_len,
+        batch_size: args.train.batch_size,
+        max_len: args.train.max_len,
         noise: args.noise,
         ce_weight: args.ce_weight,
-        logits_chunk: args.logits_chunk,
-        seed: args.seed,
+        logits_chunk: args.train.logits_chunk,
+        seed: args.train.seed,
         ttt_steps: args.ttt_steps,
         ttt_decay: args.ttt_decay,
         eval_steps: args.eval_steps,
         ..TrainConfig::default()
     };
-    let (train_idx, val_idx) = split(data.len(), args.val_fraction, args.seed);
+    let (train_idx, val_idx) = args.train.split(data.len());
     eprintln!(
         "spec-train: {} train / {} held-out sequences ({} answer tokens in all), {} epochs of {} steps, init {init_name}",
         train_idx.len(),
@@ -209,11 +185,7 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
         Some(&save),
         &mut |line| eprintln!("spec-train: {line}"),
     )?;
-    if let Some(path) = &args.log_json {
-        std::fs::write(path, serde_json::to_string_pretty(&log)?)
-            .with_context(|| format!("--log_json {}: cannot write it", path.display()))?;
-    }
-    Ok(())
+    args.train.write_log(&log)
 }
 
 pub fn run_eagle(args: &EagleArgs) -> Result<()> {
@@ -235,7 +207,7 @@ pub fn run_eagle(args: &EagleArgs) -> Result<()> {
             &args.data,
             &args.engine_dir,
             &args.data_dir,
-            args.seed,
+            args.train.seed,
             &engine,
         )?;
     } else if args.stage == Stage::All {

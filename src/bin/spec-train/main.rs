@@ -18,6 +18,7 @@ mod calibrate;
 mod data;
 mod draft;
 mod eagle;
+mod train_args;
 
 use clap::{Parser, Subcommand};
 use kestrel::cli::exit_on_error;

@@ -1,0 +1,168 @@
+//! The epoch loop that the EAGLE-head and draft-model trainers share: length-grouped
+//! batches, the learning-rate schedule, a step line (and a step-log entry) every tenth of an
+//! epoch, an epoch summary with the held-out means, and the trainer's own record and save
+//! after every epoch. Each trainer implements [`EpochTrainer`] with what differs: its batch,
+//! its step, its metrics, its log entry and its save.
+
+use crate::common::epoch_batches;
+use crate::dataset::FeatureDataset;
+use crate::error::Result;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::path::Path;
+use std::time::Instant;
+
+/// Means over the loss rows of an epoch or of a held-out evaluation, as the logs show them.
+pub(crate) trait EpochMeans {
+    /// The name of the top-1 metric in step lines (`agreement`, `top-1`).
+    const TOP1: &'static str;
+    fn loss(&self) -> f64;
+    fn top1(&self) -> f64;
+    fn rows(&self) -> usize;
+    /// `loss … (…) <top-1 name> …`, as in `epoch N/M: train <this>; val <this>`.
+    fn describe(&self) -> String;
+}
+
+/// The line of the evaluation before training: `epoch 0 (init: …): val … over N rows`.
+pub(crate) fn log_initial(
+    init_name: &str,
+    val: Option<&impl EpochMeans>,
+    log: &mut dyn FnMut(&str),
+) {
+    if let Some(v) = val {
+        log(&format!(
+            "epoch 0 (init: {init_name}): val {} over {} rows",
+            v.describe(),
+            v.rows()
+        ));
+    }
+}
+
+/// How the loop orders and paces training.
+pub(crate) struct Schedule {
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub seed: u64,
+    /// `true`: each epoch's batch order (and batch randomness) comes from a generator seeded
+    /// with the seed and the epoch alone, so that a resumed run sees the batches an
+    /// uninterrupted run would have; `false`: one generator seeded once runs through all
+    /// epochs.
+    pub reseed_each_epoch: bool,
+}
+
+/// What an epoch leaves for the trainer's log.
+pub(crate) struct EpochEnd<M> {
+    pub epoch: usize,
+    /// Optimiser steps taken so far.
+    pub steps: usize,
+    /// The learning rate of the epoch's last step.
+    pub lr: f64,
+    pub train: M,
+    pub val: Option<M>,
+    /// The gradient norm of the epoch's last step.
+    pub grad_norm: f64,
+    pub seconds: f64,
+}
+
+/// A trainer as [`run_epochs`] drives it.
+pub(crate) trait EpochTrainer {
+    type Batch;
+    /// Loss sums over the rows of one or more steps.
+    type Sums;
+    type Means: EpochMeans;
+    /// Optimiser steps taken so far.
+    fn steps(&self) -> usize;
+    /// The learning rate of step `step` (0-based) of `total`.
+    fn lr_at(&self, step: usize, total: usize) -> f64;
+    /// The batch of sequences `seqs`; `None` when none of them has a loss row.
+    fn make_batch(&self, seqs: &[usize], rng: &mut ChaCha8Rng) -> Result<Option<Self::Batch>>;
+    /// One optimiser step: the batch's loss sums and the gradient norm.
+    fn train_step(&mut self, batch: &Self::Batch, lr: f64) -> Result<(Self::Sums, f64)>;
+    /// Sums over no rows.
+    fn zero_sums(&self) -> Self::Sums;
+    fn add(total: &mut Self::Sums, sums: &Self::Sums);
+    fn means(&self, sums: &Self::Sums) -> Self::Means;
+    /// The held-out means; `None` without held-out sequences.
+    fn validate(&self) -> Result<Option<Self::Means>>;
+    /// The training log's step entries: (step, loss, top1).
+    fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)>;
+    /// Records a finished epoch in the training log and saves, when it saves: returns the
+    /// folder written.
+    fn end_epoch(&mut self, end: EpochEnd<Self::Means>) -> Result<Option<&Path>>;
+}
+
+/// Trains epochs `first_epoch..=schedule.epochs` over `train`. `start` is when training
+/// began (step lines show the time since). `log` receives one line per event.
+pub(crate) fn run_epochs<T: EpochTrainer>(
+    trainer: &mut T,
+    data: &FeatureDataset,
+    train: &[usize],
+    schedule: &Schedule,
+    first_epoch: usize,
+    start: Instant,
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let steps_per_epoch = train.len().div_ceil(schedule.batch_size);
+    let total = steps_per_epoch * schedule.epochs;
+    let every = (steps_per_epoch / 10).max(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(schedule.seed);
+    for epoch in first_epoch..=schedule.epochs {
+        let te = Instant::now();
+        if schedule.reseed_each_epoch {
+            rng = ChaCha8Rng::seed_from_u64(
+                schedule.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
+        }
+        let mut sums = trainer.zero_sums();
+        let mut window_sums = trainer.zero_sums();
+        let (mut last_norm, mut lr) = (0.0, 0.0);
+        for (i, group) in epoch_batches(data, train, schedule.batch_size, &mut rng)
+            .iter()
+            .enumerate()
+        {
+            let Some(batch) = trainer.make_batch(group, &mut rng)? else {
+                continue;
+            };
+            lr = trainer.lr_at(trainer.steps(), total);
+            let (s, norm) = trainer.train_step(&batch, lr)?;
+            last_norm = norm;
+            T::add(&mut sums, &s);
+            T::add(&mut window_sums, &s);
+            if (i + 1) % every == 0 {
+                let m = trainer.means(&window_sums);
+                let step = trainer.steps();
+                trainer.step_log().push((step, m.loss(), m.top1()));
+                log(&format!(
+                    "epoch {epoch} step {}/{steps_per_epoch} ({step} total): loss {:.4} {} {:.3} lr {lr:.2e} |g| {norm:.3} [{:.0}s]",
+                    i + 1,
+                    m.loss(),
+                    T::Means::TOP1,
+                    m.top1(),
+                    start.elapsed().as_secs_f64()
+                ));
+                window_sums = trainer.zero_sums();
+            }
+        }
+        let tm = trainer.means(&sums);
+        let vm = trainer.validate()?;
+        let mut line = format!("epoch {epoch}/{}: train {}", schedule.epochs, tm.describe());
+        if let Some(v) = &vm {
+            line.push_str(&format!("; val {}", v.describe()));
+        }
+        line.push_str(&format!(" [{:.0}s]", te.elapsed().as_secs_f64()));
+        log(&line);
+        let end = EpochEnd {
+            epoch,
+            steps: trainer.steps(),
+            lr,
+            train: tm,
+            val: vm,
+            grad_norm: last_norm,
+            seconds: te.elapsed().as_secs_f64(),
+        };
+        if let Some(dir) = trainer.end_epoch(end)? {
+            log(&format!("saved {}", dir.display()));
+        }
+    }
+    Ok(())
+}
