@@ -158,10 +158,9 @@ pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor
         .log()?
         .add(&max)?;
     let mut values = logits.contiguous()?;
-    let mut ids = Tensor::arange(0u32, vocab as u32, dev)?
-        .unsqueeze(0)?
-        .broadcast_as((rows, vocab))?
-        .contiguous()?;
+    // Survivors' token ids; `None` while the columns are the token ids themselves, so no
+    // vocabulary-wide index is uploaded: the first cut derives them from the slice offsets.
+    let mut ids: Option<Tensor> = None;
     while values.dim(1)? > SORT_WIDTH {
         let width = values.dim(1)?;
         let slices = width.div_ceil(SORT_WIDTH);
@@ -169,15 +168,30 @@ pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor
         if pad > 0 {
             let neg_inf = Tensor::full(f32::NEG_INFINITY, (rows, pad), dev)?;
             values = Tensor::cat(&[&values, &neg_inf], 1)?;
-            ids = Tensor::cat(&[&ids, &Tensor::zeros((rows, pad), DType::U32, dev)?], 1)?;
+            if let Some(t) = &ids {
+                ids = Some(Tensor::cat(
+                    &[t, &Tensor::zeros((rows, pad), DType::U32, dev)?],
+                    1,
+                )?);
+            }
         }
         let v = values.reshape((rows * slices, SORT_WIDTH))?;
         let best = v.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
         values = v.gather(&best, 1)?.reshape((rows, slices * k))?;
-        ids = ids
-            .reshape((rows * slices, SORT_WIDTH))?
-            .gather(&best, 1)?
-            .reshape((rows, slices * k))?;
+        let kept = match &ids {
+            Some(t) => t.reshape((rows * slices, SORT_WIDTH))?.gather(&best, 1)?,
+            None => {
+                let offsets = Tensor::arange_step(
+                    0u32,
+                    width.next_multiple_of(SORT_WIDTH) as u32,
+                    SORT_WIDTH as u32,
+                    dev,
+                )?
+                .reshape((1, slices, 1))?;
+                best.reshape((rows, slices, k))?.broadcast_add(&offsets)?
+            }
+        };
+        ids = Some(kept.reshape((rows, slices * k))?);
     }
     let best = values
         .arg_sort_last_dim(false)?
@@ -185,7 +199,13 @@ pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor
         .contiguous()?;
     let top = values.gather(&best, 1)?;
     let logp = top.broadcast_sub(&lse)?.clamp(f32::NEG_INFINITY, 0.0)?;
-    Ok((ids.gather(&best, 1)?, logp))
+    let ids = match ids {
+        Some(t) => t.gather(&best, 1)?,
+        None => best,
+    };
+    // A padding column can only win in a row with fewer than k values above -inf; keep its
+    // id inside the vocabulary.
+    Ok((ids.clamp(0u32, vocab as u32 - 1)?, logp))
 }
 
 #[cfg(test)]
