@@ -32,13 +32,6 @@ pub(crate) struct DraftedTree<'t> {
     pub draft_probs: Option<Vec<f32>>,
 }
 
-/// What a level's head rows are reduced to: the best tokens (found where the logits are) or
-/// the full rows (sampled children need the distribution).
-enum HeadRows {
-    TopK(Vec<(Vec<u32>, Vec<f32>)>),
-    Logits(Vec<Vec<f32>>),
-}
-
 /// How children are chosen from the head's distribution at a node.
 pub(crate) enum ChildChoice<'a> {
     /// The k most likely tokens (greedy, token-match and typical acceptance).
@@ -114,27 +107,28 @@ impl Drafter<'_> {
                 }
             }
             let logits = self.logits_of(&outputs, &level.expand)?;
-            let rows = match choice {
-                ChildChoice::TopK => HeadRows::TopK(top_k_rows(&logits, level.top_k)?),
-                ChildChoice::Sample(_) => HeadRows::Logits(logits.to_vec2::<f32>()?),
-            };
-            for s in 0..roots.len() {
-                let mut children = Vec::with_capacity(level.expand.len());
-                for (j, &node) in level.expand.iter().enumerate() {
-                    let row = s * level.expand.len() + j;
-                    children.push(match (choice, &rows) {
-                        (ChildChoice::TopK, HeadRows::TopK(best)) => best[row].0.clone(),
-                        (ChildChoice::Sample(params), HeadRows::Logits(rows)) => {
-                            let q = sampling::probs(&rows[row], params);
-                            let picked = sample_without_replacement(&q, level.top_k, rngs[s]);
-                            if let Some(p) = probs[s].as_mut() {
-                                p[node * vocab..(node + 1) * vocab].copy_from_slice(&q);
-                            }
-                            picked
+            // Children of every expanded node, sequence-major (row = s · expanded + j).
+            let width = level.expand.len();
+            let children: Vec<Vec<u32>> = match choice {
+                ChildChoice::TopK => top_k_rows(&logits, level.top_k)?
+                    .into_iter()
+                    .map(|(ids, _)| ids)
+                    .collect(),
+                ChildChoice::Sample(params) => {
+                    let rows = logits.to_vec2::<f32>()?;
+                    let mut picked = Vec::with_capacity(rows.len());
+                    for (row, logits) in rows.iter().enumerate() {
+                        let (s, node) = (row / width, level.expand[row % width]);
+                        let q = sampling::probs(logits, params);
+                        picked.push(sample_without_replacement(&q, level.top_k, rngs[s]));
+                        if let Some(p) = probs[s].as_mut() {
+                            p[node * vocab..(node + 1) * vocab].copy_from_slice(&q);
                         }
-                        _ => unreachable!("rows are fetched for the choice"),
-                    });
+                    }
+                    picked
                 }
+            };
+            for (s, children) in children.chunks(width).enumerate() {
                 for pick in &level.picks {
                     tokens[s][pick.node] = children[pick.parent_slot][pick.rank];
                 }
