@@ -87,6 +87,9 @@ pub struct BenchArgs {
     /// --random_weights), `all` or `none` (candle ops only), to compare the two on one GPU.
     #[arg(long, default_value = "plan")]
     pub cuda_kernels: String,
+    /// Run every step eagerly instead of replaying CUDA graphs, to measure what they save.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 /// One `--modes` entry, checked for syntax before anything is loaded.
@@ -245,6 +248,10 @@ pub struct BenchReport {
     pub num_prompts: usize,
     pub batch_sizes: Vec<usize>,
     pub max_output_len: usize,
+    /// Steps on CUDA replayed captured graphs (not `--no_cuda_graphs`).
+    pub cuda_graphs: bool,
+    /// Why a graph capture failed and graphs were turned off, if one did.
+    pub cuda_graph_failure: Option<String>,
     pub results: Vec<ModeResult>,
 }
 
@@ -493,8 +500,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             head.set_cuda_kernels(k);
         }
     }
+    engine.set_cuda_graphs(!args.no_cuda_graphs);
     let draft = match &args.draft_engine_dir {
-        Some(dir) => Some(Engine::load(dir, &device)?),
+        Some(dir) => {
+            let mut draft = Engine::load(dir, &device)?;
+            draft.set_cuda_graphs(!args.no_cuda_graphs);
+            Some(draft)
+        }
         None => None,
     };
     let load_s = load_start.elapsed().as_secs_f64();
@@ -766,6 +778,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         num_prompts: prompts.len(),
         batch_sizes,
         max_output_len: args.max_output_len,
+        cuda_graphs: device.is_cuda() && !args.no_cuda_graphs,
+        cuda_graph_failure: engine
+            .cuda_graph_failure()
+            .or_else(|| draft.as_ref().and_then(Engine::cuda_graph_failure)),
         results,
     })
 }
@@ -794,6 +810,9 @@ impl BenchReport {
             self.copy_bandwidth_bytes_per_s / 1e9,
             self.load_s
         );
+        if let Some(why) = &self.cuda_graph_failure {
+            println!("CUDA graphs were turned off, steps ran eagerly: {why}");
+        }
         println!(
             "{:<20} {:>5} {:>7} {:>10} {:>9} {:>9} {:>6} {:>8} {:>8} {:>9} {:>5}",
             "mode",

@@ -71,6 +71,9 @@ struct Args {
     /// cpu, or cuda:N (needs a build with the cuda feature).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Run every step eagerly instead of replaying CUDA graphs (ignored on CPU).
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// Decode without speculation even with an EAGLE engine (the baseline).
     #[arg(long)]
     no_speculation: bool,
@@ -137,10 +140,13 @@ fn run(args: Args) -> Result<()> {
         None => args.device.clone(),
     };
     let device = kestrel_runtime::device::parse(&target_device)?;
-    let engine = Engine::load(&args.engine_dir, &device)?;
+    let mut engine = Engine::load(&args.engine_dir, &device)?;
+    engine.set_cuda_graphs(!args.no_cuda_graphs);
     let draft = match (&dtm, &args.draft_engine_dir) {
         (Some(c), Some(dir)) => {
-            let draft = Engine::load(dir, &kestrel_runtime::device::parse(&c.draft_devices[0])?)?;
+            let mut draft =
+                Engine::load(dir, &kestrel_runtime::device::parse(&c.draft_devices[0])?)?;
+            draft.set_cuda_graphs(!args.no_cuda_graphs);
             c.validate_against(draft.plan.mapping.tp_size, engine.plan.mapping.tp_size)
                 .map_err(anyhow::Error::msg)?;
             Some(draft)
@@ -215,6 +221,9 @@ fn run(args: Args) -> Result<()> {
     let (outputs, timings) = generate_with(&engine, &mode, &prompts, &params, &kv_cache, sink)?;
     if args.streaming {
         printer.finish();
+    }
+    if let Some(why) = engine.cuda_graph_failure() {
+        eprintln!("warning: CUDA graphs were turned off, steps ran eagerly: {why}");
     }
     print_outputs(&codec, &texts, &outputs)?;
     if args.run_profiling {

@@ -6,6 +6,8 @@
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
 //! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
+//! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
+//!   through [`upload_into`].
 //!
 //! The `.cu` source is compiled to PTX by build.rs only with the `cuda` feature; without it
 //! this crate holds only the host-side metadata layout ([`PagedAttnMeta::host`]) and the
@@ -15,6 +17,9 @@ use candle_core::{DType, Device, Result, Tensor};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod graph;
+
+pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
 
 /// Kernel names (their `extern "C"` names, dtype suffix appended) as recorded in plans.
 pub mod names {
@@ -67,6 +72,12 @@ impl PagedAttnMeta {
     /// `tok_seq[n_tok] | seq_len[b] | seq_new[b] | q_start[b] | mask_off[b] | slots[b·lmax] |
     /// masks`. Returns it with `(n_tok, lmax)`.
     pub fn host(seqs: &[AttnSeq]) -> Result<(Vec<u32>, usize, usize)> {
+        Self::host_padded(seqs, 0)
+    }
+
+    /// [`PagedAttnMeta::host`] with every slot row padded to at least `min_lmax` entries,
+    /// so that steps of different lengths share one layout (a replayed CUDA graph's).
+    pub fn host_padded(seqs: &[AttnSeq], min_lmax: usize) -> Result<(Vec<u32>, usize, usize)> {
         let b = seqs.len();
         if b == 0 {
             candle_core::bail!("paged attention: empty batch");
@@ -90,7 +101,12 @@ impl PagedAttnMeta {
             }
         }
         let n_tok: usize = seqs.iter().map(|s| s.n_new).sum();
-        let lmax = seqs.iter().map(|s| s.slots.len()).max().unwrap_or(0);
+        let lmax = seqs
+            .iter()
+            .map(|s| s.slots.len())
+            .max()
+            .unwrap_or(0)
+            .max(min_lmax);
         let masked: usize = seqs
             .iter()
             .filter(|s| s.mask.is_some())
@@ -348,6 +364,14 @@ mod tests {
             1, 0, 1, 1,        // masks
         ];
         assert_eq!(buf, want);
+
+        let (padded, _, lmax) = PagedAttnMeta::host_padded(&seqs, 4).unwrap();
+        assert_eq!(lmax, 4);
+        #[rustfmt::skip]
+        let slots = [10, 11, 12, 0, 20, 21, 0, 0];
+        assert_eq!(padded[..14], want[..14]);
+        assert_eq!(padded[14..22], slots);
+        assert_eq!(padded[22..], want[20..]);
     }
 
     #[test]

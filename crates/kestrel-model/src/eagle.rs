@@ -6,10 +6,10 @@ use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
 use crate::layer::{causal_train_inputs, train_mask, AttnCtx, DecoderLayer, Linear};
-use crate::llama::{
-    check_cache, check_supported, layer_dims, prepare_step, Llama, OutputRows, StepSeq,
-};
+use crate::llama::{check_cache, check_supported, layer_dims, Llama, OutputRows};
 use crate::rope::Rope;
+use crate::step::{plan_step, Step, StepSeq};
+use crate::step_graph::StepGraphs;
 use crate::weights::{MapSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
@@ -42,6 +42,7 @@ pub struct EagleHead {
     device: Device,
     cpu_kernels: bool,
     cuda_kernels: CudaKernels,
+    graphs: StepGraphs,
 }
 
 impl EagleHead {
@@ -151,6 +152,7 @@ impl EagleHead {
             device: src.device().clone(),
             cpu_kernels: true,
             cuda_kernels: CudaKernels::default(),
+            graphs: StepGraphs::default(),
         })
     }
 
@@ -173,6 +175,21 @@ impl EagleHead {
     /// See [`Llama::set_cuda_kernels`].
     pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
         self.cuda_kernels = kernels;
+    }
+
+    /// See [`Llama::set_cuda_graphs`].
+    pub fn set_cuda_graphs(&mut self, enabled: bool) {
+        self.graphs.set_enabled(enabled && self.device.is_cuda());
+    }
+
+    /// See [`Llama::cuda_graph_failure`].
+    pub fn cuda_graph_failure(&self) -> Option<String> {
+        self.graphs.failure()
+    }
+
+    /// See [`Llama::cuda_graph_count`].
+    pub fn cuda_graph_count(&self) -> usize {
+        self.graphs.count()
     }
 
     /// A one-layer KV cache shaped for this head.
@@ -255,33 +272,62 @@ impl EagleHead {
             .collect();
         let portable = !(self.cpu_kernels && self.device.is_cpu());
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
-        let step = prepare_step(
-            &steps,
-            &self.rope,
-            cache,
-            self.dtype,
-            &self.device,
-            portable,
-            cuda,
-            false,
-        )?;
-        let emb = Llama::embed_ids(&self.embed, &tokens, c.vocab_size, &self.device)?;
+        let mut plan = plan_step(&steps, cache, &self.device, portable, cuda, false)?;
+        Llama::check_tokens(&tokens, c.vocab_size)?;
         let feats = if feats.len() == 1 {
             feats.pop().expect("one")
         } else {
             Tensor::cat(&feats, 0)?
         };
+        let commit = std::mem::take(&mut plan.commit);
+        let kv: &PagedKvCache = cache;
+        let out = if plan.graphable() && self.graphs.active() {
+            let inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            let cache_id = kv.pools(0).0.id();
+            let run = |ids: &Tensor, step: &Step, feats: Option<&Tensor>| {
+                let feats = feats.ok_or_else(|| invalid("graphed head step without features"))?;
+                self.run_layer(ids, feats, step, kv)
+            };
+            self.graphs.run(
+                cache_id,
+                &inputs,
+                Some(&feats),
+                self.dtype,
+                &self.device,
+                run,
+            )?
+        } else {
+            let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
+            let ids = Tensor::from_slice(&tokens, tokens.len(), &self.device)?;
+            self.run_layer(&ids, &feats, &step, kv)?
+        };
+        for (seq, len) in commit {
+            cache.set_len(seq, len)?;
+        }
+        Ok(out)
+    }
+
+    /// The device work of a head step: `fc` over embeddings and features, the layer, the
+    /// requested rows.
+    fn run_layer(
+        &self,
+        ids: &Tensor,
+        feats: &Tensor,
+        step: &Step,
+        kv: &PagedKvCache,
+    ) -> Result<Tensor> {
+        let emb = self.embed.index_select(ids, 0)?;
         let x = self
             .fc
-            .forward_with(&Tensor::cat(&[&emb, &feats], D::Minus1)?, self.cpu_kernels)?;
+            .forward_with(&Tensor::cat(&[&emb, feats], D::Minus1)?, self.cpu_kernels)?;
         let ctx = AttnCtx::Paged {
             cos: &step.cos,
             sin: &step.sin,
             seqs: &step.seqs,
             batched: step.batched.as_ref(),
             kernel: step.kernel.as_ref(),
-            cuda,
-            cache,
+            cuda: self.device.is_cuda().then_some(&self.cuda_kernels),
+            cache: kv,
             layer: 0,
             cpu_kernels: self.cpu_kernels,
             matvec: true,
@@ -289,9 +335,6 @@ impl EagleHead {
         let mut x = self.layer.forward(&x, &ctx)?;
         if let Some(rows) = &step.out_rows {
             x = x.index_select(rows, 0)?;
-        }
-        for (seq, len) in step.commit {
-            cache.set_len(seq, len)?;
         }
         Ok(x)
     }

@@ -25,6 +25,8 @@ pub mod matvec;
 pub mod prefix_cache;
 mod rope;
 mod row_gemm;
+mod step;
+mod step_graph;
 pub mod unshard;
 mod weights;
 

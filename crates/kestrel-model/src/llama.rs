@@ -1,15 +1,14 @@
 //! The Llama decoder: embedding → decoder layers over the paged KV cache → final RMSNorm on
 //! the requested rows; `logits` applies the LM head.
 
-use crate::batched_attn::{BatchedStep, KernelAttn};
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{
-    causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, PagedSeq, RmsNorm,
-};
+use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
 use crate::rope::Rope;
+use crate::step::{plan_step, Step, StepSeq};
+use crate::step_graph::StepGraphs;
 use crate::unshard;
 use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
@@ -56,30 +55,6 @@ pub struct SeqInput<'a> {
     pub output_rows: OutputRows,
 }
 
-/// What the paged step needs to know of one sequence, whatever the model.
-pub(crate) struct StepSeq<'a> {
-    pub seq: SeqId,
-    pub n: usize,
-    pub positions: &'a [u32],
-    pub mask: Option<&'a [bool]>,
-    pub output_rows: &'a OutputRows,
-}
-
-/// A validated, cache-reserved step: per-sequence attention plans, RoPE tables, the
-/// concatenated output rows and the lengths to commit once the forward succeeded.
-pub(crate) struct Step {
-    pub seqs: Vec<PagedSeq>,
-    /// The batch as one attention call, when the portable path runs and it applies.
-    pub batched: Option<BatchedStep>,
-    /// The step through Kestrel's paged-attention CUDA kernel, when the plan picks it.
-    pub kernel: Option<KernelAttn>,
-    pub cos: Tensor,
-    pub sin: Tensor,
-    /// Rows of the concatenated tokens to return, or `None` for all of them in order.
-    pub out_rows: Option<Tensor>,
-    pub commit: Vec<(SeqId, usize)>,
-}
-
 pub(crate) fn check_cache(
     cache: &PagedKvCache,
     layers: usize,
@@ -105,163 +80,6 @@ pub(crate) fn check_cache(
     Ok(())
 }
 
-// The step's inputs plus how it will run (portable path, CUDA kernels, prompt or not).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn prepare_step(
-    inputs: &[StepSeq],
-    rope: &Rope,
-    cache: &mut PagedKvCache,
-    dtype: DType,
-    device: &Device,
-    portable: bool,
-    cuda: Option<&CudaKernels>,
-    prompt: bool,
-) -> Result<Step> {
-    if inputs.is_empty() {
-        return Err(invalid("empty batch"));
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    let mut positions = Vec::new();
-    for s in inputs {
-        if s.n == 0 {
-            return Err(invalid(format!("sequence {:?} brings no tokens", s.seq)));
-        }
-        if !seen.insert(s.seq) {
-            return Err(invalid(format!(
-                "sequence {:?} appears twice in one batch",
-                s.seq
-            )));
-        }
-        if s.positions.len() != s.n {
-            return Err(invalid(format!(
-                "sequence {:?}: {} positions for {} tokens",
-                s.seq,
-                s.positions.len(),
-                s.n
-            )));
-        }
-        if let Some(m) = s.mask {
-            if m.len() != s.n * s.n {
-                return Err(invalid(format!(
-                    "sequence {:?}: mask has {} entries, expected {}x{}",
-                    s.seq,
-                    m.len(),
-                    s.n,
-                    s.n
-                )));
-            }
-        }
-        positions.extend_from_slice(s.positions);
-    }
-    let requests: Vec<(SeqId, usize)> = inputs.iter().map(|s| (s.seq, s.n)).collect();
-    cache.reserve(&requests)?;
-    let single = inputs.iter().all(|s| s.n == 1);
-    let new_tokens: usize = inputs.iter().map(|s| s.n).sum();
-    let query_kv_pairs = new_tokens * cache.n_kv_heads();
-    let kernel_attn = cuda.is_some_and(|k| k.attention(prompt, single, query_kv_pairs));
-    // Per-sequence slot and mask tensors are for the candle path only.
-    let per_seq_tensors = !device.is_cpu() && !kernel_attn;
-
-    let mut seqs = Vec::with_capacity(inputs.len());
-    let mut out_rows = Vec::new();
-    let mut all_out = true;
-    let mut commit = Vec::with_capacity(inputs.len());
-    let mut offset = 0;
-    for s in inputs {
-        let past = cache.seq_len(s.seq)?;
-        let total = past + s.n;
-        let rows = s.output_rows.resolve(s.n)?;
-        if rows.len() != s.n || rows.iter().enumerate().any(|(i, &r)| i != r) {
-            all_out = false;
-        }
-        out_rows.extend(rows.iter().map(|&r| (offset + r) as u32));
-        let new_rows = cache.slot_rows(s.seq, past, s.n)?;
-        let all_rows = cache.slot_rows(s.seq, 0, total)?;
-        let all_rows_t = if !per_seq_tensors {
-            None
-        } else {
-            Some(Tensor::new(all_rows.as_slice(), device)?)
-        };
-        let mask = if s.n == 1 && s.mask.is_none_or(|m| m[0]) {
-            None
-        } else {
-            let mut m = vec![0f32; s.n * total];
-            for i in 0..s.n {
-                for j in 0..s.n {
-                    let allowed = match s.mask {
-                        Some(mask) => mask[i * s.n + j],
-                        None => j <= i,
-                    };
-                    if !allowed {
-                        m[i * total + past + j] = f32::MIN;
-                    }
-                }
-            }
-            Some(m)
-        };
-        let mask_t = match &mask {
-            Some(m) if per_seq_tensors => Some(Tensor::from_slice(m, (s.n, total), device)?),
-            _ => None,
-        };
-        seqs.push(PagedSeq {
-            offset,
-            n: s.n,
-            new_rows,
-            all_rows,
-            all_rows_t,
-            mask,
-            mask_t,
-        });
-        commit.push((s.seq, total));
-        offset += s.n;
-    }
-    let kv_append = cuda.is_some_and(|k| k.kv_append);
-    let kernel = if kernel_attn {
-        let attn: Vec<kestrel_kernels::AttnSeq> = seqs
-            .iter()
-            .zip(inputs)
-            .map(|(p, s)| kestrel_kernels::AttnSeq {
-                slots: &p.all_rows,
-                n_new: p.n,
-                mask: s.mask,
-            })
-            .collect();
-        Some(KernelAttn {
-            meta: kestrel_kernels::PagedAttnMeta::new(&attn, device)?,
-            kv_append,
-        })
-    } else {
-        None
-    };
-    let batched = if portable && kernel.is_none() {
-        BatchedStep::new(
-            &seqs,
-            cache.n_kv_heads(),
-            cache.head_dim(),
-            device,
-            kv_append,
-        )?
-    } else {
-        None
-    };
-    let (cos, sin) = rope.cos_sin(&positions, dtype, device)?;
-    let out_rows = if all_out {
-        None
-    } else {
-        let n = out_rows.len();
-        Some(Tensor::from_vec(out_rows, n, device)?)
-    };
-    Ok(Step {
-        seqs,
-        batched,
-        kernel,
-        cos,
-        sin,
-        out_rows,
-        commit,
-    })
-}
-
 /// A Llama-family decoder.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -275,6 +93,7 @@ pub struct Llama {
     device: Device,
     cpu_kernels: bool,
     cuda_kernels: CudaKernels,
+    graphs: StepGraphs,
 }
 
 pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
@@ -460,6 +279,7 @@ impl Llama {
             device,
             cpu_kernels: true,
             cuda_kernels: CudaKernels::default(),
+            graphs: StepGraphs::default(),
         };
         // Packing copies the weights into one buffer: trainable variables must stay where
         // the optimiser updates them.
@@ -508,6 +328,24 @@ impl Llama {
     pub fn cuda_kernels(&self) -> CudaKernels {
         self.cuda_kernels
     }
+
+    /// Whether decode and tree steps on CUDA replay captured CUDA graphs (off by default).
+    /// Only steps whose attention and K/V writes take Kestrel's kernels are captured, and
+    /// only while the weights stay where they are: never turn this on for a model being
+    /// trained. Ignored off CUDA.
+    pub fn set_cuda_graphs(&mut self, enabled: bool) {
+        self.graphs.set_enabled(enabled && self.device.is_cuda());
+    }
+
+    /// Why CUDA graphs were turned off after a failed capture, if they were.
+    pub fn cuda_graph_failure(&self) -> Option<String> {
+        self.graphs.failure()
+    }
+
+    /// How many step graphs are captured now (one per step layout in use).
+    pub fn cuda_graph_count(&self) -> usize {
+        self.graphs.count()
+    }
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -532,20 +370,14 @@ impl Llama {
         )
     }
 
-    /// Embeds token ids `[n]` → `[n, hidden]`, checking them against the vocabulary.
-    pub(crate) fn embed_ids(
-        embed: &Tensor,
-        tokens: &[u32],
-        vocab: usize,
-        device: &Device,
-    ) -> Result<Tensor> {
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid(format!(
+    /// Token ids must be inside the vocabulary (a bad id would read past the embedding).
+    pub(crate) fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(invalid(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
-            )));
+            ))),
+            None => Ok(()),
         }
-        let ids = Tensor::from_slice(tokens, tokens.len(), device)?;
-        Ok(embed.index_select(&ids, 0)?)
     }
 
     /// Runs one step over the batch; returns the final-normed hidden states of the
@@ -617,18 +449,42 @@ impl Llama {
             .collect();
         let portable = !(self.cpu_kernels && self.device.is_cpu());
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
-        let step = prepare_step(
-            &steps,
-            &self.rope,
-            cache,
-            self.dtype,
-            &self.device,
-            portable,
-            cuda,
-            !matvec,
-        )?;
-        let mut x = Self::embed_ids(&self.embed, &tokens, self.cfg.vocab_size, &self.device)?;
+        let mut plan = plan_step(&steps, cache, &self.device, portable, cuda, !matvec)?;
+        Self::check_tokens(&tokens, self.cfg.vocab_size)?;
+        let commit = std::mem::take(&mut plan.commit);
         let kv: &PagedKvCache = cache;
+        let out = if matvec && plan.graphable() && self.graphs.active() {
+            let inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            let cache_id = kv.pools(0).0.id();
+            self.graphs.run(
+                cache_id,
+                &inputs,
+                None,
+                self.dtype,
+                &self.device,
+                |ids, step, _| self.run_layers(ids, step, kv, matvec),
+            )?
+        } else {
+            let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
+            let ids = Tensor::from_slice(&tokens, tokens.len(), &self.device)?;
+            self.run_layers(&ids, &step, kv, matvec)?
+        };
+        for (seq, len) in commit {
+            cache.set_len(seq, len)?;
+        }
+        Ok(out)
+    }
+
+    /// The device work of a step: embedding, the layers, the requested rows, the final norm.
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        step: &Step,
+        kv: &PagedKvCache,
+        matvec: bool,
+    ) -> Result<Tensor> {
+        let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
+        let mut x = self.embed.index_select(ids, 0)?;
         let ctx = |l: usize| AttnCtx::Paged {
             cos: &step.cos,
             sin: &step.sin,
@@ -660,11 +516,7 @@ impl Llama {
         if let Some(rows) = &step.out_rows {
             x = x.index_select(rows, 0)?;
         }
-        let out = self.norm.forward(&x, false)?;
-        for (seq, len) in step.commit {
-            cache.set_len(seq, len)?;
-        }
-        Ok(out)
+        self.norm.forward(&x, false)
     }
 
     /// Training forward without a cache: `tokens: [B, T]` (u32, each row a sequence from

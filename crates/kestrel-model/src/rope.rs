@@ -66,6 +66,15 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        let shape = (positions.len(), self.inv_freq.len());
+        let (cos, sin) = self.cos_sin_host(positions);
+        let cos = Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
+        Ok((cos, sin))
+    }
+
+    /// The f32 values of [`Rope::cos_sin`], row-major `[positions, head_dim / 2]`.
+    pub fn cos_sin_host(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
@@ -77,10 +86,7 @@ impl Rope {
                 sin.push(x.sin());
             }
         }
-        let shape = (positions.len(), half);
-        let cos = Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
-        Ok((cos, sin))
+        (cos, sin)
     }
 }
 

@@ -234,3 +234,155 @@ fn bf16_kernels_stay_close_to_bf16_candle_ops_on_cuda() {
         assert!(d < 0.15, "bf16 kernels vs candle ops: {d}");
     }
 }
+
+/// The graphed model's outputs must be the eager model's, bit for bit: a replay runs the same
+/// kernels on the same inputs.
+fn assert_same_bits(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: row counts differ");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let gb: Vec<u32> = g.iter().map(|v| v.to_bits()).collect();
+        let wb: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
+        assert!(gb == wb, "{what}: row {i} differs from the eager step");
+    }
+}
+
+fn graphed_and_eager(cfg: &ModelConfig, dtype: DType) -> (Llama, Llama) {
+    let dev = gpu();
+    let mut graphed = Llama::random(cfg, SEED, dtype, &dev).unwrap();
+    graphed.set_cuda_graphs(true);
+    let eager = Llama::random(cfg, SEED, dtype, &dev).unwrap();
+    (graphed, eager)
+}
+
+#[test]
+fn cuda_graph_decode_steps_equal_eager_steps() {
+    for (name, cfg) in all_cfgs() {
+        for dtype in [DType::F32, DType::BF16] {
+            let (graphed, eager) = graphed_and_eager(&cfg, dtype);
+            let (want, want_h) = greedy(&eager, &prompts(), 12);
+            let (got, got_h) = greedy(&graphed, &prompts(), 12);
+            let what = format!("{name} {dtype:?}");
+            assert_eq!(graphed.cuda_graph_failure(), None, "{what}");
+            // One layout (3 sequences × 1 token, one slot bucket): captured once, replayed
+            // by the 11 steps after.
+            assert_eq!(graphed.cuda_graph_count(), 1, "{what}");
+            assert_eq!(eager.cuda_graph_count(), 0, "{what}");
+            assert_eq!(got, want, "{what}: greedy tokens differ");
+            assert_same_bits(&got_h, &want_h, &what);
+        }
+    }
+}
+
+/// `reps` verification steps of the same tree shape on one cache, each rolled back after it
+/// (a rejected tree): the first is captured, the others replay its graph. Returns every
+/// step's hidden states.
+fn repeated_tree_steps(m: &Llama, reps: usize) -> Vec<Vec<Vec<f32>>> {
+    let mut cache: PagedKvCache = m.new_cache(64, 4).unwrap();
+    let prompts = prompts();
+    let seqs: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let pos: Vec<u32> = (0..p.len() as u32).collect();
+        let input = SeqInput {
+            seq: seqs[i],
+            tokens: p,
+            positions: &pos,
+            mask: None,
+            output_rows: OutputRows::Last,
+        };
+        m.forward_prompt(&[input], &mut cache).unwrap();
+    }
+    // Root 0; 1 and 2 under 0; 3 under 1. Output rows 1 and 3 only (an EAGLE-2 selection).
+    let mask = [
+        true, false, false, false, //
+        true, true, false, false, //
+        true, false, true, false, //
+        true, true, false, true,
+    ];
+    let mut out = Vec::new();
+    for rep in 0..reps {
+        let tokens: Vec<Vec<u32>> = (0..seqs.len())
+            .map(|i| {
+                (0..4)
+                    .map(|k| (k * 7 + i as u32 * 3 + rep as u32) % 61)
+                    .collect()
+            })
+            .collect();
+        let pos: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| [0u32, 1, 1, 2].iter().map(|d| p.len() as u32 + d).collect())
+            .collect();
+        let batch: Vec<SeqInput> = (0..seqs.len())
+            .map(|i| SeqInput {
+                seq: seqs[i],
+                tokens: &tokens[i],
+                positions: &pos[i],
+                mask: Some(&mask),
+                output_rows: OutputRows::Rows(vec![1, 3]),
+            })
+            .collect();
+        out.push(rows(&m.forward(&batch, &mut cache).unwrap()));
+        for (s, p) in seqs.iter().zip(&prompts) {
+            cache.truncate(*s, p.len()).unwrap();
+        }
+    }
+    out
+}
+
+#[test]
+fn cuda_graph_tree_steps_equal_eager_steps() {
+    for (name, cfg) in all_cfgs() {
+        let (graphed, eager) = graphed_and_eager(&cfg, DType::F32);
+        let got = repeated_tree_steps(&graphed, 3);
+        let want = repeated_tree_steps(&eager, 3);
+        assert_eq!(graphed.cuda_graph_failure(), None, "{name}");
+        assert_eq!(graphed.cuda_graph_count(), 1, "{name}");
+        for (rep, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_same_bits(g, w, &format!("{name}, tree step {rep}"));
+        }
+    }
+}
+
+#[test]
+fn cuda_graph_head_steps_equal_eager_steps() {
+    use kestrel_model::{EagleHead, EagleSeqInput};
+    let cfg = tiny_cfg(6, 2, true, true);
+    let hc = head_cfg(&cfg);
+    let dev = gpu();
+    let base = Llama::random(&cfg, SEED, DType::F32, &dev).unwrap();
+    let head = |graphs: bool| {
+        let t = random_head_tensors(&hc, 8, false);
+        let mut h = EagleHead::from_tensors(&hc, t, &base, DType::F32, &dev).unwrap();
+        h.set_cuda_graphs(graphs);
+        h
+    };
+    let run = |h: &EagleHead| -> Vec<Vec<Vec<f32>>> {
+        let mut cache = h.new_cache(64, 4).unwrap();
+        let seq = cache.add_sequence();
+        let mut out = Vec::new();
+        for step in 0..6u32 {
+            let feats =
+                candle_core::Tensor::ones((1, cfg.hidden_size), candle_core::DType::F32, &dev)
+                    .unwrap()
+                    .affine(0.1 * step as f64 - 0.2, 0.0)
+                    .unwrap();
+            let input = EagleSeqInput {
+                seq,
+                tokens: &[(step * 11 + 3) % 61],
+                features: feats,
+                positions: &[step],
+                mask: None,
+                output_rows: OutputRows::All,
+            };
+            out.push(rows(&h.forward(&base, &[input], &mut cache).unwrap()));
+        }
+        out
+    };
+    let graphed = head(true);
+    let got = run(&graphed);
+    let want = run(&head(false));
+    assert_eq!(graphed.cuda_graph_failure(), None);
+    assert_eq!(graphed.cuda_graph_count(), 1);
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same_bits(g, w, &format!("head step {step}"));
+    }
+}

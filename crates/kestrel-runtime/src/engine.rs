@@ -57,27 +57,46 @@ impl Engine {
             }
             _ => None,
         };
-        Ok(Engine {
+        let mut engine = Engine {
             dir: dir.to_path_buf(),
             plan,
             config,
             model,
             eagle,
             device: device.clone(),
-        })
+        };
+        engine.set_cuda_graphs(true);
+        Ok(engine)
+    }
+
+    /// Whether decode and tree steps replay CUDA graphs (on by default for a loaded engine;
+    /// see [`Llama::set_cuda_graphs`]). Ignored off CUDA.
+    pub fn set_cuda_graphs(&mut self, enabled: bool) {
+        self.model.set_cuda_graphs(enabled);
+        if let Some(head) = &mut self.eagle {
+            head.set_cuda_graphs(enabled);
+        }
+    }
+
+    /// Why CUDA graphs were turned off after a failed capture (model or head), if they were.
+    pub fn cuda_graph_failure(&self) -> Option<String> {
+        self.model
+            .cuda_graph_failure()
+            .or_else(|| self.eagle.as_ref().and_then(|h| h.cuda_graph_failure()))
     }
 
     /// An engine over a model already in memory (benchmarks over random weights of a real
     /// model's shape, which would be tens of GB on disk). `plan` supplies the limits and must
     /// describe `model`'s configuration; `label` stands in for the directory in messages.
     /// Such an engine has no tokenizer and no draft head: it decodes token ids, plainly.
-    pub fn from_model(label: &str, plan: EnginePlan, model: Llama) -> Result<Self> {
+    pub fn from_model(label: &str, plan: EnginePlan, mut model: Llama) -> Result<Self> {
         let config = plan.model_config()?;
         if &config != model.config() {
             return Err(RuntimeError::Engine(format!(
                 "{label}: the plan's model configuration does not match the model's"
             )));
         }
+        model.set_cuda_graphs(true);
         Ok(Engine {
             dir: PathBuf::from(label),
             plan,

@@ -1,0 +1,158 @@
+//! CUDA graphs of a model's steps: one captured graph per step layout ([`GraphLayout`]: the
+//! batch's shape, not its values), replayed with new inputs uploaded in place.
+//!
+//! The first step of a layout runs eagerly, which also fills candle's cache of the small
+//! constant uploads its ops make; the same computation is then captured, writing its result
+//! into a buffer the graph owns. Later steps of that layout upload their packed inputs (two
+//! copies), launch the graph and copy the result out, so the caller may keep it across steps.
+//! A graph writes the KV pools it was captured with, so the graphs are dropped whenever the
+//! model is run over another cache. A failed capture turns graphs off for the model (its step
+//! still returns the eager result), and the reason is kept for reporting.
+
+use crate::error::Result;
+use crate::step::{GraphInputs, GraphLayout, Step};
+use candle_core::{DType, Device, Tensor, TensorId};
+use kestrel_kernels::StepGraph;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Graphs kept per model: more layouts than this (EAGLE-2 trees of many sizes, long contexts)
+/// start the collection over.
+const MAX_GRAPHS: usize = 64;
+
+struct Captured {
+    graph: StepGraph,
+    u32s: Tensor,
+    f32s: Tensor,
+    /// The buffer a device-side input is copied into before each replay.
+    input: Option<Tensor>,
+    out: Tensor,
+}
+
+#[derive(Default)]
+struct Graphs {
+    enabled: bool,
+    /// Why capturing failed, which turned graphs off.
+    failure: Option<String>,
+    /// The KV cache the graphs write (its first K pool).
+    cache: Option<TensorId>,
+    entries: HashMap<GraphLayout, Captured>,
+}
+
+/// A model's step graphs. Cloning a model gives the clone none of them (they write the
+/// original's buffers).
+#[derive(Default)]
+pub(crate) struct StepGraphs(Mutex<Graphs>);
+
+impl Clone for StepGraphs {
+    fn clone(&self) -> Self {
+        let enabled = self.lock().enabled;
+        let graphs = StepGraphs::default();
+        graphs.set_enabled(enabled);
+        graphs
+    }
+}
+
+impl std::fmt::Debug for StepGraphs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = self.lock();
+        write!(f, "StepGraphs({} captured)", g.entries.len())
+    }
+}
+
+impl StepGraphs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Graphs> {
+        // A panic while holding the lock leaves at worst a missing graph: keep going.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_enabled(&self, enabled: bool) {
+        let mut g = self.lock();
+        g.enabled = enabled;
+        if !enabled {
+            g.entries.clear();
+        }
+    }
+
+    /// On, and no capture has failed.
+    pub fn active(&self) -> bool {
+        let g = self.lock();
+        g.enabled && g.failure.is_none()
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failure.clone()
+    }
+
+    /// Captured graphs held now.
+    pub fn count(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    /// `compute(ids, step, input)` over `inputs` and an optional device tensor `input` (its
+    /// shape fixed by the layout), through the graph of their layout when there is one;
+    /// `cache`: the KV cache's identity.
+    pub fn run(
+        &self,
+        cache: TensorId,
+        inputs: &GraphInputs,
+        input: Option<&Tensor>,
+        dtype: DType,
+        device: &Device,
+        compute: impl Fn(&Tensor, &Step, Option<&Tensor>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let mut g = self.lock();
+        if g.cache != Some(cache) {
+            g.entries.clear();
+            g.cache = Some(cache);
+        }
+        if let Some(c) = g.entries.get_mut(&inputs.layout) {
+            kestrel_kernels::upload_into(&c.u32s, 0, &inputs.u32s)?;
+            kestrel_kernels::upload_into(&c.f32s, 0, &inputs.f32s)?;
+            if let (Some(buf), Some(x)) = (&c.input, input) {
+                buf.slice_set(&x.contiguous()?, 0, 0)?;
+            }
+            c.graph.launch()?;
+            return Ok(c.out.copy()?);
+        }
+        if g.entries.len() >= MAX_GRAPHS {
+            g.entries.clear();
+        }
+        let layout = inputs.layout;
+        let u32s = Tensor::from_slice(&inputs.u32s, inputs.u32s.len(), device)?;
+        let f32s = Tensor::from_slice(&inputs.f32s, inputs.f32s.len(), device)?;
+        let input = match input {
+            Some(x) => Some(x.copy()?),
+            None => None,
+        };
+        let run = || -> Result<Tensor> {
+            let (ids, step) = layout.step(&u32s, &f32s, dtype)?;
+            compute(&ids, &step, input.as_ref())
+        };
+        let out = kestrel_kernels::with_upload_cache(device, run)??;
+        let kept = out.zeros_like()?;
+        let captured = kestrel_kernels::capture(device, || {
+            kept.slice_set(&run()?, 0, 0)?;
+            Ok::<(), crate::error::ModelError>(())
+        });
+        match captured {
+            Ok((graph, ())) => {
+                g.entries.insert(
+                    layout,
+                    Captured {
+                        graph,
+                        u32s,
+                        f32s,
+                        input,
+                        out: kept,
+                    },
+                );
+            }
+            Err(e) => {
+                g.entries.clear();
+                g.failure = Some(e.to_string());
+            }
+        }
+        Ok(out)
+    }
+}
