@@ -49,16 +49,21 @@ real)
   for g in graphs eager; do
     flag=""; [ $g = eager ] && flag=--no_cuda_graphs
     mkdir -p /tmp/runs_$g
-    for m in plain eagle2; do
-      args=--no_speculation; [ $m = eagle2 ] && args="--eagle_use_dynamic_tree --eagle_dynamic_tree_max_top_k 10"
+    for m in plain eagle1 eagle2; do
+      case $m in
+        plain) args=--no_speculation ;;
+        eagle1) args="" ;;
+        eagle2) args="--eagle_use_dynamic_tree --eagle_dynamic_tree_max_top_k 10" ;;
+      esac
+      echo "-- spec-run $m, $g (batches of up to 4)"
       $B/spec-run --engine_dir /tmp/eng_e --device cuda:0 --chat --input_file $P --max_output_len 128 \
-        $args $flag --output_json /tmp/runs_$g/$m.json >/dev/null
+        $args $flag --run_profiling --output_json /tmp/runs_$g/$m.json | grep profile || true
     done
   done
   python3 - <<'PY'
 import json
 ids = lambda p: [o["output_ids"] for o in json.load(open(p))["outputs"]]
-for m in ["plain", "eagle2"]:
+for m in ["plain", "eagle1", "eagle2"]:
     a, b = f"/tmp/runs_graphs/{m}.json", f"/tmp/runs_eager/{m}.json"
     ta, tb = json.load(open(a))["tokens_per_s"], json.load(open(b))["tokens_per_s"]
     print(f"spec-run {m}: graphs {ta:.1f} tok/s, eager {tb:.1f} tok/s, same ids: {ids(a) == ids(b)}, "

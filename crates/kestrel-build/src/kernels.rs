@@ -108,7 +108,7 @@ pub fn choose_kernels(
                 choice("kv_append", &format!("kestrel_kv_append_{dt}")),
                 choice("rmsnorm", &format!("kestrel_add_rmsnorm_{dt}")),
                 choice("swiglu", &format!("kestrel_swiglu_{dt}")),
-                choice("rope", "candle-cuda"),
+                choice("rope", &format!("kestrel_qkv_rope_{dt}")),
                 choice("sampling", "kestrel-host"),
             ])
         }
@@ -146,6 +146,7 @@ mod tests {
         assert_eq!(get("kv_append"), "kestrel_kv_append_bf16");
         assert_eq!(get("rmsnorm"), "kestrel_add_rmsnorm_bf16");
         assert_eq!(get("swiglu"), "kestrel_swiglu_bf16");
+        assert_eq!(get("rope"), "kestrel_qkv_rope_bf16");
     }
 
     #[test]

@@ -396,3 +396,140 @@ impl CustomOp1 for ArgMax {
         Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
     }
 }
+
+/// `kestrel_topk_logp_f32`: `[rows, 2k]` u32, ids then log-probability bits.
+pub(crate) struct TopKLogp {
+    pub k: usize,
+}
+
+impl CustomOp1 for TopKLogp {
+    fn name(&self) -> &'static str {
+        "kestrel-topk-logp"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel top-k runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let sv = view::<f32>(s, l, "logits")?;
+        // SAFETY: one block per row writes its 2k entries.
+        let out = unsafe { dev.alloc::<u32>(rows * 2 * self.k)? };
+        if rows > 0 {
+            let func = dev.get_or_load_custom_func("kestrel_topk_logp_f32", MODULE, PTX)?;
+            let (v_a, k_a) = (i32_arg(vocab, "vocabulary")?, i32_arg(self.k, "k")?);
+            let mut b = func.builder();
+            b.arg(&sv);
+            b.arg(&out);
+            b.arg(&v_a);
+            b.arg(&k_a);
+            // SAFETY: argument types match kestrel_topk_logp_f32.
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((rows, 2 * self.k)),
+        ))
+    }
+}
+
+/// `kestrel_qkv_rope_*`: the fused projection's split, RoPE and K/V append (see kernels.cu).
+pub(crate) struct QkvRope {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub slots: Tensor,
+    pub k_pool: Tensor,
+    pub v_pool: Tensor,
+    pub nh: usize,
+    pub nkv: usize,
+}
+
+/// `t`'s CUDA storage, for an op that reads (or, for the KV pools, writes) more tensors than
+/// candle's custom ops pass in.
+macro_rules! cuda_storage {
+    ($guard:ident, $layout:ident = $t:expr, $what:expr) => {
+        let ($guard, $layout) = $t.storage_and_layout();
+        let Storage::Cuda($guard) = &*$guard else {
+            bail!("{} is not on the CUDA device", $what)
+        };
+    };
+}
+
+impl QkvRope {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        qkv: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = qkv.0.device().clone();
+        let (n_tok, width) = qkv.1.shape().dims2()?;
+        let d = width / (self.nh + 2 * self.nkv);
+        cuda_storage!(cs, cl = self.cos, "RoPE cos");
+        cuda_storage!(ss, sl = self.sin, "RoPE sin");
+        cuda_storage!(ids, idl = self.slots, "slot ids");
+        cuda_storage!(ks, kl = self.k_pool, "K pool");
+        cuda_storage!(vs, vl = self.v_pool, "V pool");
+        let qv = view::<T>(qkv.0, qkv.1, "fused qkv")?;
+        let cv = view::<T>(cs, cl, "RoPE cos")?;
+        let sv = view::<T>(ss, sl, "RoPE sin")?;
+        let idv = view::<u32>(ids, idl, "slot ids")?;
+        let kv = view::<T>(ks, kl, "K pool")?;
+        let vv = view::<T>(vs, vl, "V pool")?;
+        // SAFETY: the kernel writes every element of every q head.
+        let out = unsafe { dev.alloc::<T>(n_tok * self.nh * d)? };
+        if n_tok > 0 {
+            let func =
+                dev.get_or_load_custom_func(&format!("kestrel_qkv_rope_{sfx}"), MODULE, PTX)?;
+            let (nh, nkv, d_a) = (
+                i32_arg(self.nh, "heads")?,
+                i32_arg(self.nkv, "KV heads")?,
+                i32_arg(d, "head_dim")?,
+            );
+            let mut b = func.builder();
+            b.arg(&qv);
+            b.arg(&cv);
+            b.arg(&sv);
+            b.arg(&idv);
+            b.arg(&out);
+            b.arg(&kv);
+            b.arg(&vv);
+            b.arg(&nh);
+            b.arg(&nkv);
+            b.arg(&d_a);
+            let cfg = launch_cfg(
+                (n_tok as u32, (self.nh + 2 * self.nkv) as u32),
+                threads_for(d / 2).min(128),
+            );
+            // SAFETY: argument types match kestrel_qkv_rope_*; the kernel writes the pools
+            // (through views of read guards: nothing on the host reads them meanwhile, and
+            // the stream orders it with every other use) only at the given slots.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl CustomOp1 for QkvRope {
+    fn name(&self) -> &'static str {
+        "kestrel-qkv-rope"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel qkv rope runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (n_tok, width) = l.shape().dims2()?;
+        let d = width / (self.nh + 2 * self.nkv);
+        let sfx = suffix(s.dtype())?;
+        let out = match s.dtype() {
+            DType::F32 => self.run::<f32>((s, l), sfx)?,
+            DType::F16 => self.run::<f16>((s, l), sfx)?,
+            DType::BF16 => self.run::<bf16>((s, l), sfx)?,
+            other => bail!("qkv rope does not support {other:?}"),
+        };
+        Ok((out, Shape::from((n_tok, self.nh, d))))
+    }
+}

@@ -248,58 +248,148 @@ __device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, const size
 }
 
 // ---------------------------------------------------------------------------------------
-// Row argmax of f32 logits [n_rows, v] → u32 [n_rows]; ties go to the lowest index, NaNs are
-// skipped.
-// One block per row.
+// Split + RoPE + KV append of a fused QKV projection, replacing five launches (two copies of
+// strided parts, two RoPEs, the V copy) and the two appends.
+// qkv: [n_tok, (nh + 2·nkv)·d] (q heads, then k, then v); cos, sin: [n_tok, d/2] in T;
+// slots: [n_tok] pool rows. Writes q_out [n_tok, nh, d] (roped), and the roped K and the V
+// rows of every token into the pools at its slot. The rotation is candle's rope_thd written
+// the same way in T (x1·c − x2·s, x1·s + x2·c), so results match the ops it replaces.
+// Grid (n_tok, nh + 2·nkv), one thread per pair of elements.
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
-                                              unsigned int *__restrict__ out, const int v) {
-    __shared__ float bv[32];
-    __shared__ unsigned int bi[32];
-    const int row = blockIdx.x;
-    const float *xr = x + (size_t)row * v;
-    float best = -INFINITY;
-    unsigned int idx = 0xffffffffu;
-    for (int e = threadIdx.x; e < v; e += blockDim.x) {
-        const float val = xr[e];
-        // NaN is never chosen (the host rule, kestrel_spec::sampling::argmax); otherwise the
-        // first element seen, then strictly greater ones.
-        if (!isnan(val) && (val > best || idx == 0xffffffffu)) {
-            best = val;
-            idx = e;
+template <typename T>
+__device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
+                         const T *__restrict__ sin, const unsigned int *__restrict__ slots,
+                         T *__restrict__ q_out, T *__restrict__ k_pool, T *__restrict__ v_pool,
+                         const int nh, const int nkv, const int d) {
+    const int t = blockIdx.x, hh = blockIdx.y, half = d / 2;
+    const T *src = qkv + ((size_t)t * (nh + 2 * nkv) + hh) * d;
+    const size_t slot = slots[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        if (hh >= nh + nkv) {
+            T *dst = v_pool + (slot * nkv + (hh - nh - nkv)) * d;
+            dst[i] = src[i];
+            dst[i + half] = src[i + half];
+            continue;
         }
+        T *dst = hh < nh ? q_out + ((size_t)t * nh + hh) * d : k_pool + (slot * nkv + (hh - nh)) * d;
+        const T c = cos[(size_t)t * half + i];
+        const T s = sin[(size_t)t * half + i];
+        dst[i] = src[i] * c - src[i + half] * s;
+        dst[i + half] = src[i] * s + src[i + half] * c;
     }
-    // Warp then block reduction of (value, index), lower index on equal values.
+}
+
+// ---------------------------------------------------------------------------------------
+// Row argmax and row top-k of f32 logits. The order is the host's (kestrel_spec::sampling::
+// argmax, kestrel-runtime's top_k): larger value first, lower index on equal values; NaNs
+// are never chosen. One block per row.
+// ---------------------------------------------------------------------------------------
+#define NO_INDEX 0xffffffffu
+
+// (value, index) pair `a` beats `b` in that order; NO_INDEX (nothing seen) loses.
+__device__ __forceinline__ bool beats(float av, unsigned int ai, float bv, unsigned int bi) {
+    return ai != NO_INDEX && (bi == NO_INDEX || av > bv || (av == bv && ai < bi));
+}
+
+// The best (value, index) of the block; every thread gets it. `sv`, `si`: 32 entries of
+// shared memory each.
+__device__ __forceinline__ void block_best(float &best, unsigned int &idx, float *sv,
+                                           unsigned int *si) {
 #pragma unroll
     for (int o = WARP / 2; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(FULL_MASK, best, o);
         const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
-        if (oi != 0xffffffffu && (idx == 0xffffffffu || ov > best || (ov == best && oi < idx))) {
+        if (beats(ov, oi, best, idx)) {
             best = ov;
             idx = oi;
         }
     }
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    __syncthreads(); // `sv`/`si` may still be read by a previous call
     if (lane == 0) {
-        bv[warp] = best;
-        bi[warp] = idx;
+        sv[warp] = best;
+        si[warp] = idx;
     }
     __syncthreads();
-    if (warp == 0) {
-        const int nwarps = blockDim.x / WARP;
-        best = lane < nwarps ? bv[lane] : -INFINITY;
-        idx = lane < nwarps ? bi[lane] : 0xffffffffu;
+    const int nwarps = blockDim.x / WARP;
+    best = lane < nwarps ? sv[lane] : -INFINITY;
+    idx = lane < nwarps ? si[lane] : NO_INDEX;
 #pragma unroll
-        for (int o = WARP / 2; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-            const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
-            if (oi != 0xffffffffu &&
-                (idx == 0xffffffffu || ov > best || (ov == best && oi < idx))) {
-                best = ov;
-                idx = oi;
-            }
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+        const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
+        if (beats(ov, oi, best, idx)) {
+            best = ov;
+            idx = oi;
         }
-        if (lane == 0) out[row] = idx == 0xffffffffu ? 0u : idx; // a row of NaNs → 0, as on the host
+    }
+}
+
+// The best element of row `xr` that comes after (prev_v, prev_i) in the order (all of them
+// when prev_i is NO_INDEX).
+__device__ __forceinline__ void best_after(const float *__restrict__ xr, const int v,
+                                           const float prev_v, const unsigned int prev_i,
+                                           float *sv, unsigned int *si, float &best,
+                                           unsigned int &idx) {
+    best = -INFINITY;
+    idx = NO_INDEX;
+    for (int e = threadIdx.x; e < v; e += blockDim.x) {
+        const float val = xr[e];
+        const bool after = prev_i == NO_INDEX || val < prev_v || (val == prev_v && e > prev_i);
+        if (!isnan(val) && after && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
+        }
+    }
+    block_best(best, idx, sv, si);
+}
+
+extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
+                                              unsigned int *__restrict__ out, const int v) {
+    __shared__ float sv[32];
+    __shared__ unsigned int si[32];
+    float best;
+    unsigned int idx;
+    best_after(x + (size_t)blockIdx.x * v, v, 0.f, NO_INDEX, sv, si, best, idx);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx == NO_INDEX ? 0u : idx; // all NaN → 0, as on the host
+}
+
+// The k best tokens of every row with their log-probabilities under softmax(row): out is
+// [rows, 2k] u32, the ids then the log-probabilities' f32 bits (one copy to the host).
+// log p = x − (max + log Σ exp(x − max)), capped at 0, NaNs left out of the sum.
+extern "C" __global__ void kestrel_topk_logp_f32(const float *__restrict__ x,
+                                                 unsigned int *__restrict__ out, const int v,
+                                                 const int k) {
+    __shared__ float sv[32];
+    __shared__ unsigned int si[32];
+    __shared__ float red[32];
+    const float *xr = x + (size_t)blockIdx.x * v;
+    unsigned int *orow = out + (size_t)blockIdx.x * 2 * k;
+    float best;
+    unsigned int idx;
+    best_after(xr, v, 0.f, NO_INDEX, sv, si, best, idx);
+    const float max = idx == NO_INDEX ? 0.f : best;
+    float se = 0.f;
+    for (int e = threadIdx.x; e < v; e += blockDim.x) {
+        const float val = xr[e];
+        if (!isnan(val)) se += expf(val - max);
+    }
+    const float lse = max + logf(block_sum(se, red));
+    for (int r = 0; r < k; ++r) {
+        if (r > 0) best_after(xr, v, best, idx, sv, si, best, idx);
+        if (threadIdx.x == 0) {
+            // Fewer than k choosable entries: the rest are token 0 at probability 0.
+            orow[r] = idx == NO_INDEX ? 0u : idx;
+            orow[k + r] = __float_as_uint(idx == NO_INDEX ? -INFINITY : fminf(best - lse, 0.f));
+        }
+        if (idx == NO_INDEX) {
+            // Uniform across the block (every thread holds the block's result).
+            for (int q = r + 1 + threadIdx.x; q < k; q += blockDim.x) {
+                orow[q] = 0u;
+                orow[k + q] = __float_as_uint(-INFINITY);
+            }
+            break;
+        }
     }
 }
 
@@ -320,6 +410,11 @@ extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
                                                             const int n_rows, const int h,      \
                                                             const float eps) {                  \
         add_rmsnorm<T>(x, res, w, out, n_rows, h, eps);                                         \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_qkv_rope_##SUFFIX(                                       \
+        const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \
+        T *k_pool, T *v_pool, const int nh, const int nkv, const int d) {                       \
+        qkv_rope<T>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d);                   \
     }                                                                                           \
     extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
                                                        const int inter) {                       \

@@ -5,7 +5,10 @@
 //! - [`kv_append`]: writes a step's new K or V rows into a pool at u32 slot ids.
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
 //! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
+//! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
+//!   written into the pools, in one launch.
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
+//! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
 //!
@@ -27,6 +30,7 @@ pub mod names {
     pub const KV_APPEND: &str = "kestrel_kv_append";
     pub const ADD_RMSNORM: &str = "kestrel_add_rmsnorm";
     pub const SWIGLU: &str = "kestrel_swiglu";
+    pub const QKV_ROPE: &str = "kestrel_qkv_rope";
     pub const ARGMAX: &str = "kestrel_argmax";
 
     /// `"kestrel_paged_attention_bf16"` etc.: the suffix the kernels use for a dtype.
@@ -312,6 +316,89 @@ pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
     }
     #[cfg(not(feature = "cuda"))]
     no_cuda("swiglu")
+}
+
+/// The `k` best entries of every row of f32 `logits: [rows, vocab]` (larger first, lower
+/// index on equal values, NaN never chosen) with their log-probabilities under the row's
+/// softmax, as u32 `[rows, 2k]`: the ids, then the log-probabilities' f32 bits. A row with
+/// fewer than `k` choosable entries ends with id 0 at log-probability `-inf`.
+pub fn top_k_logp(logits: &Tensor, k: usize) -> Result<Tensor> {
+    let (_, vocab) = logits.dims2()?;
+    if logits.dtype() != DType::F32 || k == 0 || k > vocab {
+        candle_core::bail!(
+            "top_k_logp: f32 logits and 1 ≤ k ≤ {vocab} expected, got {:?} and k = {k}",
+            logits.dtype()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        logits.contiguous()?.apply_op1_no_bwd(&cuda::TopKLogp { k })
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("top_k_logp")
+}
+
+/// The fused projection `qkv: [n_tok, (nh + 2·nkv)·d]` (q heads, k heads, v heads) split:
+/// RoPE (`cos`, `sin: [n_tok, d/2]`, non-interleaved halves, like candle's `rope_thd`) on q
+/// and k, k and v written into `k_pool`, `v_pool: [slots, nkv, d]` at `slots: [n_tok]` u32 (in
+/// place, like [`kv_append`]); returns the roped q `[n_tok, nh, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_append(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    slots: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    nh: usize,
+    nkv: usize,
+) -> Result<Tensor> {
+    let (n_tok, width) = qkv.dims2()?;
+    let (_, pool_kv, d) = k_pool.dims3()?;
+    let ok = nkv > 0
+        && pool_kv == nkv
+        && d % 2 == 0
+        && width == (nh + 2 * nkv) * d
+        && cos.dims() == [n_tok, d / 2]
+        && sin.dims() == cos.dims()
+        && slots.dims() == [n_tok]
+        && slots.dtype() == DType::U32
+        && v_pool.dims() == k_pool.dims()
+        && [cos, sin, k_pool, v_pool]
+            .iter()
+            .all(|t| t.dtype() == qkv.dtype());
+    if !ok {
+        candle_core::bail!(
+            "qkv rope: qkv {:?} {:?} for {nh} + 2×{nkv} heads, cos/sin {:?}/{:?} {:?}, slots {:?} \
+             {:?}, pools {:?}/{:?} {:?}",
+            qkv.dims(),
+            qkv.dtype(),
+            cos.dims(),
+            sin.dims(),
+            cos.dtype(),
+            slots.dims(),
+            slots.dtype(),
+            k_pool.dims(),
+            v_pool.dims(),
+            k_pool.dtype()
+        );
+    }
+    dtype_suffix(qkv.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        let op = cuda::QkvRope {
+            cos: cos.contiguous()?,
+            sin: sin.contiguous()?,
+            slots: slots.clone(),
+            k_pool: k_pool.clone(),
+            v_pool: v_pool.clone(),
+            nh,
+            nkv,
+        };
+        qkv.contiguous()?.apply_op1_no_bwd(&op)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("qkv rope")
 }
 
 /// Index of the largest value of every row of f32 `logits: [rows, vocab]` → u32 `[rows]`;

@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
-    add_rms_norm, argmax_rows, kv_append, paged_attention, swiglu, AttnSeq, PagedAttnMeta,
+    add_rms_norm, argmax_rows, kv_append, paged_attention, qkv_rope_append, swiglu, top_k_logp,
+    AttnSeq, PagedAttnMeta,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -344,6 +345,75 @@ fn add_rms_norm_matches_candle_cpu() {
     }
 }
 
+/// The fused kernel against the ops it replaces, on the GPU: candle's `rope_thd` on the
+/// projection's q and k parts and `kv_append` of k and v.
+#[test]
+fn qkv_rope_append_matches_rope_and_two_appends() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (n_tok, nh, nkv, d) in [
+            (1usize, 9usize, 3usize, 64usize),
+            (5, 4, 2, 128),
+            (3, 32, 32, 128),
+        ] {
+            let slots = 16;
+            let ids: Vec<u32> = (0..n_tok as u32).map(|i| (i * 7 + 3) % slots).collect();
+            let w = (nh + 2 * nkv) * d;
+            let qkv = to_dev(&randn(&mut rng, n_tok * w, 2.0), &[n_tok, w], dtype, &dev);
+            let angles: Vec<f32> = randn(&mut rng, n_tok * d / 2, 3.0);
+            let cos_h: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+            let sin_h: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+            let cos = to_dev(&cos_h, &[n_tok, d / 2], dtype, &dev);
+            let sin = to_dev(&sin_h, &[n_tok, d / 2], dtype, &dev);
+            let slot_t = Tensor::new(ids.as_slice(), &dev).unwrap();
+            let pools = || {
+                let k = Tensor::zeros((slots as usize, nkv, d), dtype, &dev).unwrap();
+                (k.clone(), k.zeros_like().unwrap())
+            };
+            let (kf, vf) = pools();
+            let q = qkv_rope_append(&qkv, &cos, &sin, &slot_t, &kf, &vf, nh, nkv).unwrap();
+
+            let part = |start: usize, heads: usize| {
+                qkv.narrow(1, start * d, heads * d)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+                    .reshape((1, n_tok, heads, d))
+                    .unwrap()
+            };
+            let rope = |x: Tensor| {
+                candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
+            };
+            let want_q = rope(part(0, nh));
+            let (kr, vr) = pools();
+            kv_append(&kr, &rope(part(nh, nkv)), &slot_t).unwrap();
+            kv_append(&vr, &part(nh + nkv, nkv).squeeze(0).unwrap(), &slot_t).unwrap();
+            let case = format!("{dtype:?} n_tok {n_tok}, {nh}/{nkv} heads, d {d}");
+            assert_eq!(q.dims(), [n_tok, nh, d], "{case}");
+            // Written like candle's kernel in the same dtype: equal, or at most a rounding
+            // apart where nvcc contracted the two products differently.
+            let tol = match dtype {
+                DType::F32 => 2e-6,
+                DType::F16 => 4e-3,
+                _ => 3.2e-2,
+            };
+            for (what, got, want) in [
+                ("q", &q, &want_q),
+                ("K pool", &kf, &kr),
+                ("V pool", &vf, &vr),
+            ] {
+                let err = max_abs(&host(got), &host(want));
+                assert!(err <= tol, "{case}: {what} max abs error {err}");
+            }
+            assert_eq!(host(&vf), host(&vr), "{case}: V rows are copied exactly");
+        }
+    }
+}
+
 #[test]
 fn swiglu_matches_candle_cpu() {
     let dev = gpu();
@@ -408,4 +478,64 @@ fn argmax_rows_matches_cpu_with_ties_to_the_lowest_index() {
     assert_eq!(got[2], 0);
     assert_ne!(got[3], 0, "a NaN must not win");
     assert_eq!(got[4], 0);
+}
+
+/// The host's selection: larger first, lower index on equal values, NaN left out; log-probs
+/// under softmax over the non-NaN entries, summed in f64.
+fn host_top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    let max = idx.first().map_or(0.0, |&i| row[i as usize]);
+    let sum: f64 = idx
+        .iter()
+        .map(|&i| ((row[i as usize] - max) as f64).exp())
+        .sum();
+    let lse = max + sum.ln() as f32;
+    idx.truncate(k);
+    let logp = idx
+        .iter()
+        .map(|&i| (row[i as usize] - lse).min(0.0))
+        .collect();
+    (idx, logp)
+}
+
+#[test]
+fn top_k_logp_matches_the_host_selection() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(19);
+    let (rows, vocab) = (5, 49_152 + 3);
+    let mut x = randn(&mut rng, rows * vocab, 10.0);
+    // Row 1: ties among the best; row 2: NaNs among the best; row 3: all equal.
+    for i in [5, 900, 30_000, 49_000] {
+        x[vocab + i] = 40.0;
+    }
+    x[2 * vocab + 11] = f32::NAN;
+    x[2 * vocab + 12] = 45.0;
+    x[2 * vocab + 13] = f32::NAN;
+    for v in &mut x[3 * vocab..4 * vocab] {
+        *v = -2.0;
+    }
+    let t = Tensor::from_slice(&x, (rows, vocab), &Device::Cpu)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    for k in [1usize, 4, 10] {
+        let got = top_k_logp(&t, k).unwrap().to_vec2::<u32>().unwrap();
+        for (r, g) in got.iter().enumerate() {
+            let (want_ids, want_logp) = host_top_k_logp(&x[r * vocab..(r + 1) * vocab], k);
+            assert_eq!(&g[..k], &want_ids[..], "k {k} row {r}: ids");
+            for (b, w) in g[k..].iter().zip(&want_logp) {
+                let lp = f32::from_bits(*b);
+                assert!((lp - w).abs() < 1e-4, "k {k} row {r}: log-prob {lp} vs {w}");
+            }
+        }
+    }
+    // Fewer choosable entries than k: the rest are token 0 at -inf.
+    let few = Tensor::new(&[[f32::NAN, 2.0, f32::NAN]], &dev).unwrap();
+    let got = top_k_logp(&few, 3).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(&got[0][..3], &[1, 0, 0]);
+    assert_eq!(f32::from_bits(got[0][3]), 0.0);
+    assert_eq!(f32::from_bits(got[0][4]), f32::NEG_INFINITY);
 }

@@ -12,6 +12,7 @@ pub mod ops {
     pub const KV_APPEND: &str = "kv_append";
     pub const RMSNORM: &str = "rmsnorm";
     pub const SWIGLU: &str = "swiglu";
+    pub const ROPE: &str = "rope";
 }
 
 /// Largest tree step (new tokens × KV heads) whose attention runs the paged kernel; bigger
@@ -39,6 +40,9 @@ pub struct CudaKernels {
     pub add_rmsnorm: bool,
     /// `silu(gate) · up` on the fused gate_up projection.
     pub swiglu: bool,
+    /// The fused QKV projection's split, RoPE and K/V append in one kernel (steps through
+    /// the attention and `kv_append` kernels only).
+    pub qkv_rope: bool,
 }
 
 impl Default for CudaKernels {
@@ -57,6 +61,7 @@ impl CudaKernels {
             kv_append: true,
             add_rmsnorm: true,
             swiglu: true,
+            qkv_rope: true,
         }
     }
 
@@ -69,6 +74,7 @@ impl CudaKernels {
             kv_append: false,
             add_rmsnorm: false,
             swiglu: false,
+            qkv_rope: false,
         }
     }
 
@@ -88,6 +94,7 @@ impl CudaKernels {
             kv_append: picks(ops::KV_APPEND, names::KV_APPEND),
             add_rmsnorm: picks(ops::RMSNORM, names::ADD_RMSNORM),
             swiglu: picks(ops::SWIGLU, names::SWIGLU),
+            qkv_rope: picks(ops::ROPE, names::QKV_ROPE),
         }
     }
 
@@ -134,6 +141,7 @@ mod tests {
             choice("kv_append", "kestrel_kv_append_bf16"),
             choice("rmsnorm", "kestrel_add_rmsnorm_bf16"),
             choice("swiglu", "kestrel_swiglu_bf16"),
+            choice("rope", "kestrel_qkv_rope_bf16"),
         ];
         let k = CudaKernels::from_choices(&new);
         assert!(k.attention(false, true, 1) && k.attention(false, false, 192));
@@ -141,6 +149,6 @@ mod tests {
         // A tree step too big for the kernel goes back to candle's matmuls.
         assert!(!k.attention(false, false, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
         assert!(k.attention(false, true, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
-        assert!(k.kv_append && k.add_rmsnorm && k.swiglu);
+        assert!(k.kv_append && k.add_rmsnorm && k.swiglu && k.qkv_rope);
     }
 }

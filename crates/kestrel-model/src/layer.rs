@@ -410,6 +410,45 @@ impl Attention {
         Ok((self.o.forward_with(&out, false)?, kv))
     }
 
+    /// The step through Kestrel's kernels only, when the plan picks them all: one launch
+    /// splits the fused projection, applies RoPE and appends K/V, one attends. `None` when
+    /// some other path applies.
+    fn forward_fused_kernels(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Option<Tensor>> {
+        let AttnCtx::Paged {
+            cos,
+            sin,
+            kernel: Some(ka),
+            cuda: Some(cuda),
+            cache,
+            layer,
+            ..
+        } = ctx
+        else {
+            return Ok(None);
+        };
+        let Proj::Fused { lin, .. } = &self.qkv else {
+            return Ok(None);
+        };
+        if !(ka.kv_append && cuda.qkv_rope) {
+            return Ok(None);
+        }
+        let fast = ctx.matvec();
+        let (kp, vp) = cache.pools(*layer);
+        let qkv = lin.forward_with(x, fast)?;
+        let q = kestrel_kernels::qkv_rope_append(
+            &qkv,
+            cos,
+            sin,
+            &ka.meta.new_slots,
+            kp,
+            vp,
+            self.n_heads,
+            self.n_kv,
+        )?;
+        let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
+        Ok(Some(self.o.forward_with(&out, fast)?))
+    }
+
     fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
         if let AttnCtx::Train { cos, sin, mask } = ctx {
             return Ok(self.forward_unrolled(x, cos, sin, mask, &[])?.0);
@@ -417,6 +456,9 @@ impl Attention {
         let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
         let g = nh / nkv;
         let fast = ctx.matvec();
+        if let Some(out) = self.forward_fused_kernels(x, ctx)? {
+            return Ok(out);
+        }
         let qkv = self.qkv.forward(x, fast)?;
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let out = match ctx {

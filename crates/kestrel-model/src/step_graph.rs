@@ -1,9 +1,9 @@
 //! CUDA graphs of a model's steps: one captured graph per step layout ([`GraphLayout`]: the
 //! batch's shape, not its values), replayed with new inputs uploaded in place.
 //!
-//! The first step of a layout runs eagerly, which also fills candle's cache of the small
-//! constant uploads its ops make; the same computation is then captured, writing its result
-//! into a buffer the graph owns. Later steps of that layout upload their packed inputs (two
+//! The first steps of a layout run eagerly. On its third (`CAPTURE_AFTER`), the eager run
+//! also fills candle's cache of the small constant uploads its ops make, and the same
+//! computation is then captured, writing its result into a buffer the graph owns. Later steps of that layout upload their packed inputs (two
 //! copies), launch the graph and copy the result out, so the caller may keep it across steps.
 //! A graph writes the KV pools it was captured with, so the graphs are dropped whenever the
 //! model is run over another cache. A failed capture turns graphs off for the model (its step
@@ -18,7 +18,11 @@ use std::sync::Mutex;
 
 /// Graphs kept per model: more layouts than this (EAGLE-2 trees of many sizes, long contexts)
 /// start the collection over.
-const MAX_GRAPHS: usize = 64;
+const MAX_GRAPHS: usize = 128;
+
+/// A layout is captured on its this-many-th step: capturing costs a few eager steps, which
+/// layouts seen once or twice (a feed of an unusual number of accepted tokens) never repay.
+const CAPTURE_AFTER: u32 = 3;
 
 struct Captured {
     graph: StepGraph,
@@ -37,6 +41,8 @@ struct Graphs {
     /// The KV cache the graphs write (its first K pool).
     cache: Option<TensorId>,
     entries: HashMap<GraphLayout, Captured>,
+    /// Steps seen per layout not captured yet.
+    seen: HashMap<GraphLayout, u32>,
 }
 
 /// A model's step graphs. Cloning a model gives the clone none of them (they write the
@@ -71,6 +77,7 @@ impl StepGraphs {
         g.enabled = enabled;
         if !enabled {
             g.entries.clear();
+            g.seen.clear();
         }
     }
 
@@ -90,8 +97,8 @@ impl StepGraphs {
     }
 
     /// `compute(ids, step, input)` over `inputs` and an optional device tensor `input` (its
-    /// shape fixed by the layout), through the graph of their layout when there is one;
-    /// `cache`: the KV cache's identity.
+    /// shape fixed by the layout), through the graph of their layout when there is one (else
+    /// eagerly, capturing the layout once it recurs); `cache`: the KV cache's identity.
     pub fn run(
         &self,
         cache: TensorId,
@@ -104,6 +111,7 @@ impl StepGraphs {
         let mut g = self.lock();
         if g.cache != Some(cache) {
             g.entries.clear();
+            g.seen.clear();
             g.cache = Some(cache);
         }
         if let Some(c) = g.entries.get_mut(&inputs.layout) {
@@ -115,12 +123,21 @@ impl StepGraphs {
             c.graph.launch()?;
             return Ok(c.out.copy()?);
         }
+        let layout = inputs.layout;
+        if g.seen.len() > 16 * MAX_GRAPHS {
+            g.seen.clear();
+        }
+        let seen = g.seen.entry(layout).or_insert(0);
+        *seen += 1;
+        if *seen < CAPTURE_AFTER {
+            drop(g);
+            return eager(inputs, input, dtype, device, &compute);
+        }
+        g.seen.remove(&layout);
         if g.entries.len() >= MAX_GRAPHS {
             g.entries.clear();
         }
-        let layout = inputs.layout;
-        let u32s = Tensor::from_slice(&inputs.u32s, inputs.u32s.len(), device)?;
-        let f32s = Tensor::from_slice(&inputs.f32s, inputs.f32s.len(), device)?;
+        let (u32s, f32s) = upload(inputs, device)?;
         let input = match input {
             Some(x) => Some(x.copy()?),
             None => None,
@@ -155,4 +172,24 @@ impl StepGraphs {
         }
         Ok(out)
     }
+}
+
+fn upload(inputs: &GraphInputs, device: &Device) -> Result<(Tensor, Tensor)> {
+    Ok((
+        Tensor::from_slice(&inputs.u32s, inputs.u32s.len(), device)?,
+        Tensor::from_slice(&inputs.f32s, inputs.f32s.len(), device)?,
+    ))
+}
+
+/// The step without a graph, from the same packed inputs.
+fn eager(
+    inputs: &GraphInputs,
+    input: Option<&Tensor>,
+    dtype: DType,
+    device: &Device,
+    compute: &impl Fn(&Tensor, &Step, Option<&Tensor>) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (u32s, f32s) = upload(inputs, device)?;
+    let (ids, step) = inputs.layout.step(&u32s, &f32s, dtype)?;
+    compute(&ids, &step, input)
 }

@@ -10,16 +10,16 @@
 //! and plain decoding and verification pick alike.
 //!
 //! EAGLE drafting needs the k best tokens of each head row and their log-probabilities. On a
-//! device those come from a two-stage sort ([`top_k_on_device`]): every 1024-wide slice of a
-//! row is sorted and keeps its k best, then the survivors are sorted again, so about fifteen
-//! launches replace copying `rows × vocab` floats. Equal logits may come out in another order
-//! than the host's (lower id first); drafts only propose, so that changes no output.
+//! device one kernel (`kestrel_kernels::top_k_logp`) selects them in the host's order and one
+//! copy brings back `rows × 2k` values instead of `rows × vocab` floats. Its log-softmax
+//! normaliser is summed in f32 (the host sums in f64); drafts only propose, so that changes
+//! no output.
 //!
 //! On the CPU the rows are already in host memory, and the plain scans
 //! ([`kestrel_spec::sampling::argmax`], [`top_k`]) beat tensor passes, so they stay there.
 
 use crate::error::Result;
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 use kestrel_spec::sampling;
 
 /// A model's rows as an acceptance rule or a greedy draft needs them.
@@ -103,11 +103,17 @@ pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec
             .map(|r| top_k_logp(r, k))
             .collect());
     }
-    let (ids, logp) = top_k_on_device(logits, k)?;
-    Ok(ids
+    let k = k.clamp(1, logits.dim(1)?.max(1));
+    Ok(kestrel_kernels::top_k_logp(logits, k)?
         .to_vec2::<u32>()?
         .into_iter()
-        .zip(logp.to_vec2::<f32>()?)
+        .map(|row| {
+            let (ids, logp) = row.split_at(k);
+            (
+                ids.to_vec(),
+                logp.iter().map(|&b| f32::from_bits(b)).collect(),
+            )
+        })
         .collect())
 }
 
@@ -139,79 +145,9 @@ pub(crate) fn top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
         .unzip()
 }
 
-/// Widest slice candle's device sort takes (one thread block per row).
-const SORT_WIDTH: usize = 1024;
-
-/// `([rows, k] u32 ids, [rows, k] f32 log-probs)`, best first, with tensor ops that run where
-/// `logits` (`[rows, vocab]` f32) lives: rows are cut into [`SORT_WIDTH`]-wide slices, each
-/// slice is sorted and keeps its k best, and the survivors are cut and sorted again until one
-/// slice is left.
-pub fn top_k_on_device(logits: &Tensor, k: usize) -> candle_core::Result<(Tensor, Tensor)> {
-    let (rows, vocab) = logits.dims2()?;
-    let k = k.clamp(1, vocab.min(SORT_WIDTH));
-    let dev = logits.device();
-    let max = logits.max_keepdim(D::Minus1)?;
-    let lse = logits
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        .add(&max)?;
-    let mut values = logits.contiguous()?;
-    // Survivors' token ids; `None` while the columns are the token ids themselves, so no
-    // vocabulary-wide index is uploaded: the first cut derives them from the slice offsets.
-    let mut ids: Option<Tensor> = None;
-    while values.dim(1)? > SORT_WIDTH {
-        let width = values.dim(1)?;
-        let slices = width.div_ceil(SORT_WIDTH);
-        let pad = slices * SORT_WIDTH - width;
-        if pad > 0 {
-            let neg_inf = Tensor::full(f32::NEG_INFINITY, (rows, pad), dev)?;
-            values = Tensor::cat(&[&values, &neg_inf], 1)?;
-            if let Some(t) = &ids {
-                ids = Some(Tensor::cat(
-                    &[t, &Tensor::zeros((rows, pad), DType::U32, dev)?],
-                    1,
-                )?);
-            }
-        }
-        let v = values.reshape((rows * slices, SORT_WIDTH))?;
-        let best = v.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
-        values = v.gather(&best, 1)?.reshape((rows, slices * k))?;
-        let kept = match &ids {
-            Some(t) => t.reshape((rows * slices, SORT_WIDTH))?.gather(&best, 1)?,
-            None => {
-                let offsets = Tensor::arange_step(
-                    0u32,
-                    width.next_multiple_of(SORT_WIDTH) as u32,
-                    SORT_WIDTH as u32,
-                    dev,
-                )?
-                .reshape((1, slices, 1))?;
-                best.reshape((rows, slices, k))?.broadcast_add(&offsets)?
-            }
-        };
-        ids = Some(kept.reshape((rows, slices * k))?);
-    }
-    let best = values
-        .arg_sort_last_dim(false)?
-        .narrow(1, 0, k)?
-        .contiguous()?;
-    let top = values.gather(&best, 1)?;
-    let logp = top.broadcast_sub(&lse)?.clamp(f32::NEG_INFINITY, 0.0)?;
-    let ids = match ids {
-        Some(t) => t.gather(&best, 1)?,
-        None => best,
-    };
-    // A padding column can only win in a row with fewer than k values above -inf; keep its
-    // id inside the vocabulary.
-    Ok((ids.clamp(0u32, vocab as u32 - 1)?, logp))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     #[test]
     fn top_k_orders_by_value_then_id() {
@@ -228,35 +164,5 @@ mod tests {
         let z = 2.0 + std::f32::consts::E;
         assert!((lp[0] - (std::f32::consts::E / z).ln()).abs() < 1e-6);
         assert!((lp[1] - (1.0 / z).ln()).abs() < 1e-6);
-    }
-
-    /// The two-stage device sort, run on CPU tensors, against the host selection: rows wider
-    /// than two sort slices (so survivors are cut again) and a width that needs padding.
-    #[test]
-    fn device_top_k_equals_the_host_selection() {
-        for (vocab, k) in [(2500usize, 10usize), (1024 * 3, 4), (700, 1), (5000, 300)] {
-            let rows = 3;
-            // Distinct values (a permutation scaled), so the order is unique.
-            let mut data: Vec<f32> = Vec::with_capacity(rows * vocab);
-            for r in 0..rows {
-                data.extend((0..vocab).map(|i| ((i * 7919 + r * 104_729) % vocab) as f32 / 97.0));
-            }
-            let t = Tensor::from_vec(data.clone(), (rows, vocab), &Device::Cpu).unwrap();
-            let (ids, logp) = top_k_on_device(&t, k).unwrap();
-            let (ids, logp) = (
-                ids.to_vec2::<u32>().unwrap(),
-                logp.to_vec2::<f32>().unwrap(),
-            );
-            for r in 0..rows {
-                let (want_ids, want_logp) = top_k_logp(&data[r * vocab..(r + 1) * vocab], k);
-                assert_eq!(ids[r], want_ids, "vocab {vocab} k {k} row {r}");
-                for (g, w) in logp[r].iter().zip(&want_logp) {
-                    assert!(
-                        (g - w).abs() < 1e-4,
-                        "vocab {vocab} k {k}: log-prob {g} vs {w}"
-                    );
-                }
-            }
-        }
     }
 }

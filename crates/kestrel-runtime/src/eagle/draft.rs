@@ -2,6 +2,7 @@
 //! tree or EAGLE-2's dynamic tree, level by level, batched over the sequences.
 
 use super::feed::{feed_trees, TreeFeed};
+use super::node_outputs::{NodeOutputs, NodeRef};
 use crate::error::{Result, RuntimeError};
 use crate::logit_rows::top_k_rows;
 use candle_core::Tensor;
@@ -59,20 +60,17 @@ impl Drafter<'_> {
         let n = buf.num_nodes();
         let vocab = self.base.config().vocab_size;
         let mut tokens: Vec<Vec<u32>> = roots.iter().map(|r| vec![r.token; n]).collect();
-        let mut outputs: Vec<Vec<Option<Tensor>>> = roots
-            .iter()
-            .map(|r| {
-                let mut o = vec![None; n];
-                o[0] = Some(r.output.clone());
-                o
-            })
-            .collect();
+        let mut outputs = NodeOutputs::new(roots, n)?;
         let mut probs: Vec<Option<Vec<f32>>> = roots
             .iter()
             .map(|_| matches!(choice, ChildChoice::Sample(_)).then(|| vec![0f32; n * vocab]))
             .collect();
         for level in buf.draft_levels() {
-            if level.depth > 0 {
+            let nodes = expanded(roots.len(), &level.expand);
+            // The expanded nodes' outputs: the root's, or those of this level's feed.
+            let rows = if level.depth == 0 {
+                outputs.gather(&nodes)?
+            } else {
                 let fed: Vec<usize> = (1..n)
                     .filter(|&i| buf.depths()[i] <= level.depth && !buf.is_leaf(i))
                     .collect();
@@ -99,14 +97,11 @@ impl Drafter<'_> {
                         want: want.clone(),
                     })
                     .collect();
-                let outs = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
-                for (s, out) in outs.iter().enumerate() {
-                    for (j, &e) in level.expand.iter().enumerate() {
-                        outputs[s][e] = Some(out.narrow(0, j, 1)?);
-                    }
-                }
-            }
-            let logits = self.logits_of(&outputs, &level.expand)?;
+                let out = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+                outputs.set(&nodes, &out)?;
+                out
+            };
+            let logits = self.base.logits(&rows)?;
             // Children of every expanded node, sequence-major (row = s · expanded + j).
             let width = level.expand.len();
             let children: Vec<Vec<u32>> = match choice {
@@ -156,23 +151,14 @@ impl Drafter<'_> {
         let top = cfg.top_k;
         let mut builders = Vec::with_capacity(roots.len());
         // Node id 0 is the root; candidate c has node id c + 1.
-        let mut outputs: Vec<Vec<Option<Tensor>>> = Vec::with_capacity(roots.len());
-        let root_rows = self.logits_of(
-            &roots
-                .iter()
-                .map(|r| vec![Some(r.output.clone())])
-                .collect::<Vec<_>>(),
-            &[0],
-        )?;
+        let mut outputs = NodeOutputs::new(roots, cfg.num_candidates() + 1)?;
+        let root_rows = self
+            .base
+            .logits(&outputs.gather(&expanded(roots.len(), &[0]))?)?;
         for (t, lp) in top_k_rows(&root_rows, top)? {
             let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);
-        }
-        for r in roots {
-            let mut o = vec![None; cfg.num_candidates() + 1];
-            o[0] = Some(r.output.clone());
-            outputs.push(o);
         }
         for _layer in 1..cfg.num_layers {
             let mut feeds = Vec::with_capacity(roots.len());
@@ -200,16 +186,16 @@ impl Drafter<'_> {
                     want,
                 });
             }
-            let outs = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+            let out = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
             let mut ids_per_seq = Vec::with_capacity(roots.len());
-            for (s, out) in outs.iter().enumerate() {
-                let frontier = builders[s].frontier().to_vec();
-                for (j, &c) in frontier.iter().enumerate() {
-                    outputs[s][c + 1] = Some(out.narrow(0, j, 1)?);
-                }
-                ids_per_seq.push(frontier.iter().map(|&c| c + 1).collect::<Vec<_>>());
+            let mut frontier_nodes: Vec<NodeRef> = Vec::new();
+            for (s, b) in builders.iter().enumerate() {
+                let ids: Vec<usize> = b.frontier().iter().map(|&c| c + 1).collect();
+                frontier_nodes.extend(ids.iter().map(|&id| (s, id)));
+                ids_per_seq.push(ids);
             }
-            let best = top_k_rows(&self.logits_of_ids(&outputs, &ids_per_seq)?, top)?;
+            outputs.set(&frontier_nodes, &out)?;
+            let best = top_k_rows(&self.base.logits(&out)?, top)?;
             let mut offset = 0;
             for (s, b) in builders.iter_mut().enumerate() {
                 let k = ids_per_seq[s].len();
@@ -237,26 +223,13 @@ impl Drafter<'_> {
             })
             .collect()
     }
+}
 
-    /// Head logits (`[rows, vocab]` f32, on the model's device) of the given nodes of every
-    /// sequence, sequence-major.
-    fn logits_of(&self, outputs: &[Vec<Option<Tensor>>], nodes: &[usize]) -> Result<Tensor> {
-        let ids: Vec<Vec<usize>> = outputs.iter().map(|_| nodes.to_vec()).collect();
-        self.logits_of_ids(outputs, &ids)
-    }
-
-    fn logits_of_ids(&self, outputs: &[Vec<Option<Tensor>>], ids: &[Vec<usize>]) -> Result<Tensor> {
-        let rows: Vec<Tensor> = outputs
-            .iter()
-            .zip(ids)
-            .flat_map(|(o, ids)| {
-                ids.iter()
-                    .map(|&i| o[i].clone().expect("node was expanded"))
-            })
-            .collect();
-        let hidden = Tensor::cat(&rows, 0)?;
-        Ok(self.base.logits(&hidden)?)
-    }
+/// The same nodes of every one of `trees` trees, tree-major.
+fn expanded(trees: usize, nodes: &[usize]) -> Vec<NodeRef> {
+    (0..trees)
+        .flat_map(|s| nodes.iter().map(move |&n| (s, n)))
+        .collect()
 }
 
 /// k distinct tokens drawn without replacement from `q`; once q is exhausted the rest repeat

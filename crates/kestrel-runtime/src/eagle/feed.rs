@@ -6,6 +6,7 @@
 //! Re-feeding the few ancestors costs little and keeps rejected branches out of the cache
 //! without a mask over previously cached slots (TensorRT-LLM's EagleNets re-feed likewise).
 
+use super::node_outputs::{NodeOutputs, NodeRef};
 use crate::error::Result;
 use candle_core::Tensor;
 use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows, PagedKvCache, SeqId};
@@ -27,59 +28,45 @@ pub(crate) struct TreeFeed {
     pub want: Vec<usize>,
 }
 
-/// Runs one head forward over every sequence's feed; returns, per sequence, the outputs of
-/// its wanted nodes (`[want.len(), hidden]`). `outputs[s][id]` must hold the output of each
-/// fed node's parent (the feature it is paired with).
+/// Runs one head forward over every sequence's feed (feed `s` grows tree `s` of `outputs`,
+/// which must hold the output of each fed node's parent: the feature it is paired with);
+/// returns the outputs of the wanted nodes, `[Σ want, hidden]`, feed by feed.
 pub(crate) fn feed_trees(
     head: &EagleHead,
     base: &Llama,
     cache: &mut PagedKvCache,
     feeds: &[TreeFeed],
-    outputs: &[Vec<Option<Tensor>>],
-) -> Result<Vec<Tensor>> {
-    let mut positions = Vec::with_capacity(feeds.len());
-    let mut masks = Vec::with_capacity(feeds.len());
-    let mut features = Vec::with_capacity(feeds.len());
-    for (feed, outs) in feeds.iter().zip(outputs) {
-        positions.push(
-            feed.depths
-                .iter()
-                .map(|&d| (feed.root_pos + d) as u32)
-                .collect::<Vec<u32>>(),
-        );
-        masks.push(ancestor_mask(feed));
-        let rows: Vec<Tensor> = feed
-            .parents
-            .iter()
-            .map(|&p| {
-                outs[p]
-                    .clone()
-                    .expect("a fed node's parent has been expanded")
-            })
-            .collect();
-        features.push(Tensor::cat(&rows, 0)?);
-    }
-    let batch: Vec<EagleSeqInput> = feeds
+    outputs: &NodeOutputs,
+) -> Result<Tensor> {
+    let positions: Vec<Vec<u32>> = feeds
+        .iter()
+        .map(|f| f.depths.iter().map(|&d| (f.root_pos + d) as u32).collect())
+        .collect();
+    let masks: Vec<Vec<bool>> = feeds.iter().map(ancestor_mask).collect();
+    let parents: Vec<NodeRef> = feeds
         .iter()
         .enumerate()
-        .map(|(i, f)| EagleSeqInput {
+        .flat_map(|(s, f)| f.parents.iter().map(move |&p| (s, p)))
+        .collect();
+    let features = outputs.gather(&parents)?;
+    let mut offset = 0;
+    let mut batch = Vec::with_capacity(feeds.len());
+    for (i, f) in feeds.iter().enumerate() {
+        batch.push(EagleSeqInput {
             seq: f.seq,
             tokens: &f.tokens,
-            features: features[i].clone(),
+            features: features.narrow(0, offset, f.nodes.len())?,
             positions: &positions[i],
             mask: Some(&masks[i]),
             output_rows: OutputRows::Rows(f.want.clone()),
-        })
-        .collect();
+        });
+        offset += f.nodes.len();
+    }
     let out = head.forward(base, &batch, cache)?;
-    let mut per_seq = Vec::with_capacity(feeds.len());
-    let mut offset = 0;
     for f in feeds {
         cache.truncate(f.seq, f.committed)?;
-        per_seq.push(out.narrow(0, offset, f.want.len())?);
-        offset += f.want.len();
     }
-    Ok(per_seq)
+    Ok(out)
 }
 
 /// Row i, column j: node j is node i or one of its ancestors (among the fed nodes).

@@ -10,6 +10,7 @@
 mod accept;
 mod draft;
 mod feed;
+mod node_outputs;
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
