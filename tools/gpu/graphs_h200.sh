@@ -3,6 +3,8 @@
 # graphs on and off in one process each.
 #   bash tools/gpu/graphs_h200.sh test     # /tmp/bin/{gpu,cuda}-test
 #   bash tools/gpu/graphs_h200.sh random   # random-weight shapes -> $OUT/{smol,llama2}_{graphs,eager}.json
+#   bash tools/gpu/graphs_h200.sh profile  # after `real`: Nsight Compute kernel times of 3 eager
+#                                          # plain decode steps (tools/gpu/ncu_summary.py)
 #   bash tools/gpu/graphs_h200.sh real     # SmolLM2 + the shipped head (staged GGUF)
 #                                          # -> $OUT/real_{graphs,eager}.json, spec-run outputs compared
 # Binaries come from tools/gpu/stage.sh (or a folder of *.xz given as BIN_XZ).
@@ -70,5 +72,12 @@ for m in ["plain", "eagle1", "eagle2"]:
           f"same as plain: {ids(a) == ids('/tmp/runs_eager/plain.json')}")
 PY
   ;;
-*) echo "usage: graphs_h200.sh test|random|real" >&2; exit 2 ;;
+profile)
+  /usr/local/cuda/bin/ncu --csv --metrics gpu__time_duration.sum --launch-skip 3000 --launch-count 900 \
+    $B/spec-bench --engine_dir /tmp/eng_e --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
+    --num_prompts 1 --max_output_len 40 --batch_sizes 1 --modes plain --no_cuda_graphs \
+    --copy_bytes 1048576 > /tmp/ncu.csv 2>/tmp/ncu.err || tail -3 /tmp/ncu.err
+  python3 tools/gpu/ncu_summary.py /tmp/ncu.csv
+  ;;
+*) echo "usage: graphs_h200.sh test|random|real|profile" >&2; exit 2 ;;
 esac

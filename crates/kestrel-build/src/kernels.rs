@@ -101,7 +101,8 @@ pub fn choose_kernels(
             };
             let attention = format!("kestrel_paged_attention_{dt}");
             Ok(vec![
-                choice("gemm", "cublas"),
+                // Steps of up to 8 rows take Kestrel's gemv; larger ones cuBLAS.
+                choice("gemm", &format!("kestrel_gemv_{dt}+cublas")),
                 choice("attention.decode", &attention),
                 choice("attention.context", &attention),
                 choice("attention.tree", &attention),
@@ -147,6 +148,7 @@ mod tests {
         assert_eq!(get("rmsnorm"), "kestrel_add_rmsnorm_bf16");
         assert_eq!(get("swiglu"), "kestrel_swiglu_bf16");
         assert_eq!(get("rope"), "kestrel_qkv_rope_bf16");
+        assert_eq!(get("gemm"), "kestrel_gemv_bf16+cublas");
     }
 
     #[test]

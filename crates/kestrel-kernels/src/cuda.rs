@@ -54,8 +54,17 @@ fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
 
-/// Warps per block of the attention kernel (`PA_WARPS` in kernels.cu).
-const PA_THREADS: u32 = 4 * 32;
+/// Most warps per block of the attention kernel (`PA_WARPS` in kernels.cu).
+const PA_WARPS: usize = 16;
+
+/// Warps per (query row, head) block: one per 32 slots of the longest sequence, up to
+/// [`PA_WARPS`] for a step of few blocks (a decode step: a long context shared by few
+/// warps is latency-bound), up to 4 when the blocks alone fill the GPU (a tree step), where
+/// idle warps would only take the room of other blocks.
+fn attention_warps(blocks: usize, lmax: usize) -> u32 {
+    let cap = if blocks >= 512 { 4 } else { PA_WARPS };
+    lmax.div_ceil(32).clamp(1, cap) as u32
+}
 
 pub(crate) struct PagedAttention {
     pub table: Tensor,
@@ -107,7 +116,8 @@ impl PagedAttention {
         b.arg(&d_a);
         b.arg(&scale);
         // grid.y = heads ≤ 65535; static shared memory (~4 KiB) only.
-        let cfg = launch_cfg((n_tok as u32, nh as u32), PA_THREADS);
+        let warps = attention_warps(n_tok * nh, self.lmax);
+        let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
         // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
         // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
         unsafe { b.launch(cfg) }.w()?;
@@ -425,8 +435,8 @@ impl CustomOp1 for TopKLogp {
             b.arg(&out);
             b.arg(&v_a);
             b.arg(&k_a);
-            // SAFETY: argument types match kestrel_topk_logp_f32.
-            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+            // SAFETY: argument types match kestrel_topk_logp_f32; k ≤ TOPK_MAX was checked.
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 256)) }.w()?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev),
@@ -531,5 +541,137 @@ impl CustomOp1 for QkvRope {
             other => bail!("qkv rope does not support {other:?}"),
         };
         Ok((out, Shape::from((n_tok, self.nh, d))))
+    }
+}
+
+/// `kestrel_kv_move_*` over `pools` (same shape, dtype and device; see kernels.cu).
+pub(crate) fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
+    match pools[0].dtype() {
+        DType::F32 => kv_move_typed::<f32>(pools, moves, "f32"),
+        DType::F16 => kv_move_typed::<f16>(pools, moves, "f16"),
+        DType::BF16 => kv_move_typed::<bf16>(pools, moves, "bf16"),
+        other => bail!("kv move does not support {other:?}"),
+    }
+}
+
+fn kv_move_typed<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    pools: &[Tensor],
+    moves: &[(u32, u32)],
+    sfx: &str,
+) -> Result<()> {
+    use candle_core::cuda::cudarc::driver::DevicePtr;
+    let dev = match pools[0].device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("kv move: the pools are not on a CUDA device"),
+    };
+    let stream = dev.cuda_stream();
+    let width = pools[0].dims()[1..].iter().product::<usize>();
+    let mut table = Vec::with_capacity(2 * pools.len() + 2 * moves.len());
+    for (i, pool) in pools.iter().enumerate() {
+        cuda_storage!(ps, pl = pool, format!("KV pool {i}"));
+        let pv = view::<T>(ps, pl, "KV pool")?;
+        // The address only: the kernel is ordered after every earlier use by the stream.
+        let (ptr, _sync) = pv.device_ptr(&stream);
+        table.extend([ptr as u32, (ptr >> 32) as u32]);
+    }
+    table.extend(moves.iter().map(|m| m.0));
+    table.extend(moves.iter().map(|m| m.1));
+    let table = dev.clone_htod(&table)?;
+    // SAFETY: the kernel writes every element before reading it back.
+    let scratch = unsafe { dev.alloc::<T>(pools.len() * moves.len() * width)? };
+    let func = dev.get_or_load_custom_func(&format!("kestrel_kv_move_{sfx}"), MODULE, PTX)?;
+    let (np, m, w) = (
+        i32_arg(pools.len(), "pools")?,
+        i32_arg(moves.len(), "moves")?,
+        i32_arg(width, "row width")?,
+    );
+    let mut b = func.builder();
+    b.arg(&table);
+    b.arg(&scratch);
+    b.arg(&np);
+    b.arg(&m);
+    b.arg(&w);
+    // SAFETY: argument types match kestrel_kv_move_*; the table holds live pools of T with
+    // `width` elements per row, and the rows were checked against the pools' lengths.
+    unsafe { b.launch(launch_cfg((pools.len() as u32, 1), 256)) }.w()?;
+    Ok(())
+}
+
+/// Warps per block of `kestrel_gemv_*` and output columns per block (`GEMV_WARPS`,
+/// `GEMV_COLS` in kernels.cu).
+const GEMV_WARPS: usize = 8;
+const GEMV_COLS: usize = 2;
+
+/// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`.
+pub(crate) struct Gemv;
+
+impl Gemv {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = x.0.device().clone();
+        let (m, k) = x.1.shape().dims2()?;
+        let (n, _) = w.1.shape().dims2()?;
+        let xv = view::<T>(x.0, x.1, "gemv input")?;
+        let wv = view::<T>(w.0, w.1, "gemv weight")?;
+        // SAFETY: every (row, column) is written by its column's warp.
+        let out = unsafe { dev.alloc::<T>(m * n)? };
+        if m > 0 && n > 0 {
+            let func = dev.get_or_load_custom_func(&format!("kestrel_gemv_{sfx}"), MODULE, PTX)?;
+            let (m_a, n_a, k_a) = (
+                i32_arg(m, "rows")?,
+                i32_arg(n, "columns")?,
+                i32_arg(k, "K")?,
+            );
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&wv);
+            b.arg(&out);
+            b.arg(&m_a);
+            b.arg(&n_a);
+            b.arg(&k_a);
+            let blocks = n.div_ceil(GEMV_COLS) as u32;
+            // SAFETY: argument types match kestrel_gemv_*; shapes and alignment were checked
+            // by `kestrel_kernels::gemv`.
+            unsafe { b.launch(launch_cfg((blocks, 1), (GEMV_WARPS * 32) as u32)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl candle_core::CustomOp2 for Gemv {
+    fn name(&self) -> &'static str {
+        "kestrel-gemv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel gemv runs on CUDA only (the CPU has its own matvec kernel)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (m, _) = xl.shape().dims2()?;
+        let (n, _) = wl.shape().dims2()?;
+        let sfx = suffix(x.dtype())?;
+        let out = match x.dtype() {
+            DType::F32 => Self::run::<f32>((x, xl), (w, wl), sfx)?,
+            DType::F16 => Self::run::<f16>((x, xl), (w, wl), sfx)?,
+            DType::BF16 => Self::run::<bf16>((x, xl), (w, wl), sfx)?,
+            other => bail!("gemv does not support {other:?}"),
+        };
+        Ok((out, Shape::from((m, n))))
     }
 }

@@ -27,6 +27,30 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 // kernels replace (e.g. RMSNorm normalised in f32, stored in bf16, then scaled in bf16).
 template <typename T> __device__ __forceinline__ float round_t(float x) { return to_f(from_f<T>(x)); }
 
+// 16 bytes at `p` (4 f32 or 8 f16/bf16, 16-byte aligned) as floats.
+__device__ __forceinline__ void load16(const float *p, float *o) {
+    const float4 v = *reinterpret_cast<const float4 *>(p);
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+__device__ __forceinline__ void load16(const __half *p, float *o) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(p);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x; o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load16(const __nv_bfloat16 *p, float *o) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        o[2 * i] = f.x; o[2 * i + 1] = f.y;
+    }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -69,12 +93,12 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 // when its mask allows (causal: j <= r). Masked slots are skipped, i.e. contribute exact
 // zeros, like the additive f32::MIN mask of the candle path.
 //
-// One block of PA_WARPS warps per (query token, head). Each warp walks chunks of 32 slots:
+// One block of up to PA_WARPS warps per (query token, head). Each warp walks chunks of 32 slots:
 // lane j scores slot base + j (a full dot product over d), the warp updates its online
 // softmax (running max m, sum l, accumulator acc over d spread across lanes) and adds the
 // chunk's V rows. The warps' partial states are merged through shared memory at the end.
 // ---------------------------------------------------------------------------------------
-#define PA_WARPS 4
+#define PA_WARPS 16
 #define PA_MAX_D 256
 #define PA_PER_LANE (PA_MAX_D / WARP)
 
@@ -119,7 +143,8 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
 #pragma unroll
     for (int k = 0; k < PA_PER_LANE; ++k) acc[k] = 0.f;
 
-    for (int base = warp * WARP; base < L; base += PA_WARPS * WARP) {
+    const int nwarps = blockDim.x / WARP; // at most PA_WARPS, chosen by the launcher
+    for (int base = warp * WARP; base < L; base += nwarps * WARP) {
         const int i = base + lane;
         float sc = -INFINITY;
         unsigned int slot = 0;
@@ -132,8 +157,20 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
             }
             if (ok) {
                 const T *kr = k_base + (size_t)slot * row_stride;
+                constexpr int VEC = 16 / sizeof(T);
                 float dot = 0.f;
-                for (int e = 0; e < d; ++e) dot += qs[e] * to_f(kr[e]);
+                if (d % VEC == 0) {
+                    // 16-byte loads: the K row is 16-byte aligned when d is a multiple of VEC.
+#pragma unroll 4
+                    for (int e = 0; e < d; e += VEC) {
+                        float kv[VEC];
+                        load16(kr + e, kv);
+#pragma unroll
+                        for (int u = 0; u < VEC; ++u) dot += qs[e + u] * kv[u];
+                    }
+                } else {
+                    for (int e = 0; e < d; ++e) dot += qs[e] * to_f(kr[e]);
+                }
                 sc = dot;
             }
         }
@@ -146,15 +183,17 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
 #pragma unroll
         for (int k = 0; k < PA_PER_LANE; ++k) acc[k] *= corr;
         const int cnt = min(WARP, L - base); // warp-uniform
+#pragma unroll 4
         for (int j = 0; j < cnt; ++j) {
             const float pj = __shfl_sync(FULL_MASK, p, j);
             const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
-            if (pj == 0.f) continue; // masked: exact zero contribution
-            const T *vr = v_base + (size_t)sj * row_stride;
+            if (pj != 0.f) { // masked: an exact zero contribution, whatever the slot holds
+                const T *vr = v_base + (size_t)sj * row_stride;
 #pragma unroll
-            for (int k = 0; k < PA_PER_LANE; ++k) {
-                const int e = lane + WARP * k;
-                if (e < d) acc[k] += pj * to_f(vr[e]);
+                for (int k = 0; k < PA_PER_LANE; ++k) {
+                    const int e = lane + WARP * k;
+                    if (e < d) acc[k] += pj * to_f(vr[e]);
+                }
             }
         }
         m = m_new;
@@ -172,13 +211,13 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
     __syncthreads();
 
     float mx = -INFINITY;
-    for (int w = 0; w < PA_WARPS; ++w) mx = fmaxf(mx, w_m[w]);
+    for (int w = 0; w < nwarps; ++w) mx = fmaxf(mx, w_m[w]);
     float denom = 0.f;
-    for (int w = 0; w < PA_WARPS; ++w)
+    for (int w = 0; w < nwarps; ++w)
         if (w_m[w] != -INFINITY) denom += w_l[w] * expf(w_m[w] - mx);
     for (int e = threadIdx.x; e < d; e += blockDim.x) {
         float o = 0.f;
-        for (int w = 0; w < PA_WARPS; ++w)
+        for (int w = 0; w < nwarps; ++w)
             if (w_m[w] != -INFINITY) o += w_acc[w][e] * expf(w_m[w] - mx);
         out[((size_t)t * nh + h) * d + e] = from_f<T>(denom > 0.f ? o / denom : 0.f);
     }
@@ -195,6 +234,91 @@ __device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
     T *dst = pool + (size_t)slots[r] * width;
     const T *src = rows + (size_t)r * width;
     for (int e = threadIdx.x; e < width; e += blockDim.x) dst[e] = src[e];
+}
+
+// ---------------------------------------------------------------------------------------
+// Matrix-vector products for the few rows of a decode step: y[m, n] = Σ_k x[m, k] · w[n, k]
+// for m < M ≤ GEMV_MAX_ROWS, w row-major [N, K] (a linear layer's weight), x [M, K], y [M, N],
+// f32 accumulation, y rounded to T. One warp per output column n reads w's row once with
+// 16-byte loads and applies it to every row of x, so the weights are read once per step
+// whatever M is, and row m's sum is taken in the same order for every M.
+// Needs K a multiple of the vector width (4 f32, 8 f16/bf16) and 16-byte aligned rows.
+// ---------------------------------------------------------------------------------------
+#define GEMV_MAX_ROWS 8
+#define GEMV_WARPS 8
+// Warps sharing one output column, each over an interleaved quarter of K: a small layer
+// (few columns, e.g. a 576-wide output) still fills the GPU and each warp's loop is short.
+#define GEMV_SPLIT 4
+#define GEMV_COLS (GEMV_WARPS / GEMV_SPLIT)
+
+template <typename T>
+__device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
+                     const int M, const int N, const int K) {
+    constexpr int VEC = 16 / sizeof(T);
+    __shared__ float part[GEMV_WARPS][GEMV_MAX_ROWS];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int col = warp / GEMV_SPLIT, quarter = warp % GEMV_SPLIT;
+    const int n = blockIdx.x * GEMV_COLS + col;
+    float acc[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_ROWS; ++m) acc[m] = 0.f;
+    if (n < N) {
+        const T *wr = w + (size_t)n * K;
+#pragma unroll 2
+        for (int k0 = (quarter * WARP + lane) * VEC; k0 < K; k0 += GEMV_SPLIT * WARP * VEC) {
+            float wv[VEC], xv[VEC];
+            load16(wr + k0, wv);
+#pragma unroll
+            for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+                if (m < M) {
+                    load16(x + (size_t)m * K + k0, xv);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[m] = fmaf(wv[i], xv[i], acc[m]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+        if (m < M) {
+            const float total = warp_sum(acc[m]);
+            if (lane == 0) part[warp][m] = total;
+        }
+    }
+    __syncthreads();
+    // The column's quarters summed in a fixed order: the same result for every M.
+    if (quarter == 0 && n < N) {
+        for (int m = lane; m < M; m += WARP) {
+            float total = 0.f;
+#pragma unroll
+            for (int q = 0; q < GEMV_SPLIT; ++q) total += part[col * GEMV_SPLIT + q][m];
+            y[(size_t)m * N + n] = from_f<T>(total);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// KV compaction: moves rows between slots in every pool of a cache (all layers' K and V) in
+// one launch, after a tree verification kept some of its nodes.
+// table (u32): each pool's base address as (low, high) words [2·n_pools], then src[m], dst[m]
+// (pool rows). scratch: [n_pools, m, width]. One block per pool reads all of its moved rows
+// into scratch before writing any, so a destination that is another move's source still
+// gives up its old value.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ void kv_move(const unsigned int *__restrict__ table, T *__restrict__ scratch,
+                        const int n_pools, const int m, const int width) {
+    const int p = blockIdx.x;
+    T *pool = reinterpret_cast<T *>((static_cast<unsigned long long>(table[2 * p + 1]) << 32) |
+                                    table[2 * p]);
+    const unsigned int *src = table + 2 * n_pools;
+    const unsigned int *dst = src + m;
+    T *sc = scratch + (size_t)p * m * width;
+    for (int i = threadIdx.x; i < m * width; i += blockDim.x)
+        sc[i] = pool[(size_t)src[i / width] * width + i % width];
+    __syncthreads();
+    for (int i = threadIdx.x; i < m * width; i += blockDim.x)
+        pool[(size_t)dst[i / width] * width + i % width] = sc[i];
 }
 
 // ---------------------------------------------------------------------------------------
@@ -357,38 +481,60 @@ extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
 // The k best tokens of every row with their log-probabilities under softmax(row): out is
 // [rows, 2k] u32, the ids then the log-probabilities' f32 bits (one copy to the host).
 // log p = x − (max + log Σ exp(x − max)), capped at 0, NaNs left out of the sum.
-extern "C" __global__ void kestrel_topk_logp_f32(const float *__restrict__ x,
-                                                 unsigned int *__restrict__ out, const int v,
-                                                 const int k) {
+// One pass over the row: every thread keeps its own k best (sorted, in registers) and an
+// online (max, Σ exp) of its elements; then k block reductions over the threads' current
+// heads pick the row's k best in order. k ≤ TOPK_MAX; TOPK_THREADS threads per block.
+#define TOPK_MAX 32
+#define TOPK_THREADS 256
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ out, const int v,
+                      const int k) {
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * v;
     unsigned int *orow = out + (size_t)blockIdx.x * 2 * k;
-    float best;
-    unsigned int idx;
-    best_after(xr, v, 0.f, NO_INDEX, sv, si, best, idx);
-    const float max = idx == NO_INDEX ? 0.f : best;
-    float se = 0.f;
+    float lv[TOPK_MAX];
+    unsigned int li[TOPK_MAX];
+    int cnt = 0;
+    float tmax = -INFINITY, tsum = 0.f;
     for (int e = threadIdx.x; e < v; e += blockDim.x) {
         const float val = xr[e];
-        if (!isnan(val)) se += expf(val - max);
+        if (isnan(val)) continue;
+        if (val > tmax) {
+            tsum = tsum * expf(tmax - val) + 1.f;
+            tmax = val;
+        } else {
+            tsum += expf(val - tmax);
+        }
+        if (cnt == k && !beats(val, e, lv[k - 1], li[k - 1])) continue;
+        // Insertion into the sorted local list (indices rise along the loop, so an equal
+        // value goes after the ones already there).
+        int pos = cnt < k ? cnt++ : k - 1;
+        while (pos > 0 && beats(val, e, lv[pos - 1], li[pos - 1])) {
+            lv[pos] = lv[pos - 1];
+            li[pos] = li[pos - 1];
+            --pos;
+        }
+        lv[pos] = val;
+        li[pos] = e;
     }
-    const float lse = max + logf(block_sum(se, red));
+    // Row max, then Σ exp(x − max) from every thread's (max, sum).
+    float best = tmax;
+    unsigned int idx = tmax == -INFINITY ? NO_INDEX : threadIdx.x;
+    block_best(best, idx, sv, si);
+    const float max = idx == NO_INDEX ? 0.f : best;
+    const float lse = max + logf(block_sum(tmax == -INFINITY ? 0.f : tsum * expf(tmax - max), red));
+    int head = 0;
     for (int r = 0; r < k; ++r) {
-        if (r > 0) best_after(xr, v, best, idx, sv, si, best, idx);
+        best = head < cnt ? lv[head] : -INFINITY;
+        idx = head < cnt ? li[head] : NO_INDEX;
+        block_best(best, idx, sv, si);
+        if (head < cnt && li[head] == idx) ++head; // the winner's owner moves on
         if (threadIdx.x == 0) {
             // Fewer than k choosable entries: the rest are token 0 at probability 0.
             orow[r] = idx == NO_INDEX ? 0u : idx;
             orow[k + r] = __float_as_uint(idx == NO_INDEX ? -INFINITY : fminf(best - lse, 0.f));
-        }
-        if (idx == NO_INDEX) {
-            // Uniform across the block (every thread holds the block's result).
-            for (int q = r + 1 + threadIdx.x; q < k; q += blockDim.x) {
-                orow[q] = 0u;
-                orow[k + q] = __float_as_uint(-INFINITY);
-            }
-            break;
         }
     }
 }
@@ -415,6 +561,15 @@ extern "C" __global__ void kestrel_topk_logp_f32(const float *__restrict__ x,
         const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \
         T *k_pool, T *v_pool, const int nh, const int nkv, const int d) {                       \
         qkv_rope<T>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d);                   \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_kv_move_##SUFFIX(const unsigned int *table, T *scratch,   \
+                                                        const int n_pools, const int m,         \
+                                                        const int width) {                      \
+        kv_move<T>(table, scratch, n_pools, m, width);                                          \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_gemv_##SUFFIX(const T *x, const T *w, T *y, const int M, \
+                                                     const int N, const int K) {                \
+        gemv<T>(x, w, y, M, N, K);                                                              \
     }                                                                                           \
     extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
                                                        const int inter) {                       \

@@ -3,6 +3,8 @@
 //! - [`paged_attention`]: attention of every sequence's new query rows over its paged KV slots
 //!   (slot table, GQA, causal or tree mask over the new tokens) in one launch per layer.
 //! - [`kv_append`]: writes a step's new K or V rows into a pool at u32 slot ids.
+//! - [`kv_move`]: compaction after a verification, every layer's pools in one launch.
+//! - [`gemv`]: the projections of a step of a few rows, each weight read once.
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
 //! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
 //! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
@@ -31,6 +33,7 @@ pub mod names {
     pub const ADD_RMSNORM: &str = "kestrel_add_rmsnorm";
     pub const SWIGLU: &str = "kestrel_swiglu";
     pub const QKV_ROPE: &str = "kestrel_qkv_rope";
+    pub const GEMV: &str = "kestrel_gemv";
     pub const ARGMAX: &str = "kestrel_argmax";
 
     /// `"kestrel_paged_attention_bf16"` etc.: the suffix the kernels use for a dtype.
@@ -264,6 +267,97 @@ pub fn kv_append(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
     no_cuda("kv append")
 }
 
+/// Most rows [`gemv`] takes (`GEMV_MAX_ROWS` in kernels.cu).
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Largest K (input width) [`gemv`] takes. Measured on the H200 (docs/gpu-results.md): with
+/// every linear through it, SmolLM2 (K = 576 and 1,536) ran as fast or faster than with cuBLAS
+/// and Llama-2-7B (K = 4,096 and 11,008) slower (121 against 185 tok/s at batch 1, bf16),
+/// where cuBLAS streams long rows closer to the bandwidth.
+pub const GEMV_MAX_K: usize = 2048;
+
+/// Whether [`gemv`] takes `x · wᵀ`: 1 to [`GEMV_MAX_ROWS`] rows, a weight `[N, K]` with
+/// K ≤ [`GEMV_MAX_K`] and the same dtype (f32, f16, bf16), both contiguous, K a multiple of
+/// the 16-byte vector and every row starting 16-byte aligned.
+pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
+    let (Ok((m, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
+        return false;
+    };
+    let size = x.dtype().size_in_bytes();
+    let aligned = |t: &Tensor| {
+        t.layout()
+            .contiguous_offsets()
+            .is_some_and(|(start, _)| (start * size) % 16 == 0)
+    };
+    (1..=GEMV_MAX_ROWS).contains(&m)
+        && k == wk
+        && k <= GEMV_MAX_K
+        && x.dtype() == w.dtype()
+        && dtype_suffix(x.dtype()).is_ok()
+        && (k * size) % 16 == 0
+        && aligned(x)
+        && aligned(w)
+}
+
+/// `x [M, K] · wᵀ` for a linear layer's weight `w [N, K]` → `[M, N]`, with f32 accumulation,
+/// reading the weight once for all rows; every row's sum is taken in the same order whatever
+/// M is. Check [`gemv_applies`] first.
+pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !gemv_applies(x, w) {
+        candle_core::bail!(
+            "gemv: x {:?} {:?} and w {:?} {:?} do not fit the kernel (1 to {GEMV_MAX_ROWS} rows, \
+             same dtype, K a multiple of 16 bytes, aligned rows)",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        x.apply_op2_no_bwd(w, &cuda::Gemv)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("gemv")
+}
+
+/// Moves pool rows `src → dst` (`moves`) in every one of `pools` (a cache's K and V pools of
+/// all layers: `[slots, n_kv, head_dim]` each, same shape and dtype), in place and in one
+/// launch. All sources are read before any destination is written.
+pub fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
+    let Some(first) = pools.first() else {
+        return Ok(());
+    };
+    let slots = first.dim(0)?;
+    for (i, p) in pools.iter().enumerate() {
+        if p.dims() != first.dims() || p.dtype() != first.dtype() || !p.is_contiguous() {
+            candle_core::bail!(
+                "kv move: pool {i} is {:?} {:?}, pool 0 {:?} {:?} (all contiguous)",
+                p.dims(),
+                p.dtype(),
+                first.dims(),
+                first.dtype()
+            );
+        }
+    }
+    if let Some(&(s, d)) = moves
+        .iter()
+        .find(|&&(s, d)| s as usize >= slots || d as usize >= slots)
+    {
+        candle_core::bail!("kv move: row {s} → {d} is outside pools of {slots} slots");
+    }
+    if moves.is_empty() {
+        return Ok(());
+    }
+    dtype_suffix(first.dtype())?;
+    #[cfg(feature = "cuda")]
+    {
+        cuda::kv_move(pools, moves)
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("kv move")
+}
+
 /// `(x + res, rms_norm(x + res) · w)` for `x`, `res: [rows, h]`, `w: [h]`: the sum rounded to
 /// the dtype, then normalised in f32 (like candle's `rms_norm` for f32; normalised, stored in
 /// the dtype, then scaled for f16/bf16, like the model's RMSNorm).
@@ -318,15 +412,19 @@ pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
     no_cuda("swiglu")
 }
 
+/// Largest `k` of [`top_k_logp`] (`TOPK_MAX` in kernels.cu).
+pub const TOP_K_MAX: usize = 32;
+
 /// The `k` best entries of every row of f32 `logits: [rows, vocab]` (larger first, lower
 /// index on equal values, NaN never chosen) with their log-probabilities under the row's
 /// softmax, as u32 `[rows, 2k]`: the ids, then the log-probabilities' f32 bits. A row with
 /// fewer than `k` choosable entries ends with id 0 at log-probability `-inf`.
 pub fn top_k_logp(logits: &Tensor, k: usize) -> Result<Tensor> {
     let (_, vocab) = logits.dims2()?;
-    if logits.dtype() != DType::F32 || k == 0 || k > vocab {
+    if logits.dtype() != DType::F32 || k == 0 || k > vocab.min(TOP_K_MAX) {
         candle_core::bail!(
-            "top_k_logp: f32 logits and 1 ≤ k ≤ {vocab} expected, got {:?} and k = {k}",
+            "top_k_logp: f32 logits and 1 ≤ k ≤ {} expected, got {:?} and k = {k}",
+            vocab.min(TOP_K_MAX),
             logits.dtype()
         );
     }

@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
-    add_rms_norm, argmax_rows, kv_append, paged_attention, qkv_rope_append, swiglu, top_k_logp,
-    AttnSeq, PagedAttnMeta,
+    add_rms_norm, argmax_rows, gemv, gemv_applies, kv_append, kv_move, paged_attention,
+    qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -521,7 +521,7 @@ fn top_k_logp_matches_the_host_selection() {
         .unwrap()
         .to_device(&dev)
         .unwrap();
-    for k in [1usize, 4, 10] {
+    for k in [1usize, 4, 10, 32] {
         let got = top_k_logp(&t, k).unwrap().to_vec2::<u32>().unwrap();
         for (r, g) in got.iter().enumerate() {
             let (want_ids, want_logp) = host_top_k_logp(&x[r * vocab..(r + 1) * vocab], k);
@@ -538,4 +538,98 @@ fn top_k_logp_matches_the_host_selection() {
     assert_eq!(&got[0][..3], &[1, 0, 0]);
     assert_eq!(f32::from_bits(got[0][3]), 0.0);
     assert_eq!(f32::from_bits(got[0][4]), f32::NEG_INFINITY);
+}
+
+#[test]
+fn kv_move_moves_rows_in_every_pool_reading_before_writing() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    // Row 4 is written by the second move and read by the first: it must give its old value.
+    let moves = [(4u32, 2u32), (6, 4), (9, 5)];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (slots, nkv, d) = (12, 3, 8);
+        let w = nkv * d;
+        let host_pools: Vec<Vec<f32>> = (0..5)
+            .map(|_| rounded(&randn(&mut rng, slots * w, 1.0), dtype))
+            .collect();
+        let pools: Vec<Tensor> = host_pools
+            .iter()
+            .map(|p| to_dev(p, &[slots, nkv, d], dtype, &dev))
+            .collect();
+        kv_move(&pools, &moves).unwrap();
+        for (i, (pool, old)) in pools.iter().zip(&host_pools).enumerate() {
+            let mut want = old.clone();
+            for &(src, dst) in &moves {
+                let (s, t) = (src as usize * w, dst as usize * w);
+                want[t..t + w].copy_from_slice(&old[s..s + w]);
+            }
+            assert_eq!(host(pool), want, "{dtype:?} pool {i}");
+        }
+    }
+    let pool = Tensor::zeros((4, 1, 2), DType::F32, &dev).unwrap();
+    let err = kv_move(&[pool], &[(1, 4)]).unwrap_err().to_string();
+    assert!(
+        err.contains("row 1 → 4 is outside pools of 4 slots"),
+        "{err}"
+    );
+}
+
+#[test]
+fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (n, k) in [(960usize, 576usize), (300, 2048), (7, 64)] {
+            let w_h = rounded(&randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
+            let x_h = rounded(&randn(&mut rng, GEMV_MAX_ROWS * k, 1.0), dtype);
+            let w = to_dev(&w_h, &[n, k], dtype, &dev);
+            let x_all = to_dev(&x_h, &[GEMV_MAX_ROWS, k], dtype, &dev);
+            let full = host(&gemv(&x_all, &w).unwrap());
+            let reference = Tensor::from_slice(&x_h, (GEMV_MAX_ROWS, k), &Device::Cpu)
+                .unwrap()
+                .matmul(
+                    &Tensor::from_slice(&w_h, (n, k), &Device::Cpu)
+                        .unwrap()
+                        .t()
+                        .unwrap(),
+                )
+                .unwrap();
+            let want = host(&reference);
+            let tol = match dtype {
+                DType::F32 => 1e-4,
+                DType::F16 => 4e-3,
+                _ => 3e-2,
+            };
+            let case = format!("{dtype:?} [{n}, {k}]");
+            let err = max_abs(&full, &want);
+            assert!(err <= tol, "{case}: max abs error {err}");
+            // Every prefix of the rows gives exactly those rows of the full product.
+            for m in 1..GEMV_MAX_ROWS {
+                let x = x_all.narrow(0, 0, m).unwrap();
+                let part = host(&gemv(&x, &w).unwrap());
+                assert!(
+                    part == full[..m * n],
+                    "{case}: {m} rows differ from the same rows of {GEMV_MAX_ROWS}"
+                );
+            }
+        }
+    }
+    // K not a multiple of the vector width, too many rows, or a misaligned view: not taken.
+    let w = Tensor::zeros((4, 6), DType::F32, &dev).unwrap();
+    assert!(!gemv_applies(
+        &Tensor::zeros((1, 6), DType::F32, &dev).unwrap(),
+        &w
+    ));
+    let w = Tensor::zeros((4, 8), DType::F32, &dev).unwrap();
+    assert!(!gemv_applies(
+        &Tensor::zeros((GEMV_MAX_ROWS + 1, 8), DType::F32, &dev).unwrap(),
+        &w
+    ));
+    let x = Tensor::zeros((1, 9), DType::F32, &dev)
+        .unwrap()
+        .narrow(1, 1, 8)
+        .unwrap();
+    assert!(!gemv_applies(&x, &w));
+    let err = gemv(&x, &w).unwrap_err().to_string();
+    assert!(err.contains("do not fit the kernel"), "{err}");
 }

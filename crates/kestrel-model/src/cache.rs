@@ -46,6 +46,8 @@ pub struct PagedKvCache {
     prefix: Option<PrefixIndex>,
     seqs: BTreeMap<SeqId, SeqState>,
     next_id: u64,
+    /// Compaction moves rows with Kestrel's `kv_move` kernel (one launch for all layers).
+    move_kernel: bool,
 }
 
 impl PagedKvCache {
@@ -85,6 +87,7 @@ impl PagedKvCache {
             prefix: None,
             seqs: BTreeMap::new(),
             next_id: 0,
+            move_kernel: false,
         })
     }
 
@@ -383,6 +386,12 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Whether compaction moves rows with Kestrel's `kv_move` CUDA kernel, one launch for
+    /// all layers, instead of a gather and a write per layer (ignored off CUDA).
+    pub fn set_move_kernel(&mut self, enabled: bool) {
+        self.move_kernel = enabled && self.device.is_cuda();
+    }
+
     /// The K and V pools of `layer`.
     pub(crate) fn pools(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.k[layer], &self.v[layer])
@@ -413,7 +422,17 @@ impl PagedKvCache {
             )));
         }
         let identity = kept.iter().enumerate().all(|(i, &k)| i == k);
-        if !identity && !kept.is_empty() {
+        if !identity && self.move_kernel {
+            let src = self.slot_rows(seq, base_len, appended)?;
+            let moves: Vec<(u32, u32)> = kept
+                .iter()
+                .enumerate()
+                .filter(|&(i, &k)| i != k)
+                .map(|(i, &k)| (src[k], src[i]))
+                .collect();
+            let pools: Vec<Tensor> = self.k.iter().chain(&self.v).cloned().collect();
+            kestrel_kernels::kv_move(&pools, &moves)?;
+        } else if !identity && !kept.is_empty() {
             let src = self.slot_rows(seq, base_len, appended)?;
             let src: Vec<u32> = kept.iter().map(|&k| src[k]).collect();
             let dst = self.slot_rows(seq, base_len, kept.len())?;

@@ -13,6 +13,7 @@ pub mod ops {
     pub const RMSNORM: &str = "rmsnorm";
     pub const SWIGLU: &str = "swiglu";
     pub const ROPE: &str = "rope";
+    pub const GEMM: &str = "gemm";
 }
 
 /// Largest tree step (new tokens × KV heads) whose attention runs the paged kernel; bigger
@@ -43,6 +44,9 @@ pub struct CudaKernels {
     /// The fused QKV projection's split, RoPE and K/V append in one kernel (steps through
     /// the attention and `kv_append` kernels only).
     pub qkv_rope: bool,
+    /// Projections of steps of at most `kestrel_kernels::GEMV_MAX_ROWS` rows through the
+    /// `gemv` kernel (others through cuBLAS).
+    pub gemv: bool,
 }
 
 impl Default for CudaKernels {
@@ -62,6 +66,7 @@ impl CudaKernels {
             add_rmsnorm: true,
             swiglu: true,
             qkv_rope: true,
+            gemv: true,
         }
     }
 
@@ -75,6 +80,7 @@ impl CudaKernels {
             add_rmsnorm: false,
             swiglu: false,
             qkv_rope: false,
+            gemv: false,
         }
     }
 
@@ -95,6 +101,7 @@ impl CudaKernels {
             add_rmsnorm: picks(ops::RMSNORM, names::ADD_RMSNORM),
             swiglu: picks(ops::SWIGLU, names::SWIGLU),
             qkv_rope: picks(ops::ROPE, names::QKV_ROPE),
+            gemv: picks(ops::GEMM, names::GEMV),
         }
     }
 
@@ -142,6 +149,7 @@ mod tests {
             choice("rmsnorm", "kestrel_add_rmsnorm_bf16"),
             choice("swiglu", "kestrel_swiglu_bf16"),
             choice("rope", "kestrel_qkv_rope_bf16"),
+            choice("gemm", "kestrel_gemv_bf16+cublas"),
         ];
         let k = CudaKernels::from_choices(&new);
         assert!(k.attention(false, true, 1) && k.attention(false, false, 192));
@@ -149,6 +157,6 @@ mod tests {
         // A tree step too big for the kernel goes back to candle's matmuls.
         assert!(!k.attention(false, false, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
         assert!(k.attention(false, true, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
-        assert!(k.kv_append && k.add_rmsnorm && k.swiglu && k.qkv_rope);
+        assert!(k.kv_append && k.add_rmsnorm && k.swiglu && k.qkv_rope && k.gemv);
     }
 }

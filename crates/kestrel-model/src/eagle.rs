@@ -141,7 +141,7 @@ impl EagleHead {
                 false,
             ),
         };
-        Ok(EagleHead {
+        let mut head = EagleHead {
             cfg: head_cfg.clone(),
             fc,
             layer,
@@ -153,7 +153,10 @@ impl EagleHead {
             cpu_kernels: true,
             cuda_kernels: CudaKernels::default(),
             graphs: StepGraphs::default(),
-        })
+        };
+        // The projections take the default kernel choice too.
+        head.set_cuda_kernels(head.cuda_kernels);
+        Ok(head)
     }
 
     pub fn config(&self) -> &EagleHeadConfig {
@@ -175,6 +178,11 @@ impl EagleHead {
     /// See [`Llama::set_cuda_kernels`].
     pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
         self.cuda_kernels = kernels;
+        self.layer
+            .linears_mut()
+            .into_iter()
+            .for_each(|l| l.gemv = kernels.gemv);
+        self.fc.gemv = kernels.gemv;
     }
 
     /// See [`Llama::set_cuda_graphs`].
@@ -195,7 +203,7 @@ impl EagleHead {
     /// A one-layer KV cache shaped for this head.
     pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
         let c = &self.cfg.llama;
-        PagedKvCache::new(
+        let mut cache = PagedKvCache::new(
             1,
             c.num_kv_heads(),
             c.head_dim(),
@@ -203,7 +211,9 @@ impl EagleHead {
             block_size,
             self.dtype,
             &self.device,
-        )
+        )?;
+        cache.set_move_kernel(self.cuda_kernels.kv_append);
+        Ok(cache)
     }
 
     /// Predicted features `[rows, hidden]` (not normed) of the requested rows of all

@@ -18,6 +18,8 @@ use candle_nn::Init;
 pub(crate) struct Linear {
     pub w: Tensor,
     pub b: Option<Tensor>,
+    /// On CUDA, steps of a few rows take Kestrel's `gemv` kernel (the plan's choice).
+    pub gemv: bool,
 }
 
 impl Linear {
@@ -34,7 +36,16 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Ok(Linear { w, b, gemv: false })
+    }
+
+    /// A linear layer without bias over `w`.
+    pub fn no_bias(w: Tensor) -> Self {
+        Linear {
+            w,
+            b: None,
+            gemv: false,
+        }
     }
 
     /// Concatenates the output rows of several linears into one.
@@ -47,7 +58,7 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Ok(Linear { w, b, gemv: false })
     }
 
     pub fn tensors_mut<'a>(&'a mut self, out: &mut Vec<&'a mut Tensor>) {
@@ -66,12 +77,15 @@ impl Linear {
         self.forward_with(x, true)
     }
 
-    /// `cpu_kernels`: whether the CPU matrix-vector kernel may be used for few rows.
-    pub fn forward_with(&self, x: &Tensor, cpu_kernels: bool) -> Result<Tensor> {
+    /// `fast`: a step's rows, which may take a few-rows kernel (the CPU matrix-vector
+    /// kernel; on CUDA, `gemv` when the plan picked it).
+    pub fn forward_with(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
         let y = if x.rank() == 2 {
             let m = x.dim(0)?;
-            if cpu_kernels && x.device().is_cpu() && m <= MAX_ROWS && x.dtype() == self.w.dtype() {
+            if fast && x.device().is_cpu() && m <= MAX_ROWS && x.dtype() == self.w.dtype() {
                 x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
+            } else if fast && self.gemv && kestrel_kernels::gemv_applies(x, &self.w) {
+                kestrel_kernels::gemv(x, &self.w)?
             } else {
                 // Batch-invariant rows on CPU: a prompt's K/V must not depend on what else
                 // is prefilled with it (prefix reuse prefills only the uncached part).
@@ -112,6 +126,13 @@ impl Proj {
         match self {
             Proj::Fused { lin, .. } => lin.tensors_mut(out),
             Proj::Split(parts) => parts.iter_mut().for_each(|l| l.tensors_mut(out)),
+        }
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Proj::Fused { lin, .. } => vec![lin],
+            Proj::Split(parts) => parts.iter_mut().collect(),
         }
     }
 
@@ -666,6 +687,15 @@ impl DecoderLayer {
         out.push(&mut self.post_norm.w);
         self.mlp.gate_up.tensors_mut(&mut out);
         self.mlp.down.tensors_mut(&mut out);
+        out
+    }
+
+    /// Every projection of the layer (to set how few-row steps run them).
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out = self.attn.qkv.linears_mut();
+        out.push(&mut self.attn.o);
+        out.extend(self.mlp.gate_up.linears_mut());
+        out.push(&mut self.mlp.down);
         out
     }
 

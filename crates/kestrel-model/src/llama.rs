@@ -261,10 +261,7 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(src, "model.norm", h, cfg.rms_norm_eps)?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                w: embed.clone(),
-                b: None,
-            }
+            Linear::no_bias(embed.clone())
         } else {
             Linear::load(src, "lm_head", cfg.vocab_size, h, false)?
         };
@@ -286,6 +283,8 @@ impl Llama {
         if src.fuse() {
             model.pack_weights()?;
         }
+        // The projections take the default kernel choice too.
+        model.set_cuda_kernels(model.cuda_kernels);
         Ok(model)
     }
 
@@ -324,6 +323,13 @@ impl Llama {
     /// plan sets its own choice). Ignored off CUDA.
     pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
         self.cuda_kernels = kernels;
+        for layer in &mut self.layers {
+            layer
+                .linears_mut()
+                .into_iter()
+                .for_each(|l| l.gemv = kernels.gemv);
+        }
+        self.lm_head.gemv = kernels.gemv;
     }
     pub fn cuda_kernels(&self) -> CudaKernels {
         self.cuda_kernels
@@ -359,7 +365,7 @@ impl Llama {
 
     /// A KV cache shaped for this model.
     pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
-        PagedKvCache::new(
+        let mut cache = PagedKvCache::new(
             self.cfg.num_hidden_layers,
             self.cfg.num_kv_heads(),
             self.cfg.head_dim(),
@@ -367,7 +373,10 @@ impl Llama {
             block_size,
             self.dtype,
             &self.device,
-        )
+        )?;
+        // Compaction goes with the other writes of K/V rows: Kestrel's kernels or candle's.
+        cache.set_move_kernel(self.cuda_kernels.kv_append);
+        Ok(cache)
     }
 
     /// Token ids must be inside the vocabulary (a bad id would read past the embedding).

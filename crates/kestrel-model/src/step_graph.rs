@@ -16,8 +16,10 @@ use kestrel_kernels::StepGraph;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-/// Graphs kept per model: more layouts than this (EAGLE-2 trees of many sizes, long contexts)
-/// start the collection over.
+/// Graphs kept per model. Once that many are held, further layouts run eagerly: layouts
+/// recur in proportion to how common they are, so the first to be captured are the ones worth
+/// keeping, and starting over would recapture them again and again (a batch of EAGLE
+/// sequences, each feeding its own number of accepted tokens, has hundreds of layouts).
 const MAX_GRAPHS: usize = 128;
 
 /// A layout is captured on its this-many-th step: capturing costs a few eager steps, which
@@ -129,14 +131,11 @@ impl StepGraphs {
         }
         let seen = g.seen.entry(layout).or_insert(0);
         *seen += 1;
-        if *seen < CAPTURE_AFTER {
+        if *seen < CAPTURE_AFTER || g.entries.len() >= MAX_GRAPHS {
             drop(g);
             return eager(inputs, input, dtype, device, &compute);
         }
         g.seen.remove(&layout);
-        if g.entries.len() >= MAX_GRAPHS {
-            g.entries.clear();
-        }
         let (u32s, f32s) = upload(inputs, device)?;
         let input = match input {
             Some(x) => Some(x.copy()?),

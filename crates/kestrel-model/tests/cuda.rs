@@ -112,6 +112,7 @@ fn greedy_tokens_on_cuda_equal_the_cpu_path() {
                     swiglu: false,
                     kv_append: false,
                     qkv_rope: false,
+                    gemv: false,
                     ..CudaKernels::all()
                 },
             ),

@@ -94,9 +94,9 @@ pub(crate) fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 }
 
 /// Each row's `k` best tokens, best first, with their log-probabilities under softmax(row):
-/// on the host for CPU tensors, on the device otherwise.
+/// on the host for CPU tensors (and k beyond the kernel's limit), on the device otherwise.
 pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
-    if logits.device().is_cpu() {
+    if logits.device().is_cpu() || k > kestrel_kernels::TOP_K_MAX {
         return Ok(logits
             .to_vec2::<f32>()?
             .iter()
