@@ -28,13 +28,29 @@ fn view<'a, T: CudaDType>(
     }
 }
 
-fn suffix(dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => bail!("Kestrel's CUDA kernels do not support {other:?}"),
-    })
+/// `$body` with `$t` the element type of `$dtype` (f32, f16 or bf16) and `$sfx` its kernel
+/// name suffix; other dtypes are an error naming `$what`.
+macro_rules! by_dtype {
+    ($dtype:expr, $what:expr, |$t:ident, $sfx:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                let $sfx = "f32";
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                let $sfx = "f16";
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                let $sfx = "bf16";
+                $body
+            }
+            other => bail!("{} does not support {other:?}", $what),
+        }
+    };
 }
 
 fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
@@ -160,12 +176,8 @@ impl CustomOp3 for PagedAttention {
         let dev = q.device();
         let dims = (n_tok, nh, nkv, d);
         let args = ((q, ql), (k, kl), (v, vl), (ts, tl));
-        let out = match q.dtype() {
-            DType::F32 => self.run::<f32>(dev, args.0, args.1, args.2, args.3, dims, "f32")?,
-            DType::F16 => self.run::<f16>(dev, args.0, args.1, args.2, args.3, dims, "f16")?,
-            DType::BF16 => self.run::<bf16>(dev, args.0, args.1, args.2, args.3, dims, "bf16")?,
-            other => bail!("paged attention does not support {other:?}"),
-        };
+        let out = by_dtype!(q.dtype(), "paged attention", |T, sfx| self
+            .run::<T>(dev, args.0, args.1, args.2, args.3, dims, sfx)?);
         Ok((out, Shape::from((n_tok, nh, d))))
     }
 }
@@ -234,13 +246,13 @@ impl InplaceOp3 for KvAppend {
         slots: &CudaStorage,
         sl: &Layout,
     ) -> Result<()> {
-        let sfx = suffix(pool.dtype())?;
-        match pool.dtype() {
-            DType::F32 => Self::run::<f32>(pool, pl, (rows, rl), (slots, sl), sfx),
-            DType::F16 => Self::run::<f16>(pool, pl, (rows, rl), (slots, sl), sfx),
-            DType::BF16 => Self::run::<bf16>(pool, pl, (rows, rl), (slots, sl), sfx),
-            other => bail!("kv append does not support {other:?}"),
-        }
+        by_dtype!(pool.dtype(), "kv append", |T, sfx| Self::run::<T>(
+            pool,
+            pl,
+            (rows, rl),
+            (slots, sl),
+            sfx
+        ))
     }
 }
 
@@ -311,13 +323,12 @@ impl CustomOp3 for AddRmsNorm {
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let (rows, h) = xl.shape().dims2()?;
-        let sfx = suffix(x.dtype())?;
-        let out = match x.dtype() {
-            DType::F32 => self.run::<f32>((x, xl), (r, rl), (w, wl), sfx)?,
-            DType::F16 => self.run::<f16>((x, xl), (r, rl), (w, wl), sfx)?,
-            DType::BF16 => self.run::<bf16>((x, xl), (r, rl), (w, wl), sfx)?,
-            other => bail!("add_rms_norm does not support {other:?}"),
-        };
+        let out = by_dtype!(x.dtype(), "add_rms_norm", |T, sfx| self.run::<T>(
+            (x, xl),
+            (r, rl),
+            (w, wl),
+            sfx
+        )?);
         Ok((out, Shape::from((2, rows, h))))
     }
 }
@@ -365,13 +376,7 @@ impl CustomOp1 for SwiGlu {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let (rows, two_i) = l.shape().dims2()?;
-        let sfx = suffix(s.dtype())?;
-        let out = match s.dtype() {
-            DType::F32 => Self::run::<f32>(s, l, sfx)?,
-            DType::F16 => Self::run::<f16>(s, l, sfx)?,
-            DType::BF16 => Self::run::<bf16>(s, l, sfx)?,
-            other => bail!("swiglu does not support {other:?}"),
-        };
+        let out = by_dtype!(s.dtype(), "swiglu", |T, sfx| Self::run::<T>(s, l, sfx)?);
         Ok((out, Shape::from((rows, two_i / 2))))
     }
 }
@@ -533,25 +538,17 @@ impl CustomOp1 for QkvRope {
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let (n_tok, width) = l.shape().dims2()?;
         let d = width / (self.nh + 2 * self.nkv);
-        let sfx = suffix(s.dtype())?;
-        let out = match s.dtype() {
-            DType::F32 => self.run::<f32>((s, l), sfx)?,
-            DType::F16 => self.run::<f16>((s, l), sfx)?,
-            DType::BF16 => self.run::<bf16>((s, l), sfx)?,
-            other => bail!("qkv rope does not support {other:?}"),
-        };
+        let out = by_dtype!(s.dtype(), "qkv rope", |T, sfx| self
+            .run::<T>((s, l), sfx)?);
         Ok((out, Shape::from((n_tok, self.nh, d))))
     }
 }
 
 /// `kestrel_kv_move_*` over `pools` (same shape, dtype and device; see kernels.cu).
 pub(crate) fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
-    match pools[0].dtype() {
-        DType::F32 => kv_move_typed::<f32>(pools, moves, "f32"),
-        DType::F16 => kv_move_typed::<f16>(pools, moves, "f16"),
-        DType::BF16 => kv_move_typed::<bf16>(pools, moves, "bf16"),
-        other => bail!("kv move does not support {other:?}"),
-    }
+    by_dtype!(pools[0].dtype(), "kv move", |T, sfx| kv_move_typed::<T>(
+        pools, moves, sfx
+    ))
 }
 
 fn kv_move_typed<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
@@ -665,13 +662,11 @@ impl candle_core::CustomOp2 for Gemv {
     ) -> Result<(CudaStorage, Shape)> {
         let (m, _) = xl.shape().dims2()?;
         let (n, _) = wl.shape().dims2()?;
-        let sfx = suffix(x.dtype())?;
-        let out = match x.dtype() {
-            DType::F32 => Self::run::<f32>((x, xl), (w, wl), sfx)?,
-            DType::F16 => Self::run::<f16>((x, xl), (w, wl), sfx)?,
-            DType::BF16 => Self::run::<bf16>((x, xl), (w, wl), sfx)?,
-            other => bail!("gemv does not support {other:?}"),
-        };
+        let out = by_dtype!(x.dtype(), "gemv", |T, sfx| Self::run::<T>(
+            (x, xl),
+            (w, wl),
+            sfx
+        )?);
         Ok((out, Shape::from((m, n))))
     }
 }

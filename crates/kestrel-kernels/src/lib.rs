@@ -287,14 +287,14 @@ pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
     let aligned = |t: &Tensor| {
         t.layout()
             .contiguous_offsets()
-            .is_some_and(|(start, _)| (start * size) % 16 == 0)
+            .is_some_and(|(start, _)| (start * size).is_multiple_of(16))
     };
     (1..=GEMV_MAX_ROWS).contains(&m)
         && k == wk
         && k <= GEMV_MAX_K
         && x.dtype() == w.dtype()
         && dtype_suffix(x.dtype()).is_ok()
-        && (k * size) % 16 == 0
+        && (k * size).is_multiple_of(16)
         && aligned(x)
         && aligned(w)
 }

@@ -140,7 +140,7 @@ fn run_attention_case(case: &Case, dtype: DType, seed: u64) {
                 let kvh = h / (nh / nkv);
                 let qr = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
                 let mut scores = Vec::new();
-                for i in 0..l {
+                for (i, &slot) in slot_lists[s].iter().enumerate().take(l) {
                     let visible = i < l - n || {
                         let j = i - (l - n);
                         match &masks[s] {
@@ -151,7 +151,7 @@ fn run_attention_case(case: &Case, dtype: DType, seed: u64) {
                     if !visible {
                         continue;
                     }
-                    let row = slot_lists[s][i] as usize;
+                    let row = slot as usize;
                     let kr = &kp[(row * nkv + kvh) * d..(row * nkv + kvh + 1) * d];
                     let dot: f32 = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
                     scores.push((row, dot * scale));

@@ -145,25 +145,28 @@ fn batched_equal_length_step_uses_the_kv_append_kernel() {
     assert_eq!(got, want);
 }
 
+/// A cache holding [`prompts`], each prefilled on its own; returns it with their sequences.
+fn prefilled(m: &Llama) -> (PagedKvCache, Vec<SeqId>) {
+    let mut cache: PagedKvCache = m.new_cache(64, 4).unwrap();
+    let seqs: Vec<SeqId> = prompts().iter().map(|_| cache.add_sequence()).collect();
+    for (seq, p) in seqs.iter().zip(prompts()) {
+        let pos: Vec<u32> = (0..p.len() as u32).collect();
+        let input = SeqInput {
+            seq: *seq,
+            tokens: &p,
+            positions: &pos,
+            mask: None,
+            output_rows: OutputRows::Last,
+        };
+        m.forward_prompt(&[input], &mut cache).unwrap();
+    }
+    (cache, seqs)
+}
+
 /// One verification step: every sequence brings a tree under an ancestor mask.
 fn tree_step(m: &Llama) -> Vec<Vec<f32>> {
-    let mut cache: PagedKvCache = m.new_cache(64, 4).unwrap();
+    let (mut cache, seqs) = prefilled(m);
     let prompts = prompts();
-    let seqs: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
-    for (i, p) in prompts.iter().enumerate() {
-        let pos: Vec<u32> = (0..p.len() as u32).collect();
-        m.forward_prompt(
-            &[SeqInput {
-                seq: seqs[i],
-                tokens: p,
-                positions: &pos,
-                mask: None,
-                output_rows: OutputRows::Last,
-            }],
-            &mut cache,
-        )
-        .unwrap();
-    }
     // Tree: 0 root; 1, 2 children of 0; 3 child of 1; 4 child of 2.
     let parent = [usize::MAX, 0, 0, 1, 2];
     let depth = [0u32, 1, 1, 2, 2];
@@ -279,20 +282,8 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
 /// (a rejected tree): the third is captured, the later ones replay its graph. Returns every
 /// step's hidden states.
 fn repeated_tree_steps(m: &Llama, reps: usize) -> Vec<Vec<Vec<f32>>> {
-    let mut cache: PagedKvCache = m.new_cache(64, 4).unwrap();
+    let (mut cache, seqs) = prefilled(m);
     let prompts = prompts();
-    let seqs: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
-    for (i, p) in prompts.iter().enumerate() {
-        let pos: Vec<u32> = (0..p.len() as u32).collect();
-        let input = SeqInput {
-            seq: seqs[i],
-            tokens: p,
-            positions: &pos,
-            mask: None,
-            output_rows: OutputRows::Last,
-        };
-        m.forward_prompt(&[input], &mut cache).unwrap();
-    }
     // Root 0; 1 and 2 under 0; 3 under 1. Output rows 1 and 3 only (an EAGLE-2 selection).
     let mask = [
         true, false, false, false, //
