@@ -70,17 +70,13 @@ fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
 
-/// Most warps per block of the attention kernel (`PA_WARPS` in kernels.cu).
-const PA_WARPS: usize = 16;
-
-/// Warps per (query row, head) block: one per 32 slots of the longest sequence, up to
-/// [`PA_WARPS`] for a step of few blocks (a decode step: a long context shared by few
-/// warps is latency-bound), up to 4 when the blocks alone fill the GPU (a tree step), where
-/// idle warps would only take the room of other blocks.
-fn attention_warps(blocks: usize, lmax: usize) -> u32 {
-    let cap = if blocks >= 512 { 4 } else { PA_WARPS };
-    lmax.div_ceil(32).clamp(1, cap) as u32
-}
+/// Warps per (query row, head) block of the attention kernel (at most `PA_WARPS` in
+/// kernels.cu). Fixed, never chosen per step: slot chunk c goes to warp c mod this, and the
+/// warps' partial softmax states merge in warp order, so a query row's result depends on its
+/// keys only. A decode step and a verification step then attend bit-identically, which greedy
+/// speculation's equality with plain decoding relies on. Measured on the H200 (docs/gpu-results.md):
+/// 4 warps left a SmolLM2 decode step latency-bound (24 µs per layer), 16 slowed 64-row trees.
+const PA_LAUNCH_WARPS: u32 = 8;
 
 pub(crate) struct PagedAttention {
     pub table: Tensor,
@@ -132,8 +128,7 @@ impl PagedAttention {
         b.arg(&d_a);
         b.arg(&scale);
         // grid.y = heads ≤ 65535; static shared memory (~4 KiB) only.
-        let warps = attention_warps(n_tok * nh, self.lmax);
-        let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
+        let cfg = launch_cfg((n_tok as u32, nh as u32), PA_LAUNCH_WARPS * 32);
         // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
         // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
         unsafe { b.launch(cfg) }.w()?;

@@ -143,7 +143,7 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
 #pragma unroll
     for (int k = 0; k < PA_PER_LANE; ++k) acc[k] = 0.f;
 
-    const int nwarps = blockDim.x / WARP; // at most PA_WARPS, chosen by the launcher
+    const int nwarps = blockDim.x / WARP; // at most PA_WARPS; fixed by the launcher
     for (int base = warp * WARP; base < L; base += nwarps * WARP) {
         const int i = base + lane;
         float sc = -INFINITY;

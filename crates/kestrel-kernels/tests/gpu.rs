@@ -633,3 +633,48 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     let err = gemv(&x, &w).unwrap_err().to_string();
     assert!(err.contains("do not fit the kernel"), "{err}");
 }
+
+/// A query row attends to the same keys bit-identically whether it is a decode step's only
+/// row or the last row of a tree step with many blocks: greedy speculation's equality with
+/// plain decoding relies on it.
+#[test]
+fn paged_attention_rows_do_not_depend_on_the_step() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for dtype in [DType::F32, DType::BF16] {
+        let (l, n, nh, nkv, d) = (300usize, 64usize, 9usize, 3usize, 64usize);
+        let pool =
+            |rng: &mut ChaCha8Rng| to_dev(&randn(rng, l * nkv * d, 1.0), &[l, nkv, d], dtype, &dev);
+        let (kp, vp) = (pool(&mut rng), pool(&mut rng));
+        let q_h = randn(&mut rng, n * nh * d, 1.0);
+        let slots: Vec<u32> = (0..l as u32).rev().collect();
+        let tree = AttnSeq {
+            slots: &slots,
+            n_new: n,
+            mask: None,
+        };
+        let q = to_dev(&q_h, &[n, nh, d], dtype, &dev);
+        let all = host(
+            &paged_attention(&q, &kp, &vp, &PagedAttnMeta::new(&[tree], &dev).unwrap()).unwrap(),
+        );
+        let decode = AttnSeq {
+            slots: &slots,
+            n_new: 1,
+            mask: None,
+        };
+        let last = to_dev(&q_h[(n - 1) * nh * d..], &[1, nh, d], dtype, &dev);
+        let one = host(
+            &paged_attention(
+                &last,
+                &kp,
+                &vp,
+                &PagedAttnMeta::new(&[decode], &dev).unwrap(),
+            )
+            .unwrap(),
+        );
+        assert!(
+            one == all[(n - 1) * nh * d..],
+            "{dtype:?}: the last tree row differs from the same row decoded alone"
+        );
+    }
+}
