@@ -1,22 +1,26 @@
-"""Sums Nsight Compute kernel durations (ncu --csv --metrics gpu__time_duration.sum) by
-kernel name: where a step's GPU time goes. Usage: python3 ncu_summary.py ncu.csv"""
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-hdr = None
-dur = collections.defaultdict(float); cnt = collections.Counter()
+#!/usr/bin/env python3
+"""Summarise `ncu --csv --metrics gpu__time_duration.sum` output: kernels per decode step and
+GPU time per step, per kernel name. Usage: ncu_summary.py ncu.csv [kernels_marker]
+
+A decode step is delimited by the final RMSNorm + LM-head GEMM; we count steps by the number
+of launches of the widest GEMM (the LM head) when possible, else report totals only."""
+import csv, sys, collections, io
+
+path = sys.argv[1]
+lines = open(path, errors="replace").read().splitlines()
+start = next(i for i, l in enumerate(lines) if l.startswith('"ID"'))
+rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+rows = [r for r in rows if r.get("Metric Name") == "gpu__time_duration.sum"]
+unit = rows[0]["Metric Unit"] if rows else "ns"
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1.0)
+by = collections.defaultdict(lambda: [0, 0.0])
+total = 0.0
 for r in rows:
-    if hdr is None:
-        if "Kernel Name" in r: hdr = r
-        continue
-    if len(r) != len(hdr): continue
-    d = dict(zip(hdr, r))
-    if d.get("Metric Name") != "gpu__time_duration.sum": continue
-    name = d["Kernel Name"].split("(")[0][:60]
-    v = float(d["Metric Value"].replace(",", ""))
-    unit = d.get("Metric Unit", "")
-    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
-    dur[name] += v * scale; cnt[name] += 1
-tot = sum(dur.values())
-print(f"total {tot:.1f} us over {sum(cnt.values())} kernels")
-for n, t in sorted(dur.items(), key=lambda x: -x[1])[:25]:
-    print(f"{t:9.1f} us {cnt[n]:5d} x {t/cnt[n]:7.2f} us  {n}")
+    v = float(r["Metric Value"].replace(",", "")) * scale
+    name = r["Kernel Name"].split("(")[0][:60]
+    by[name][0] += 1
+    by[name][1] += v
+    total += v
+print(f"{len(rows)} kernels, {total:.1f} us GPU time in all ({unit})")
+for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+    print(f"{n:6d} {t:10.1f} us {t / n:8.2f} us/launch  {name}")
