@@ -136,7 +136,7 @@ pub struct StepGraph(());
 #[cfg(not(feature = "cuda"))]
 impl StepGraph {
     pub fn launch(&mut self) -> Result<()> {
-        candle_core::bail!("CUDA graphs: kestrel-kernels was built without the `cuda` feature")
+        crate::no_cuda("CUDA graphs")
     }
 }
 
@@ -150,7 +150,7 @@ pub fn with_upload_cache<R>(device: &Device, f: impl FnOnce() -> R) -> Result<R>
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, f);
-        candle_core::bail!("CUDA graphs: kestrel-kernels was built without the `cuda` feature")
+        crate::no_cuda("CUDA graphs")
     }
 }
 
@@ -167,10 +167,7 @@ pub fn capture<R, E: From<candle_core::Error>>(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, f);
-        Err(candle_core::Error::Msg(
-            "CUDA graphs: kestrel-kernels was built without the `cuda` feature".into(),
-        )
-        .into())
+        crate::no_cuda("CUDA graphs").map_err(E::from)
     }
 }
 
@@ -196,6 +193,6 @@ pub fn upload_into<T: UploadElem>(dst: &Tensor, offset: usize, host: &[T]) -> Re
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (dst, offset, host);
-        candle_core::bail!("upload_into: kestrel-kernels was built without the `cuda` feature")
+        crate::no_cuda("upload_into")
     }
 }
