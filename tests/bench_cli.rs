@@ -62,7 +62,11 @@ fn check_common(report: &Value) {
         let roof = r["roofline_fraction"].as_f64().unwrap();
         assert!(roof > 0.0 && roof.is_finite(), "{r}");
         assert!(r["bytes_per_step"].as_f64().unwrap() > 0.0, "{r}");
-        assert!(r["peak_memory_bytes"].is_u64(), "{r}");
+        let peak = r["peak_memory_bytes"].as_u64().unwrap() as f64;
+        let needed = (report["weight_bytes"].as_u64().unwrap()
+            + r["kv_in_use_bytes"].as_u64().unwrap()) as f64;
+        let over = r["memory_overhead_fraction"].as_f64().unwrap();
+        assert!((over - (peak / needed - 1.0)).abs() < 1e-9, "{r}");
         assert!(
             r["kv_allocated_bytes"].as_u64().unwrap() >= r["kv_in_use_bytes"].as_u64().unwrap()
         );

@@ -5,6 +5,8 @@
 #   bash tools/gpu/graphs_h200.sh random   # random-weight shapes -> $OUT/{smol,llama2}_{graphs,eager}.json
 #   bash tools/gpu/graphs_h200.sh profile  # after `real`: Nsight Compute kernel times of 3 eager
 #                                          # plain decode steps (tools/gpu/ncu_summary.py)
+#   bash tools/gpu/graphs_h200.sh profile-random  # Nsight Compute kernel times of graphed plain
+#                                          # steps, random SmolLM2 bf16 (no staging needed)
 #   bash tools/gpu/graphs_h200.sh real     # SmolLM2 + the shipped head (staged GGUF)
 #                                          # -> $OUT/real_{graphs,eager}.json, spec-run outputs compared
 # Binaries come from tools/gpu/stage.sh (or a folder of *.xz given as BIN_XZ).
@@ -29,8 +31,11 @@ bench_pair() { # name, spec-bench args...
 }
 case $1 in
 test)
-  $B/gpu-test --test-threads 1 2>&1 | tail -4
-  $B/cuda-test --test-threads 1 2>&1 | tail -14
+  # Both binaries run whatever the first gives; a failure's message is kept.
+  for t in gpu-test cuda-test; do
+    $B/$t --test-threads 1 > /tmp/$t.log 2>&1 || true
+    grep -E "^test result|panicked|FAILED|failures:" -A4 /tmp/$t.log | head -40
+  done
   ;;
 random)
   bench_pair smol --random_weights smollm2-135m --dtype bfloat16 --prompt_len 128 \
@@ -71,6 +76,15 @@ for m in ["plain", "eagle1", "eagle2"]:
     print(f"spec-run {m}: graphs {ta:.1f} tok/s, eager {tb:.1f} tok/s, same ids: {ids(a) == ids(b)}, "
           f"same as plain: {ids(a) == ids('/tmp/runs_eager/plain.json')}")
 PY
+  ;;
+profile-random)
+  # Graph nodes profiled one by one at the clocks and caches they run with.
+  /usr/local/cuda/bin/ncu --csv --metrics gpu__time_duration.sum --clock-control none \
+    --cache-control none --graph-profiling node --launch-skip 2500 --launch-count 700 \
+    $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+    --max_output_len 64 --num_prompts 1 --batch_sizes 1 --modes plain \
+    --copy_bytes 1048576 > /tmp/ncu.csv 2>/tmp/ncu.err || tail -3 /tmp/ncu.err
+  python3 tools/gpu/ncu_summary.py /tmp/ncu.csv
   ;;
 profile)
   /usr/local/cuda/bin/ncu --csv --metrics gpu__time_duration.sum --launch-skip 3000 --launch-count 900 \

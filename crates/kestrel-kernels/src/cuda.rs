@@ -589,29 +589,60 @@ fn kv_move_typed<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     Ok(())
 }
 
-/// Warps per block of `kestrel_gemv_*` and output columns per block (`GEMV_WARPS`,
-/// `GEMV_COLS` in kernels.cu).
+/// Warps per block of the `kestrel_gemv*` kernels (`GEMV_WARPS` in kernels.cu).
 const GEMV_WARPS: usize = 8;
-const GEMV_COLS: usize = 2;
 
-/// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`.
-pub(crate) struct Gemv;
+/// The launch of a gemv kernel over `n` output columns of width `k` (elements of
+/// `elem_bytes`), with `stage_bytes` of dynamic shared memory, and its `split`: how many
+/// warps share a column. Each warp should get a full 16-byte vector per lane for every pass
+/// over its part of K, so K = 576 in bf16 (72 vectors) takes 2 warps, not 4 with the last one
+/// idle; fewer warps per column also means fewer blocks (one wave for SmolLM2's gate_up
+/// rather than two). Depends on K alone, so a row's sum order never depends on M.
+fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (LaunchConfig, i32) {
+    let vec = 16 / elem_bytes;
+    let rounds = k / (32 * vec);
+    let split = match rounds {
+        0 | 1 => 1,
+        2 | 3 => 2,
+        _ => 4,
+    };
+    let mut cfg = launch_cfg(
+        (n.div_ceil(GEMV_WARPS / split) as u32, 1),
+        (GEMV_WARPS * 32) as u32,
+    );
+    cfg.shared_mem_bytes = stage_bytes as u32;
+    (cfg, split as i32)
+}
+
+/// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`; with `swiglu`,
+/// `kestrel_gemv_swiglu_*`: `x` is a fused gate_up output `[M, 2K]` and the product takes
+/// `silu(gate) · up` of it.
+pub(crate) struct Gemv {
+    pub swiglu: bool,
+}
 
 impl Gemv {
     fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
         x: (&CudaStorage, &Layout),
         w: (&CudaStorage, &Layout),
         sfx: &str,
     ) -> Result<CudaStorage> {
         let dev = x.0.device().clone();
-        let (m, k) = x.1.shape().dims2()?;
-        let (n, _) = w.1.shape().dims2()?;
+        let (m, _) = x.1.shape().dims2()?;
+        let (n, k) = w.1.shape().dims2()?;
         let xv = view::<T>(x.0, x.1, "gemv input")?;
         let wv = view::<T>(w.0, w.1, "gemv weight")?;
         // SAFETY: every (row, column) is written by its column's warp.
         let out = unsafe { dev.alloc::<T>(m * n)? };
         if m > 0 && n > 0 {
-            let func = dev.get_or_load_custom_func(&format!("kestrel_gemv_{sfx}"), MODULE, PTX)?;
+            let (kernel, stage) = if self.swiglu {
+                ("kestrel_gemv_swiglu", m * k * std::mem::size_of::<T>())
+            } else {
+                ("kestrel_gemv", 0)
+            };
+            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
+            let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
             let (m_a, n_a, k_a) = (
                 i32_arg(m, "rows")?,
                 i32_arg(n, "columns")?,
@@ -624,12 +655,124 @@ impl Gemv {
             b.arg(&m_a);
             b.arg(&n_a);
             b.arg(&k_a);
-            let blocks = n.div_ceil(GEMV_COLS) as u32;
-            // SAFETY: argument types match kestrel_gemv_*; shapes and alignment were checked
-            // by `kestrel_kernels::gemv`.
-            unsafe { b.launch(launch_cfg((blocks, 1), (GEMV_WARPS * 32) as u32)) }.w()?;
+            b.arg(&split);
+            // SAFETY: argument types match kestrel_gemv_* / kestrel_gemv_swiglu_*; shapes,
+            // alignment and the staging size were checked by the launcher in lib.rs.
+            unsafe { b.launch(cfg) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+/// `kestrel_gemv_add_rmsnorm_*` over the rows `x [M, K]` and the norm weight `[K]`, with the
+/// residual `res` (or none) and the projection `w [N, K]`: one buffer holding `x + res`
+/// `[M·K]` (only with `res`), then the product `[M·N]`.
+pub(crate) struct GemvAddRmsNorm {
+    pub res: Option<Tensor>,
+    pub w: Tensor,
+    pub eps: f32,
+}
+
+impl GemvAddRmsNorm {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        x: (&CudaStorage, &Layout),
+        nw: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = x.0.device().clone();
+        let (m, _) = x.1.shape().dims2()?;
+        cuda_storage!(ws, wl = self.w, "gemv weight");
+        let (n, k) = wl.shape().dims2()?;
+        let xv = view::<T>(x.0, x.1, "residual input")?;
+        let nv = view::<T>(nw.0, nw.1, "norm weight")?;
+        let wv = view::<T>(ws, wl, "gemv weight")?;
+        let sums = if self.res.is_some() { m * k } else { 0 };
+        // SAFETY: block 0 writes the sums, the columns' warps write the M·N products.
+        let out = unsafe { dev.alloc::<T>(sums + m * n)? };
+        if m > 0 && n > 0 {
+            let func = dev.get_or_load_custom_func(
+                &format!("kestrel_gemv_add_rmsnorm_{sfx}"),
+                MODULE,
+                PTX,
+            )?;
+            let size = std::mem::size_of::<T>();
+            let (cfg, split) = gemv_launch(n, k, size, (m + 1) * k * size);
+            let (m_a, n_a, k_a) = (
+                i32_arg(m, "rows")?,
+                i32_arg(n, "columns")?,
+                i32_arg(k, "K")?,
+            );
+            let sum_view = out.slice(..sums);
+            let y = out.slice(sums..);
+            let mut b = func.builder();
+            b.arg(&xv);
+            // The residual's guard lives as long as the launch; null for no add.
+            let res_guard;
+            let res_view;
+            let null: u64 = 0;
+            match &self.res {
+                Some(r) => {
+                    res_guard = r.storage_and_layout();
+                    let (Storage::Cuda(rs), rl) = (&*res_guard.0, &res_guard.1) else {
+                        bail!("the residual is not on the CUDA device")
+                    };
+                    res_view = view::<T>(rs, rl, "residual")?;
+                    b.arg(&res_view);
+                }
+                None => {
+                    b.arg(&null);
+                }
+            }
+            b.arg(&nv);
+            b.arg(&wv);
+            b.arg(&y);
+            b.arg(&sum_view);
+            b.arg(&m_a);
+            b.arg(&n_a);
+            b.arg(&k_a);
+            b.arg(&self.eps);
+            b.arg(&split);
+            // SAFETY: argument types match kestrel_gemv_add_rmsnorm_* (a null pointer for no
+            // residual, which the kernel checks); shapes, alignment and the staging size were
+            // checked by the launcher in lib.rs.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl candle_core::CustomOp2 for GemvAddRmsNorm {
+    fn name(&self) -> &'static str {
+        "kestrel-gemv-add-rmsnorm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel gemv_add_rms_norm runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        nw: &CudaStorage,
+        nwl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (m, k) = xl.shape().dims2()?;
+        let (n, _) = self.w.dims2()?;
+        let sums = if self.res.is_some() { m * k } else { 0 };
+        let out = by_dtype!(x.dtype(), "gemv_add_rms_norm", |T, sfx| self.run::<T>(
+            (x, xl),
+            (nw, nwl),
+            sfx
+        )?);
+        Ok((out, Shape::from(sums + m * n)))
     }
 }
 
@@ -657,7 +800,7 @@ impl candle_core::CustomOp2 for Gemv {
     ) -> Result<(CudaStorage, Shape)> {
         let (m, _) = xl.shape().dims2()?;
         let (n, _) = wl.shape().dims2()?;
-        let out = by_dtype!(x.dtype(), "gemv", |T, sfx| Self::run::<T>(
+        let out = by_dtype!(x.dtype(), "gemv", |T, sfx| self.run::<T>(
             (x, xl),
             (w, wl),
             sfx

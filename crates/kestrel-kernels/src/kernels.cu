@@ -27,28 +27,37 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 // kernels replace (e.g. RMSNorm normalised in f32, stored in bf16, then scaled in bf16).
 template <typename T> __device__ __forceinline__ float round_t(float x) { return to_f(from_f<T>(x)); }
 
-// 16 bytes at `p` (4 f32 or 8 f16/bf16, 16-byte aligned) as floats.
-__device__ __forceinline__ void load16(const float *p, float *o) {
-    const float4 v = *reinterpret_cast<const float4 *>(p);
-    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+// silu(g) rounded to T, as candle's `silu` stores it (kestrel_swiglu and gemv_swiglu).
+template <typename T> __device__ __forceinline__ float silu_t(const float g) {
+    return round_t<T>(g / (1.f + expf(-g)));
 }
-__device__ __forceinline__ void load16(const __half *p, float *o) {
-    const uint4 v = *reinterpret_cast<const uint4 *>(p);
-    const __half2 *h = reinterpret_cast<const __half2 *>(&v);
+
+// 16 bytes (4 f32 or 8 f16/bf16) as floats.
+template <typename T> __device__ __forceinline__ void unpack16(const uint4 v, float *o);
+template <> __device__ __forceinline__ void unpack16<float>(const uint4 v, float *o) {
+    o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
+    o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
+}
+// The two 16-bit types: four pairs, each converted by `pair`.
+template <typename P, typename F>
+__device__ __forceinline__ void unpack16_pairs(const uint4 v, float *o, F pair) {
+    const P *h = reinterpret_cast<const P *>(&v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
+        const float2 f = pair(h[i]);
         o[2 * i] = f.x; o[2 * i + 1] = f.y;
     }
 }
-__device__ __forceinline__ void load16(const __nv_bfloat16 *p, float *o) {
-    const uint4 v = *reinterpret_cast<const uint4 *>(p);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x; o[2 * i + 1] = f.y;
-    }
+template <> __device__ __forceinline__ void unpack16<__half>(const uint4 v, float *o) {
+    unpack16_pairs<__half2>(v, o, [](const __half2 h) { return __half22float2(h); });
+}
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4 v, float *o) {
+    unpack16_pairs<__nv_bfloat162>(v, o, [](const __nv_bfloat162 h) { return __bfloat1622float2(h); });
+}
+
+// 16 bytes at `p` (16-byte aligned) as floats.
+template <typename T> __device__ __forceinline__ void load16(const T *p, float *o) {
+    unpack16<T>(*reinterpret_cast<const uint4 *>(p), o);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -95,8 +104,11 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 //
 // One block of up to PA_WARPS warps per (query token, head). Each warp walks chunks of 32 slots:
 // lane j scores slot base + j (a full dot product over d), the warp updates its online
-// softmax (running max m, sum l, accumulator acc over d spread across lanes) and adds the
-// chunk's V rows. The warps' partial states are merged through shared memory at the end.
+// softmax (running max m, sum l, accumulator over d spread across lanes) and adds the
+// chunk's V rows, several rows per pass with 16-byte loads where the head size allows. The
+// warps' partial states are merged through shared memory at the end. The slots a warp walks
+// and every order of summation depend only on the sequence (L, mask), never on how many
+// query rows the step has: a decode step and a verification give a row the same bits.
 // ---------------------------------------------------------------------------------------
 #define PA_WARPS 16
 #define PA_MAX_D 256
@@ -142,6 +154,18 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
     float acc[PA_PER_LANE];
 #pragma unroll
     for (int k = 0; k < PA_PER_LANE; ++k) acc[k] = 0.f;
+    // V rows are read as 16-byte vectors when a row is a power-of-two number `lpr` ≤ 32 of
+    // them: lane = (row of the pass, vector), 32/lpr rows a pass, all of a chunk's loads in
+    // flight at once. Reading one element per lane and one row at a time left a chunk's 32
+    // V rows as 8 rounds of memory latency. Otherwise (other head sizes) the scalar loop.
+    constexpr int VEC = 16 / sizeof(T);
+    const int lpr = d / VEC;
+    const bool vec_v = d % VEC == 0 && lpr <= WARP && (lpr & (lpr - 1)) == 0;
+    const int rows_per_pass = vec_v ? WARP / lpr : 1;
+    const int rsub = vec_v ? lane / lpr : 0, vsub = vec_v ? lane % lpr : 0;
+    float accv[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) accv[k] = 0.f;
 
     const int nwarps = blockDim.x / WARP; // at most PA_WARPS; fixed by the launcher
     for (int base = warp * WARP; base < L; base += nwarps * WARP) {
@@ -157,7 +181,6 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
             }
             if (ok) {
                 const T *kr = k_base + (size_t)slot * row_stride;
-                constexpr int VEC = 16 / sizeof(T);
                 float dot = 0.f;
                 if (d % VEC == 0) {
                     // 16-byte loads: the K row is 16-byte aligned when d is a multiple of VEC.
@@ -180,19 +203,37 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         const float corr = expf(m - m_new); // 0 on the first chunk (m = -inf)
         const float p = sc == -INFINITY ? 0.f : expf(sc - m_new);
         l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int k = 0; k < PA_PER_LANE; ++k) acc[k] *= corr;
         const int cnt = min(WARP, L - base); // warp-uniform
-#pragma unroll 4
-        for (int j = 0; j < cnt; ++j) {
-            const float pj = __shfl_sync(FULL_MASK, p, j);
-            const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
-            if (pj != 0.f) { // masked: an exact zero contribution, whatever the slot holds
-                const T *vr = v_base + (size_t)sj * row_stride;
+        if (vec_v) {
 #pragma unroll
-                for (int k = 0; k < PA_PER_LANE; ++k) {
-                    const int e = lane + WARP * k;
-                    if (e < d) acc[k] += pj * to_f(vr[e]);
+            for (int k = 0; k < VEC; ++k) accv[k] *= corr;
+#pragma unroll 8
+            for (int j0 = 0; j0 < cnt; j0 += rows_per_pass) {
+                const int j = j0 + rsub; // < 32: j0 ≤ 32 − rows_per_pass
+                const float pj = __shfl_sync(FULL_MASK, p, j);
+                const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
+                // Every slot id is a pool row (0 past the end), so the load is always in
+                // bounds; a masked slot (pj = 0) still adds nothing, whatever it holds.
+                float vv[VEC];
+                load16(v_base + (size_t)sj * row_stride + vsub * VEC, vv);
+                const bool use = j < cnt && pj != 0.f;
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) accv[k] = use ? fmaf(pj, vv[k], accv[k]) : accv[k];
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < PA_PER_LANE; ++k) acc[k] *= corr;
+#pragma unroll 4
+            for (int j = 0; j < cnt; ++j) {
+                const float pj = __shfl_sync(FULL_MASK, p, j);
+                const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
+                if (pj != 0.f) { // masked: an exact zero contribution, whatever the slot holds
+                    const T *vr = v_base + (size_t)sj * row_stride;
+#pragma unroll
+                    for (int k = 0; k < PA_PER_LANE; ++k) {
+                        const int e = lane + WARP * k;
+                        if (e < d) acc[k] += pj * to_f(vr[e]);
+                    }
                 }
             }
         }
@@ -203,10 +244,21 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         w_m[warp] = m;
         w_l[warp] = l;
     }
+    if (vec_v) {
+        // The passes' rows summed across the lanes holding the same vector of the row.
 #pragma unroll
-    for (int k = 0; k < PA_PER_LANE; ++k) {
-        const int e = lane + WARP * k;
-        if (e < d) w_acc[warp][e] = acc[k];
+        for (int k = 0; k < VEC; ++k)
+            for (int o = lpr; o < WARP; o <<= 1) accv[k] += __shfl_xor_sync(FULL_MASK, accv[k], o);
+        if (rsub == 0) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) w_acc[warp][vsub * VEC + k] = accv[k];
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < PA_PER_LANE; ++k) {
+            const int e = lane + WARP * k;
+            if (e < d) w_acc[warp][e] = acc[k];
+        }
     }
     __syncthreads();
 
@@ -239,62 +291,222 @@ __device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
 // ---------------------------------------------------------------------------------------
 // Matrix-vector products for the few rows of a decode step: y[m, n] = Σ_k x[m, k] · w[n, k]
 // for m < M ≤ GEMV_MAX_ROWS, w row-major [N, K] (a linear layer's weight), x [M, K], y [M, N],
-// f32 accumulation, y rounded to T. One warp per output column n reads w's row once with
-// 16-byte loads and applies it to every row of x, so the weights are read once per step
-// whatever M is, and row m's sum is taken in the same order for every M.
+// f32 accumulation, y rounded to T. `split` warps share an output column, each over an
+// interleaved part of K, and read w's row once with 16-byte loads, applying it to every row
+// of x: the weights are read once per step whatever M is, and row m's sum is taken in an
+// order that depends on K and split (the host picks split from K alone), never on M.
 // Needs K a multiple of the vector width (4 f32, 8 f16/bf16) and 16-byte aligned rows.
 // ---------------------------------------------------------------------------------------
 #define GEMV_MAX_ROWS 8
 #define GEMV_WARPS 8
-// Warps sharing one output column, each over an interleaved quarter of K: a small layer
-// (few columns, e.g. a 576-wide output) still fills the GPU and each warp's loop is short.
-#define GEMV_SPLIT 4
-#define GEMV_COLS (GEMV_WARPS / GEMV_SPLIT)
+// Largest K (GEMV_MAX_K in lib.rs).
+#define GEMV_MAX_K 2048
+
+// Six blocks of 8 warps per multiprocessor: SmolLM2's widest projection of K = 576 (gate_up,
+// 768 blocks) then runs in one wave on 132 multiprocessors.
+#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, 5)
+
+// 16 bytes of T values into `p` (16-byte aligned).
+template <typename T> __device__ __forceinline__ void store16(T *p, const float *v) {
+    constexpr int VEC = 16 / sizeof(T);
+    __align__(16) T out[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = from_f<T>(v[i]);
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(out);
+}
+
+// One warp's share of a gemv: a part of K of output column n. The weights are loaded first
+// (`prefetch`), so that the fused variants' staging of their inputs overlaps that memory
+// latency, and applied to the rows afterwards (`finish`).
+template <typename T> struct GemvWarp {
+    static constexpr int VEC = 16 / sizeof(T);
+    // Vectors per lane that the host's choice of split (cuda.rs, gemv_launch) can give at
+    // K ≤ GEMV_MAX_K: 2, or 4 for f32. Any further ones are loaded in `finish`.
+    static constexpr int PREFETCH =
+        GEMV_MAX_K / (4 * WARP * VEC) > 2 ? GEMV_MAX_K / (4 * WARP * VEC) : 2;
+    uint4 wv[PREFETCH]; // raw: 4 registers a vector whatever T
+    const T *wr;
+    int n, col, part, k_first, stride;
+
+    __device__ __forceinline__ void prefetch(const T *__restrict__ w, const int N, const int K,
+                                             const int split) {
+        const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+        col = warp / split;
+        part = warp % split;
+        n = blockIdx.x * (GEMV_WARPS / split) + col;
+        wr = w + (size_t)n * K;
+        k_first = (part * WARP + lane) * VEC;
+        stride = split * WARP * VEC;
+#pragma unroll
+        for (int it = 0; it < PREFETCH; ++it) {
+            const int k0 = k_first + it * stride;
+            if (n < N && k0 < K) wv[it] = *reinterpret_cast<const uint4 *>(wr + k0);
+        }
+    }
+
+    // y[m, n] for m < M from the rows x [M, K] (global or shared memory). The parts of a
+    // column are summed in a fixed order: the same result for every M.
+    __device__ __forceinline__ void finish(const T *x, T *__restrict__ y, const int M,
+                                           const int N, const int K, const int split) {
+        __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS];
+        const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+        float acc[GEMV_MAX_ROWS];
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m) acc[m] = 0.f;
+        if (n < N) {
+#pragma unroll
+            for (int it = 0; it < PREFETCH; ++it) {
+                const int k0 = k_first + it * stride;
+                if (k0 < K) {
+                    float w1[VEC];
+                    unpack16<T>(wv[it], w1);
+                    add_rows(x, w1, k0, M, K, acc);
+                }
+            }
+            for (int k0 = k_first + PREFETCH * stride; k0 < K; k0 += stride) {
+                float w1[VEC];
+                load16(wr + k0, w1);
+                add_rows(x, w1, k0, M, K, acc);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+            if (m < M) {
+                const float total = warp_sum(acc[m]);
+                if (lane == 0) sums[warp][m] = total;
+            }
+        }
+        __syncthreads();
+        if (part == 0 && n < N) {
+            for (int m = lane; m < M; m += WARP) {
+                float total = 0.f;
+                for (int q = 0; q < split; ++q) total += sums[col * split + q][m];
+                y[(size_t)m * N + n] = from_f<T>(total);
+            }
+        }
+    }
+
+    __device__ __forceinline__ static void add_rows(const T *x, const float *w1, const int k0,
+                                                    const int M, const int K, float *acc) {
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+            if (m < M) {
+                float xv[VEC];
+                load16(x + (size_t)m * K + k0, xv);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[m] = fmaf(w1[i], xv[i], acc[m]);
+            }
+        }
+    }
+};
 
 template <typename T>
 __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
-                     const int M, const int N, const int K) {
+                     const int M, const int N, const int K, const int split) {
+    GemvWarp<T> g;
+    g.prefetch(w, N, K, split);
+    g.finish(x, y, M, N, K, split);
+}
+
+// The fused variants stage their input rows [M, K] in dynamic shared memory, as T: exact,
+// since the kernels they replace store T. Each block computes them once for all of its
+// columns (computing them per column and weight vector instead cost ~5 µs a launch), while
+// its weights are already on their way.
+extern __shared__ __align__(16) unsigned char gemv_stage[];
+
+// SwiGLU fused into the projection after it: x = round_T(silu_T(gate) · up) of the fused
+// gate_up rows gu [M, 2K], computed as kestrel_swiglu does.
+template <typename T>
+__device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
+                            T *__restrict__ y, const int M, const int N, const int K,
+                            const int split) {
     constexpr int VEC = 16 / sizeof(T);
-    __shared__ float part[GEMV_WARPS][GEMV_MAX_ROWS];
+    GemvWarp<T> g;
+    g.prefetch(w, N, K, split);
+    T *xs = reinterpret_cast<T *>(gemv_stage);
+    const int kv = K / VEC;
+    for (int i = threadIdx.x; i < M * kv; i += blockDim.x) {
+        const int m = i / kv, k0 = (i % kv) * VEC;
+        const T *row = gu + (size_t)m * 2 * K;
+        float gate[VEC], up[VEC];
+        load16(row + k0, gate);
+        load16(row + K + k0, up);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) gate[j] = silu_t<T>(gate[j]) * up[j];
+        store16(xs + (size_t)m * K + k0, gate);
+    }
+    __syncthreads();
+    g.finish(xs, y, M, N, K, split);
+}
+
+// The residual add and RMSNorm fused into the projection after them: sum = x + res (rounded
+// to T; res may be null: no add) and y = gemv(round_T(round_T(sum · rsqrt(mean(sum²) + eps))
+// · nw)), the values of kestrel_add_rmsnorm. Block 0 also writes the sums to sum_out (with a
+// residual). Staging: the block's threads split each row into 16-byte vectors (thread t takes
+// vectors t, t + blockDim, …, the same ones in every row), stage the sums and nw in shared
+// memory ([M, K] then [K]) and sum their squares; a row's sum of squares is then the warps'
+// partial sums added in a fixed order, so it does not depend on M.
+template <typename T>
+__device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
+                                 const T *__restrict__ nw, const T *__restrict__ w,
+                                 T *__restrict__ y, T *__restrict__ sum_out, const int M,
+                                 const int N, const int K, const float eps, const int split) {
+    constexpr int VEC = 16 / sizeof(T);
+    __shared__ float sq[GEMV_MAX_ROWS][GEMV_WARPS];
+    GemvWarp<T> g;
+    g.prefetch(w, N, K, split);
+    T *xs = reinterpret_cast<T *>(gemv_stage);
+    T *nws = xs + (size_t)M * K;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int col = warp / GEMV_SPLIT, quarter = warp % GEMV_SPLIT;
-    const int n = blockIdx.x * GEMV_COLS + col;
-    float acc[GEMV_MAX_ROWS];
-#pragma unroll
-    for (int m = 0; m < GEMV_MAX_ROWS; ++m) acc[m] = 0.f;
-    if (n < N) {
-        const T *wr = w + (size_t)n * K;
-#pragma unroll 2
-        for (int k0 = (quarter * WARP + lane) * VEC; k0 < K; k0 += GEMV_SPLIT * WARP * VEC) {
-            float wv[VEC], xv[VEC];
-            load16(wr + k0, wv);
-#pragma unroll
-            for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
-                if (m < M) {
-                    load16(x + (size_t)m * K + k0, xv);
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[m] = fmaf(wv[i], xv[i], acc[m]);
-                }
-            }
-        }
+    const int kv = K / VEC;
+    for (int v = threadIdx.x; v < kv; v += blockDim.x) {
+        float t[VEC];
+        load16(nw + v * VEC, t);
+        store16(nws + v * VEC, t);
     }
 #pragma unroll
     for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
         if (m < M) {
-            const float total = warp_sum(acc[m]);
-            if (lane == 0) part[warp][m] = total;
+            float ss = 0.f;
+            for (int v = threadIdx.x; v < kv; v += blockDim.x) {
+                const size_t off = (size_t)m * K + v * VEC;
+                float s[VEC], r[VEC];
+                load16(x + off, s);
+                if (res) {
+                    load16(res + off, r);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) r[j] = 0.f;
+                }
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    s[j] = round_t<T>(s[j] + r[j]);
+                    ss += s[j] * s[j];
+                }
+                store16(xs + off, s);
+                if (res && blockIdx.x == 0) store16(sum_out + off, s);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) sq[m][warp] = ss;
         }
     }
     __syncthreads();
-    // The column's quarters summed in a fixed order: the same result for every M.
-    if (quarter == 0 && n < N) {
-        for (int m = lane; m < M; m += WARP) {
-            float total = 0.f;
+    for (int m = 0; m < M; ++m) {
+        float total = 0.f;
+        for (int q = 0; q < GEMV_WARPS; ++q) total += sq[m][q];
+        const float scale = rsqrtf(total / K + eps);
+        for (int v = threadIdx.x; v < kv; v += blockDim.x) {
+            const size_t off = (size_t)m * K + v * VEC;
+            float s[VEC], wn[VEC];
+            load16(xs + off, s);
+            load16(nws + v * VEC, wn);
 #pragma unroll
-            for (int q = 0; q < GEMV_SPLIT; ++q) total += part[col * GEMV_SPLIT + q][m];
-            y[(size_t)m * N + n] = from_f<T>(total);
+            for (int j = 0; j < VEC; ++j) s[j] = round_t<T>(scale * s[j]) * wn[j];
+            store16(xs + off, s);
         }
     }
+    __syncthreads();
+    g.finish(xs, y, M, N, K, split);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -366,8 +578,7 @@ __device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, const size
         const size_t row = i / inter, c = i % inter;
         const float g = to_f(gu[row * 2 * inter + c]);
         const float u = to_f(gu[row * 2 * inter + inter + c]);
-        const float sg = round_t<T>(g / (1.f + expf(-g)));
-        out[i] = from_f<T>(sg * u);
+        out[i] = from_f<T>(silu_t<T>(g) * u);
     }
 }
 
@@ -449,32 +660,44 @@ __device__ __forceinline__ void block_best(float &best, unsigned int &idx, float
     }
 }
 
-// The best element of row `xr` that comes after (prev_v, prev_i) in the order (all of them
-// when prev_i is NO_INDEX).
-__device__ __forceinline__ void best_after(const float *__restrict__ xr, const int v,
-                                           const float prev_v, const unsigned int prev_i,
-                                           float *sv, unsigned int *si, float &best,
-                                           unsigned int &idx) {
-    best = -INFINITY;
-    idx = NO_INDEX;
-    for (int e = threadIdx.x; e < v; e += blockDim.x) {
-        const float val = xr[e];
-        const bool after = prev_i == NO_INDEX || val < prev_v || (val == prev_v && e > prev_i);
-        if (!isnan(val) && after && beats(val, e, best, idx)) {
-            best = val;
-            idx = e;
-        }
-    }
-    block_best(best, idx, sv, si);
-}
-
+// One block per row. A row is read with 16-byte loads, four in flight per thread: a single
+// block streaming a 49,152-entry row one float at a time took ~28 µs, most of the step's
+// sampling. The order is total, so the result does not depend on which thread saw what.
 extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
                                               unsigned int *__restrict__ out, const int v) {
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
-    float best;
-    unsigned int idx;
-    best_after(x + (size_t)blockIdx.x * v, v, 0.f, NO_INDEX, sv, si, best, idx);
+    const float *xr = x + (size_t)blockIdx.x * v;
+    float best = -INFINITY;
+    unsigned int idx = NO_INDEX;
+    auto see = [&](const float val, const unsigned int e) {
+        if (!isnan(val) && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
+        }
+    };
+    // The vectorised part needs 16-byte aligned rows; the rest goes one by one.
+    const int v4 = (v % 4 == 0 && reinterpret_cast<size_t>(xr) % 16 == 0) ? v / 4 : 0;
+    const float4 *x4 = reinterpret_cast<const float4 *>(xr);
+    constexpr int UNROLL = 4;
+    for (int base = threadIdx.x; base < v4; base += UNROLL * blockDim.x) {
+        float4 q[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int e4 = base + u * blockDim.x;
+            q[u] = e4 < v4 ? x4[e4] : make_float4(NAN, NAN, NAN, NAN);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned int e = 4u * (base + u * blockDim.x);
+            see(q[u].x, e);
+            see(q[u].y, e + 1);
+            see(q[u].z, e + 2);
+            see(q[u].w, e + 3);
+        }
+    }
+    for (int e = 4 * v4 + threadIdx.x; e < v; e += blockDim.x) see(xr[e], e);
+    block_best(best, idx, sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = idx == NO_INDEX ? 0u : idx; // all NaN → 0, as on the host
 }
 
@@ -567,9 +790,20 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
                                                         const int width) {                      \
         kv_move<T>(table, scratch, n_pools, m, width);                                          \
     }                                                                                           \
-    extern "C" __global__ void kestrel_gemv_##SUFFIX(const T *x, const T *w, T *y, const int M, \
-                                                     const int N, const int K) {                \
-        gemv<T>(x, w, y, M, N, K);                                                              \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_##SUFFIX(const T *x, const T *w, T *y, const int M, \
+                                                     const int N, const int K,                  \
+                                                     const int split) {                         \
+        gemv<T>(x, w, y, M, N, K, split);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_swiglu_##SUFFIX(const T *gu, const T *w, T *y,      \
+                                                            const int M, const int N,           \
+                                                            const int K, const int split) {     \
+        gemv_swiglu<T>(gu, w, y, M, N, K, split);                                               \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_add_rmsnorm_##SUFFIX(                               \
+        const T *x, const T *res, const T *nw, const T *w, T *y, T *sum_out, const int M,       \
+        const int N, const int K, const float eps, const int split) {                           \
+        gemv_add_rmsnorm<T>(x, res, nw, w, y, sum_out, M, N, K, eps, split);                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
                                                        const int inter) {                       \

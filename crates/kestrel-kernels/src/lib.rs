@@ -4,7 +4,8 @@
 //!   (slot table, GQA, causal or tree mask over the new tokens) in one launch per layer.
 //! - [`kv_append`]: writes a step's new K or V rows into a pool at u32 slot ids.
 //! - [`kv_move`]: compaction after a verification, every layer's pools in one launch.
-//! - [`gemv`]: the projections of a step of a few rows, each weight read once.
+//! - [`gemv`]: the projections of a step of a few rows, each weight read once;
+//!   [`gemv_add_rms_norm`] and [`gemv_swiglu`] fold the kernel before a projection into it.
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
 //! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
 //! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
@@ -280,7 +281,13 @@ pub const GEMV_MAX_K: usize = 2048;
 /// K ≤ [`GEMV_MAX_K`] and the same dtype (f32, f16, bf16), both contiguous, K a multiple of
 /// the 16-byte vector and every row starting 16-byte aligned.
 pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
-    let (Ok((m, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
+    x.dims2().is_ok_and(|(_, k)| gemv_fits(x, k, w))
+}
+
+/// Whether the gemv kernels take an input `x` `[M, ..]` whose rows give `k` values each
+/// (the input's own width, or half of a fused gate_up's) against `w`.
+fn gemv_fits(x: &Tensor, k: usize, w: &Tensor) -> bool {
+    let (Ok((m, _)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
         return false;
     };
     let size = x.dtype().size_in_bytes();
@@ -299,26 +306,115 @@ pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
         && aligned(w)
 }
 
+fn gemv_misfit(op: &str, x: &Tensor, w: &Tensor) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "{op}: x {:?} {:?} and w {:?} {:?} do not fit the kernel (1 to {GEMV_MAX_ROWS} rows, \
+         same dtype, K a multiple of 16 bytes, aligned rows)",
+        x.dims(),
+        x.dtype(),
+        w.dims(),
+        w.dtype()
+    ))
+}
+
 /// `x [M, K] · wᵀ` for a linear layer's weight `w [N, K]` → `[M, N]`, with f32 accumulation,
 /// reading the weight once for all rows; every row's sum is taken in the same order whatever
 /// M is. Check [`gemv_applies`] first.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !gemv_applies(x, w) {
-        candle_core::bail!(
-            "gemv: x {:?} {:?} and w {:?} {:?} do not fit the kernel (1 to {GEMV_MAX_ROWS} rows, \
-             same dtype, K a multiple of 16 bytes, aligned rows)",
-            x.dims(),
-            x.dtype(),
-            w.dims(),
-            w.dtype()
-        );
+        return Err(gemv_misfit("gemv", x, w));
     }
     #[cfg(feature = "cuda")]
     {
-        x.apply_op2_no_bwd(w, &cuda::Gemv)
+        x.apply_op2_no_bwd(w, &cuda::Gemv { swiglu: false })
     }
     #[cfg(not(feature = "cuda"))]
     no_cuda("gemv")
+}
+
+/// Most bytes of input rows (`M·K` elements) the fused gemv variants stage in a block's shared
+/// memory: every bf16/f16 step of [`GEMV_MAX_ROWS`] × [`GEMV_MAX_K`], f32 up to 10,240 elements
+/// (8 rows of K = 1,280, 6 of 1,536).
+pub const GEMV_STAGE_MAX_BYTES: usize = 40 * 1024;
+
+fn gemv_stage_fits(m: usize, k: usize, dtype: DType) -> bool {
+    m * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES
+}
+
+/// Whether [`gemv_swiglu`] takes the fused gate_up rows `gu [M, 2K]` against `w [N, K]`
+/// (the conditions of [`gemv_applies`] with K = half of `gu`'s width, and the staged rows
+/// within [`GEMV_STAGE_MAX_BYTES`]).
+pub fn gemv_swiglu_applies(gu: &Tensor, w: &Tensor) -> bool {
+    gu.dims2().is_ok_and(|(m, two_k)| {
+        two_k % 2 == 0 && gemv_fits(gu, two_k / 2, w) && gemv_stage_fits(m, two_k / 2, gu.dtype())
+    })
+}
+
+/// `swiglu(gu) · wᵀ` in one launch: [`swiglu`]'s output (same roundings) computed inside the
+/// [`gemv`] that consumes it, e.g. an MLP's down projection. Check [`gemv_swiglu_applies`].
+pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !gemv_swiglu_applies(gu, w) {
+        return Err(gemv_misfit("gemv_swiglu", gu, w));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        gu.apply_op2_no_bwd(w, &cuda::Gemv { swiglu: true })
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("gemv_swiglu")
+}
+
+/// Whether [`gemv_add_rms_norm`] takes the rows `x` (and a residual like them) against `w`:
+/// [`gemv_applies`], with the staged rows within [`GEMV_STAGE_MAX_BYTES`].
+pub fn gemv_add_rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
+    gemv_applies(x, w)
+        && x.dims2()
+            .is_ok_and(|(m, k)| gemv_stage_fits(m, k, x.dtype()))
+}
+
+/// `(x + res, rms_norm(x + res) · norm_w · wᵀ)` in one launch: [`add_rms_norm`] fused into
+/// the [`gemv`] of the projection after it (with `res` `None`: no add, the sum is `x`). The
+/// normed rows equal [`add_rms_norm`]'s up to the order of the sum of squares (taken per row
+/// in an order fixed by K, so a row's result does not depend on the other rows); the sum is
+/// exact. Check [`gemv_add_rms_norm_applies`].
+pub fn gemv_add_rms_norm(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    norm_w: &Tensor,
+    eps: f32,
+    w: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (m, k) = x.dims2()?;
+    let fits = gemv_add_rms_norm_applies(x, w)
+        && res.is_none_or(|r| r.dims() == x.dims() && gemv_applies(r, w))
+        && norm_w.dims() == [k]
+        && norm_w.dtype() == x.dtype()
+        && norm_w.is_contiguous();
+    if !fits {
+        return Err(gemv_misfit("gemv_add_rms_norm", x, w));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let n = w.dim(0)?;
+        let op = cuda::GemvAddRmsNorm {
+            res: res.cloned(),
+            w: w.clone(),
+            eps,
+        };
+        let out = x.apply_op2_no_bwd(norm_w, &op)?;
+        Ok(match res {
+            Some(_) => (
+                out.narrow(0, 0, m * k)?.reshape((m, k))?,
+                out.narrow(0, m * k, m * n)?.reshape((m, n))?,
+            ),
+            None => (x.clone(), out.reshape((m, n))?),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (m, eps);
+        no_cuda("gemv_add_rms_norm")
+    }
 }
 
 /// Moves pool rows `src → dst` (`moves`) in every one of `pools` (a cache's K and V pools of

@@ -6,8 +6,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
-    add_rms_norm, argmax_rows, gemv, gemv_applies, kv_append, kv_move, paged_attention,
-    qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_ROWS,
+    add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
+    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, paged_attention, qkv_rope_append, swiglu,
+    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -446,9 +447,16 @@ fn swiglu_matches_candle_cpu() {
 
 #[test]
 fn argmax_rows_matches_cpu_with_ties_to_the_lowest_index() {
+    // 49,152 takes the kernel's 16-byte loads, 49,159 its one-by-one path.
+    for vocab in [49_152, 49_152 + 7] {
+        argmax_case(vocab);
+    }
+}
+
+fn argmax_case(vocab: usize) {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    let (rows, vocab) = (6, 49_152 + 7);
+    let rows = 6;
     let mut x = randn(&mut rng, rows * vocab, 10.0);
     // Row 1: a tie between two far-apart entries; row 2: all equal.
     x[vocab + 100] = 50.0;
@@ -473,7 +481,7 @@ fn argmax_rows_matches_cpu_with_ties_to_the_lowest_index() {
         .to_device(&dev)
         .unwrap();
     let got = argmax_rows(&t).unwrap().to_vec1::<u32>().unwrap();
-    assert_eq!(got, want);
+    assert_eq!(got, want, "vocabulary {vocab}");
     assert_eq!(got[1], 100);
     assert_eq!(got[2], 0);
     assert_ne!(got[3], 0, "a NaN must not win");
@@ -632,6 +640,140 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     assert!(!gemv_applies(&x, &w));
     let err = gemv(&x, &w).unwrap_err().to_string();
     assert!(err.contains("do not fit the kernel"), "{err}");
+}
+
+/// The rows of a `[GEMV_MAX_ROWS, ..]` input's first `m` rows.
+fn first_rows(t: &Tensor, m: usize) -> Tensor {
+    t.narrow(0, 0, m).unwrap()
+}
+
+#[test]
+fn gemv_swiglu_equals_swiglu_then_gemv_bit_for_bit() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (n, k) in [(576usize, 1536usize), (7, 64)] {
+            let w = to_dev(
+                &randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()),
+                &[n, k],
+                dtype,
+                &dev,
+            );
+            let gu = to_dev(
+                &randn(&mut rng, GEMV_MAX_ROWS * 2 * k, 4.0),
+                &[GEMV_MAX_ROWS, 2 * k],
+                dtype,
+                &dev,
+            );
+            let case = format!("{dtype:?} [{n}, {k}]");
+            for m in 1..=GEMV_MAX_ROWS {
+                let rows = first_rows(&gu, m);
+                // The staged rows must fit the block's shared memory (7 and 8 f32 rows of
+                // 1,536 do not).
+                let fits = m * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES;
+                assert_eq!(gemv_swiglu_applies(&rows, &w), fits, "{case}, {m} rows");
+                if !fits {
+                    continue;
+                }
+                let fused = host(&gemv_swiglu(&rows, &w).unwrap());
+                let apart = host(&gemv(&swiglu(&rows).unwrap(), &w).unwrap());
+                assert!(fused == apart, "{case}, {m} rows: fused differs from apart");
+            }
+        }
+    }
+    // The fused width must be twice the weight's K.
+    let w = Tensor::zeros((4, 8), DType::F32, &dev).unwrap();
+    let gu = Tensor::zeros((1, 8), DType::F32, &dev).unwrap();
+    assert!(!gemv_swiglu_applies(&gu, &w));
+    let err = gemv_swiglu(&gu, &w).unwrap_err().to_string();
+    assert!(
+        err.contains("gemv_swiglu: x [1, 8] F32 and w [4, 8] F32 do not fit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    let eps = 1e-5f32;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (n, k) in [(960usize, 576usize), (3072, 576), (9, 2048)] {
+            let w = to_dev(
+                &randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()),
+                &[n, k],
+                dtype,
+                &dev,
+            );
+            let shape = [GEMV_MAX_ROWS, k];
+            let x = to_dev(
+                &randn(&mut rng, GEMV_MAX_ROWS * k, 2.0),
+                &shape,
+                dtype,
+                &dev,
+            );
+            let r = to_dev(
+                &randn(&mut rng, GEMV_MAX_ROWS * k, 2.0),
+                &shape,
+                dtype,
+                &dev,
+            );
+            let nw: Vec<f32> = randn(&mut rng, k, 0.5).iter().map(|v| v + 1.0).collect();
+            let nw = to_dev(&nw, &[k], dtype, &dev);
+            let case = format!("{dtype:?} [{n}, {k}]");
+            if dtype == DType::F32 && k == 2048 {
+                // 8 rows of 2,048 f32 exceed the staging limit; 5 rows fit.
+                assert!(!gemv_add_rms_norm_applies(&x, &w));
+                let err = gemv_add_rms_norm(&x, Some(&r), &nw, eps, &w).unwrap_err();
+                assert!(err.to_string().contains("do not fit the kernel"), "{err}");
+                assert!(gemv_add_rms_norm_applies(&first_rows(&x, 5), &w));
+                continue;
+            }
+            let (sum_all, y_all) = gemv_add_rms_norm(&x, Some(&r), &nw, eps, &w).unwrap();
+            // Without a residual: the norm of x alone, bit for bit the add of exact zeros.
+            let zeros = x.zeros_like().unwrap();
+            let (same_x, y_alone) = gemv_add_rms_norm(&x, None, &nw, eps, &w).unwrap();
+            let (_, y_zeros) = gemv_add_rms_norm(&x, Some(&zeros), &nw, eps, &w).unwrap();
+            assert!(
+                host(&same_x) == host(&x),
+                "{case}: the sum without a residual is x"
+            );
+            assert!(
+                host(&y_alone) == host(&y_zeros),
+                "{case}: no residual ≠ zero residual"
+            );
+            assert_eq!(y_all.dims(), [GEMV_MAX_ROWS, n], "{case}");
+            let (want_sum, normed) = add_rms_norm(&x, &r, &nw, eps).unwrap();
+            assert!(
+                host(&sum_all) == host(&want_sum),
+                "{case}: the sum must be exact"
+            );
+            // The scales' sums of squares are taken in another order than add_rms_norm's:
+            // a normed value may differ by one rounding, each product by a few of them.
+            let want = host(&gemv(&normed, &w).unwrap());
+            let tol = match dtype {
+                DType::F32 => 1e-4,
+                DType::F16 => 1e-2,
+                _ => 6e-2,
+            };
+            let err = max_abs(&host(&y_all), &want);
+            assert!(err <= tol, "{case}: max abs error {err}");
+            let y_all = host(&y_all);
+            for m in 1..GEMV_MAX_ROWS {
+                let (s, y) =
+                    gemv_add_rms_norm(&first_rows(&x, m), Some(&first_rows(&r, m)), &nw, eps, &w)
+                        .unwrap();
+                assert!(
+                    host(&y) == y_all[..m * n],
+                    "{case}: {m} rows differ from the same rows of {GEMV_MAX_ROWS}"
+                );
+                assert!(
+                    host(&s) == host(&first_rows(&want_sum, m)),
+                    "{case}: sum of {m}"
+                );
+            }
+        }
+    }
 }
 
 /// A query row attends to the same keys bit-identically whether it is a decode step's only

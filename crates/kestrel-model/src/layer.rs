@@ -94,10 +94,33 @@ impl Linear {
         } else {
             x.broadcast_matmul(&self.w.t()?)?
         };
+        self.add_bias(y)
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+
+    /// `(x + res, self(norm(x + res)))` for the rows `[N, H]` of a CUDA step (no add when
+    /// `res` is `None`): one launch when this projection takes the `gemv` kernel, else
+    /// Kestrel's fused add + RMSNorm (or the norm alone) and then the projection.
+    fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        res: Option<&Tensor>,
+        norm: &RmsNorm,
+        fast: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        if fast && self.gemv && kestrel_kernels::gemv_add_rms_norm_applies(x, &self.w) {
+            let eps = norm.eps as f32;
+            let (sum, y) = kestrel_kernels::gemv_add_rms_norm(x, res, &norm.w, eps, &self.w)?;
+            return Ok((sum, self.add_bias(y)?));
+        }
+        let (sum, h) = norm.forward_maybe_add(x, res)?;
+        Ok((sum, self.forward_with(&h, fast)?))
     }
 }
 
@@ -166,6 +189,24 @@ impl RmsNorm {
         let w = src.get(&format!("{name}.weight"), &[size], Init::Const(1.0))?;
         let ones = Tensor::ones(size, DType::F32, w.device())?;
         Ok(RmsNorm { w, ones, eps })
+    }
+
+    /// `(x + res, self(x + res))` through Kestrel's fused CUDA kernel (`[N, H]` rows).
+    pub fn forward_add(&self, x: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(kestrel_kernels::add_rms_norm(
+            x,
+            res,
+            &self.w,
+            self.eps as f32,
+        )?)
+    }
+
+    /// [`Self::forward_add`], or `(x, self(x))` without a residual.
+    fn forward_maybe_add(&self, x: &Tensor, res: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        match res {
+            Some(r) => self.forward_add(x, r),
+            None => Ok((x.clone(), self.forward(x, false)?)),
+        }
     }
 
     pub fn forward(&self, x: &Tensor, differentiable: bool) -> Result<Tensor> {
@@ -431,33 +472,41 @@ impl Attention {
         Ok((self.o.forward_with(&out, false)?, kv))
     }
 
-    /// The step through Kestrel's kernels only, when the plan picks them all: one launch
-    /// splits the fused projection, applies RoPE and appends K/V, one attends. `None` when
-    /// some other path applies.
-    fn forward_fused_kernels(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Option<Tensor>> {
+    /// The fused QKV projection when the step runs through Kestrel's kernels only (the plan
+    /// picks them all): then one launch splits it, applies RoPE and appends K/V, and one
+    /// attends ([`Self::attend_fused_qkv`]). `None` when some other path applies.
+    fn fused_kernels_qkv<'s>(&'s self, ctx: &AttnCtx) -> Option<&'s Linear> {
+        let AttnCtx::Paged {
+            kernel: Some(ka),
+            cuda: Some(cuda),
+            ..
+        } = ctx
+        else {
+            return None;
+        };
+        match &self.qkv {
+            Proj::Fused { lin, .. } if ka.kv_append && cuda.qkv_rope => Some(lin),
+            _ => None,
+        }
+    }
+
+    /// The rest of the layer's attention from the fused projection's output `qkv`, on the
+    /// path [`Self::fused_kernels_qkv`] chose.
+    fn attend_fused_qkv(&self, qkv: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
         let AttnCtx::Paged {
             cos,
             sin,
             kernel: Some(ka),
-            cuda: Some(cuda),
             cache,
             layer,
             ..
         } = ctx
         else {
-            return Ok(None);
+            unreachable!("fused_kernels_qkv chose the kernel path");
         };
-        let Proj::Fused { lin, .. } = &self.qkv else {
-            return Ok(None);
-        };
-        if !(ka.kv_append && cuda.qkv_rope) {
-            return Ok(None);
-        }
-        let fast = ctx.matvec();
         let (kp, vp) = cache.pools(*layer);
-        let qkv = lin.forward_with(x, fast)?;
         let q = kestrel_kernels::qkv_rope_append(
-            &qkv,
+            qkv,
             cos,
             sin,
             &ka.meta.new_slots,
@@ -467,7 +516,24 @@ impl Attention {
             self.n_kv,
         )?;
         let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
-        Ok(Some(self.o.forward_with(&out, fast)?))
+        self.o.forward_with(&out, ctx.matvec())
+    }
+
+    /// `(x + res, attention(norm(x + res)))` for a CUDA step, the add and norm fused into
+    /// the QKV projection where the kernels allow it.
+    fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        res: Option<&Tensor>,
+        norm: &RmsNorm,
+        ctx: &AttnCtx,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some(lin) = self.fused_kernels_qkv(ctx) {
+            let (sum, qkv) = lin.forward_add_norm(x, res, norm, ctx.matvec())?;
+            return Ok((sum, self.attend_fused_qkv(&qkv, ctx)?));
+        }
+        let (sum, h) = norm.forward_maybe_add(x, res)?;
+        Ok((sum, self.forward(&h, ctx)?))
     }
 
     fn forward(&self, x: &Tensor, ctx: &AttnCtx) -> Result<Tensor> {
@@ -477,8 +543,8 @@ impl Attention {
         let (nh, nkv, hd) = (self.n_heads, self.n_kv, self.head_dim);
         let g = nh / nkv;
         let fast = ctx.matvec();
-        if let Some(out) = self.forward_fused_kernels(x, ctx)? {
-            return Ok(out);
+        if let Some(lin) = self.fused_kernels_qkv(ctx) {
+            return self.attend_fused_qkv(&lin.forward_with(x, fast)?, ctx);
         }
         let qkv = self.qkv.forward(x, fast)?;
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
@@ -588,15 +654,51 @@ struct Mlp {
 impl Mlp {
     /// `swiglu_kernel`: run `silu(gate) · up` as Kestrel's CUDA kernel on the fused output.
     fn forward(&self, x: &Tensor, fast: bool, swiglu_kernel: bool) -> Result<Tensor> {
-        if let (true, Proj::Fused { lin, sizes }) = (swiglu_kernel, &self.gate_up) {
-            if x.rank() == 2 && sizes.len() == 2 && sizes[0] == sizes[1] {
-                let h = kestrel_kernels::swiglu(&lin.forward_with(x, fast)?)?;
-                return self.down.forward_with(&h, fast);
-            }
+        if let Some(lin) = self.fused_gate_up(x, swiglu_kernel) {
+            return self.down_swiglu(&lin.forward_with(x, fast)?, fast);
         }
         let gu = self.gate_up.forward(x, fast)?;
         let h = (gu[0].silu()? * &gu[1])?;
         self.down.forward_with(&h, fast)
+    }
+
+    /// The fused gate_up projection when SwiGLU runs as Kestrel's kernel on its output.
+    fn fused_gate_up(&self, x: &Tensor, swiglu_kernel: bool) -> Option<&Linear> {
+        match &self.gate_up {
+            Proj::Fused { lin, sizes }
+                if swiglu_kernel && x.rank() == 2 && sizes.len() == 2 && sizes[0] == sizes[1] =>
+            {
+                Some(lin)
+            }
+            _ => None,
+        }
+    }
+
+    /// The down projection of `swiglu(gu)`: one launch when it takes the `gemv` kernel.
+    fn down_swiglu(&self, gu: &Tensor, fast: bool) -> Result<Tensor> {
+        if fast && self.down.gemv && kestrel_kernels::gemv_swiglu_applies(gu, &self.down.w) {
+            let y = kestrel_kernels::gemv_swiglu(gu, &self.down.w)?;
+            return self.down.add_bias(y);
+        }
+        self.down.forward_with(&kestrel_kernels::swiglu(gu)?, fast)
+    }
+
+    /// `(x + res, mlp(norm(x + res)))` for a CUDA step, the add and norm fused into the
+    /// gate_up projection where the kernels allow it.
+    fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        res: &Tensor,
+        norm: &RmsNorm,
+        fast: bool,
+        swiglu_kernel: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some(lin) = self.fused_gate_up(x, swiglu_kernel) {
+            let (sum, gu) = lin.forward_add_norm(x, Some(res), norm, fast)?;
+            return Ok((sum, self.down_swiglu(&gu, fast)?));
+        }
+        let (sum, h) = norm.forward_add(x, res)?;
+        Ok((sum, self.forward(&h, fast, swiglu_kernel)?))
     }
 }
 
@@ -758,19 +860,17 @@ impl DecoderLayer {
         pending: Option<&Tensor>,
         ctx: &AttnCtx,
     ) -> Result<(Tensor, Tensor)> {
-        let (x, h) = match (pending, &self.input_norm) {
-            (Some(p), Some(norm)) => kestrel_kernels::add_rms_norm(x, p, &norm.w, norm.eps as f32)?,
+        let (x, a) = match (pending, &self.input_norm) {
+            (_, Some(norm)) => self.attn.forward_add_norm(x, pending, norm, ctx)?,
             (Some(p), None) => {
                 let x = (x + p)?;
-                (x.clone(), x)
+                let a = self.attn.forward(&x, ctx)?;
+                (x, a)
             }
-            (None, Some(norm)) => (x.clone(), norm.forward(x, false)?),
-            (None, None) => (x.clone(), x.clone()),
+            (None, None) => (x.clone(), self.attn.forward(x, ctx)?),
         };
-        let a = self.attn.forward(&h, ctx)?;
-        let (x, h) =
-            kestrel_kernels::add_rms_norm(&x, &a, &self.post_norm.w, self.post_norm.eps as f32)?;
         let swiglu = ctx.cuda().is_some_and(|k| k.swiglu);
-        Ok((x, self.mlp.forward(&h, ctx.matvec(), swiglu)?))
+        self.mlp
+            .forward_add_norm(&x, &a, &self.post_norm, ctx.matvec(), swiglu)
     }
 }

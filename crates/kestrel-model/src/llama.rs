@@ -515,7 +515,13 @@ impl Llama {
                 pending = Some(delta);
             }
             if let Some(p) = pending {
-                x = (x + p)?;
+                // The last add fused into the final norm; the norm is per row, so selecting
+                // the requested rows after it gives the same values.
+                let normed = self.norm.forward_add(&x, &p)?.1;
+                return Ok(match &step.out_rows {
+                    Some(rows) => normed.index_select(rows, 0)?,
+                    None => normed,
+                });
             }
         } else {
             for (l, layer) in self.layers.iter().enumerate() {
