@@ -18,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kestrel_core::plan::{BuildLimits, EnginePlan};
 use kestrel_core::{DType, Mapping, SpeculativeMode};
+use kestrel_model::GraphActivity;
 use kestrel_runtime::{
     generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams,
     SequenceOutput, TextCodec,
@@ -225,11 +226,35 @@ pub struct ModeResult {
     /// what it needs (issue 6's bound is 0.15). Includes the preallocated KV blocks left
     /// unused, cuBLAS workspaces, CUDA graphs and the kernels' module images.
     pub memory_overhead_fraction: Option<f64>,
+    /// What the CUDA step graphs of the models in use did during this run.
+    pub cuda_graph_activity: GraphActivityReport,
     /// Whether greedy output equalled plain decoding's at the same batch size.
     pub same_output_as_plain: Option<bool>,
     /// Whether greedy output equalled this mode's at the first batch size (same prompts).
     pub same_output_as_first_batch_size: Option<bool>,
     pub verify: Option<VerifyResult>,
+}
+
+/// [`kestrel_model::GraphActivity`] over one run.
+#[derive(Debug, Default, Serialize)]
+pub struct GraphActivityReport {
+    pub captures: u64,
+    /// Seconds spent capturing (each capture repeats an eager step).
+    pub capture_s: f64,
+    pub replays: u64,
+    /// Times a model dropped all its graphs for another KV cache.
+    pub cache_changes: u64,
+}
+
+impl GraphActivityReport {
+    fn between(before: GraphActivity, after: GraphActivity) -> Self {
+        GraphActivityReport {
+            captures: after.captures - before.captures,
+            capture_s: after.capture_s - before.capture_s,
+            replays: after.replays - before.replays,
+            cache_changes: after.cache_changes - before.cache_changes,
+        }
+    }
 }
 
 /// Peak memory beyond the weights and the KV actually in use, as a fraction of them.
@@ -583,7 +608,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             let kv_allocated = |e: &Engine| {
                 (e.kv_blocks() * e.plan.limits.tokens_per_block) as u64 * sizes.kv_bytes_per_token
             };
+            let activity = |target: &Engine| {
+                let draft = draft.as_ref().map(Engine::cuda_graph_activity);
+                target.cuda_graph_activity() + draft.unwrap_or_default()
+            };
             if let ModeSpec::Verify(t) = mode {
+                let graphs_before = activity(&engine);
                 probe.start_run();
                 let v = verify::time_verify(
                     &engine.model,
@@ -632,6 +662,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         * sizes.kv_bytes_per_token,
                     kv_in_use_bytes: kv_in_use,
                     memory_overhead_fraction: memory_overhead(peak, sizes.weight_bytes, kv_in_use),
+                    cuda_graph_activity: GraphActivityReport::between(
+                        graphs_before,
+                        activity(&engine),
+                    ),
                     same_output_as_plain: None,
                     same_output_as_first_batch_size: None,
                     verify: Some(VerifyResult {
@@ -686,6 +720,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };
+            let graphs_before = activity(target);
             probe.start_run();
             let mut timings = kestrel_runtime::RunTimings::default();
             let mut outputs = Vec::with_capacity(requests);
@@ -774,6 +809,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     sizes.weight_bytes,
                     shape_of.kv_in_use_bytes,
                 ),
+                cuda_graph_activity: GraphActivityReport::between(graphs_before, activity(target)),
                 same_output_as_plain: same,
                 same_output_as_first_batch_size: same_across,
                 verify: None,
@@ -874,6 +910,15 @@ impl BenchReport {
                 opt(r.memory_overhead_fraction, |f| format!("{:.0}%", f * 100.0)),
                 same
             );
+        }
+        for r in &self.results {
+            let g = &r.cuda_graph_activity;
+            if g.captures + g.replays > 0 {
+                println!(
+                    "cuda graphs, {} at batch {}: {} replays, {} captures ({:.3} s), {} cache changes",
+                    r.mode, r.batch_size, g.replays, g.captures, g.capture_s, g.cache_changes
+                );
+            }
         }
         for r in &self.results {
             if let Some(v) = &r.verify {

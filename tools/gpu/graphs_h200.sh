@@ -5,9 +5,10 @@
 #   bash tools/gpu/graphs_h200.sh random   # random-weight shapes -> $OUT/{smol,llama2}_{graphs,eager}.json
 #   bash tools/gpu/graphs_h200.sh profile  # after `real`: Nsight Compute kernel times of 3 eager
 #                                          # plain decode steps (tools/gpu/ncu_summary.py)
-#   bash tools/gpu/graphs_h200.sh profile-random  # Nsight Compute kernel times of graphed plain
-#                                          # steps, random SmolLM2 bf16 (no staging needed)
-#   bash tools/gpu/graphs_h200.sh real     # SmolLM2 + the shipped head (staged GGUF)
+#   bash tools/gpu/graphs_h200.sh profile-random  # Nsight Compute kernel times of graphed steps
+#                                          # (MODES=plain by default), random SmolLM2 bf16
+#   bash tools/gpu/graphs_h200.sh real     # SmolLM2 + the shipped head (staged GGUF); with
+#                                          # REAL_BF16=1 also a bf16 engine (graphs only)
 #                                          # -> $OUT/real_{graphs,eager}.json, spec-run outputs compared
 # Binaries come from tools/gpu/stage.sh (or a folder of *.xz given as BIN_XZ).
 set -euo pipefail
@@ -52,6 +53,17 @@ real)
   bench_pair real --engine_dir /tmp/eng_e --prompts tools/gpu/mt_bench_first20.jsonl \
     --num_prompts "${EVAL_N:-10}" --max_output_len 128 --batch_sizes 1,4 \
     --modes plain,eagle1:small_8,eagle1,eagle2:10
+  if [ "${REAL_BF16:-0}" = 1 ]; then
+    # The same model in bf16 (the dtype of the HF baselines), graphs only.
+    $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir heads/smollm2-eagle --output_dir /tmp/ckpt_b \
+      --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+    $B/spec-build --checkpoint_dir /tmp/ckpt_b --output_dir /tmp/eng_b --target_device cuda:sm_90 \
+      --speculative_decoding_mode eagle --max_batch_size 4 --max_input_len 1024 --max_seq_len 2048
+    echo "== real bf16, graphs"
+    $B/spec-bench --engine_dir /tmp/eng_b --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
+      --num_prompts "${EVAL_N:-10}" --max_output_len 128 --batch_sizes 1,4 \
+      --modes plain,eagle1:small_8,eagle1,eagle2:10 --output_json "$OUT/real_bf16_graphs.json" 2>&1 | tail -12
+  fi
   P=/tmp/eval_prompts.jsonl; head -"${EVAL_N:-10}" tools/gpu/mt_bench_first20.jsonl > $P
   for g in graphs eager; do
     flag=""; [ $g = eager ] && flag=--no_cuda_graphs
@@ -80,9 +92,9 @@ PY
 profile-random)
   # Graph nodes profiled one by one at the clocks and caches they run with.
   /usr/local/cuda/bin/ncu --csv --metrics gpu__time_duration.sum --clock-control none \
-    --cache-control none --graph-profiling node --launch-skip 2500 --launch-count 700 \
+    --cache-control none --graph-profiling node --launch-skip "${SKIP:-2500}" --launch-count 700 \
     $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 --prompt_len 128 \
-    --max_output_len 64 --num_prompts 1 --batch_sizes 1 --modes plain \
+    --max_output_len 64 --num_prompts 1 --batch_sizes 1 --modes "${MODES:-plain}" \
     --copy_bytes 1048576 > /tmp/ncu.csv 2>/tmp/ncu.err || tail -3 /tmp/ncu.err
   python3 tools/gpu/ncu_summary.py /tmp/ncu.csv
   ;;

@@ -636,8 +636,9 @@ impl Gemv {
         // SAFETY: every (row, column) is written by its column's warp.
         let out = unsafe { dev.alloc::<T>(m * n)? };
         if m > 0 && n > 0 {
+            let chunk = m.min(crate::GEMV_MAX_ROWS);
             let (kernel, stage) = if self.swiglu {
-                ("kestrel_gemv_swiglu", m * k * std::mem::size_of::<T>())
+                ("kestrel_gemv_swiglu", chunk * k * std::mem::size_of::<T>())
             } else {
                 ("kestrel_gemv", 0)
             };
@@ -688,7 +689,7 @@ impl GemvAddRmsNorm {
         let nv = view::<T>(nw.0, nw.1, "norm weight")?;
         let wv = view::<T>(ws, wl, "gemv weight")?;
         let sums = if self.res.is_some() { m * k } else { 0 };
-        // SAFETY: block 0 writes the sums, the columns' warps write the M·N products.
+        // SAFETY: block 0 writes the M·K sums, the columns' warps write the M·N products.
         let out = unsafe { dev.alloc::<T>(sums + m * n)? };
         if m > 0 && n > 0 {
             let func = dev.get_or_load_custom_func(
@@ -697,7 +698,7 @@ impl GemvAddRmsNorm {
                 PTX,
             )?;
             let size = std::mem::size_of::<T>();
-            let (cfg, split) = gemv_launch(n, k, size, (m + 1) * k * size);
+            let (cfg, split) = gemv_launch(n, k, size, crate::gemv_add_rms_norm_stage(m, k, size));
             let (m_a, n_a, k_a) = (
                 i32_arg(m, "rows")?,
                 i32_arg(n, "columns")?,

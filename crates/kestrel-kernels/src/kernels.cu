@@ -99,19 +99,23 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 //   slots[n_seq * lmax]                 pool row of slot i of sequence s at s*lmax + i
 //   masks[...]                          0/1 per (new row, new column), row-major
 // Query row r of a sequence sees every cached slot (i < L - n) and new slot j = i - (L - n)
-// when its mask allows (causal: j <= r). Masked slots are skipped, i.e. contribute exact
-// zeros, like the additive f32::MIN mask of the candle path.
+// when its mask allows (causal: j <= r). It attends over the list of the slots it sees,
+// cached then new in order; masked slots are never read, like the additive f32::MIN mask of
+// the candle path (exact zeros).
 //
 // One block of up to PA_WARPS warps per (query token, head). Each warp walks chunks of 32 slots:
 // lane j scores slot base + j (a full dot product over d), the warp updates its online
 // softmax (running max m, sum l, accumulator over d spread across lanes) and adds the
 // chunk's V rows, several rows per pass with 16-byte loads where the head size allows. The
 // warps' partial states are merged through shared memory at the end. The slots a warp walks
-// and every order of summation depend only on the sequence (L, mask), never on how many
-// query rows the step has: a decode step and a verification give a row the same bits.
+// and every order of summation depend only on the row's list of visible slots, never on the
+// step's other rows or on where a tree placed the row's ancestors: a decode step and a
+// verification give a row the same bits.
 // ---------------------------------------------------------------------------------------
 #define PA_WARPS 16
 #define PA_MAX_D 256
+// Most new tokens of a sequence under an explicit (tree) mask (MAX_MASKED_NEW in lib.rs).
+#define PA_MAX_MASKED_NEW 1024
 #define PA_PER_LANE (PA_MAX_D / WARP)
 
 template <typename T>
@@ -145,10 +149,30 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
     __shared__ float qs[PA_MAX_D];
     __shared__ float w_m[PA_WARPS], w_l[PA_WARPS];
     __shared__ float w_acc[PA_WARPS][PA_MAX_D];
+    // The row's visible new slots (indices among the n new ones, in order) under an explicit
+    // mask. The row attends over its visible slots only, cached then new, as one list: the
+    // list, and with it every order of summation, is the one a decode step of the same token
+    // over the same context walks, wherever the tree put the row's ancestors among its nodes.
+    __shared__ unsigned short vis[PA_MAX_MASKED_NEW];
+    __shared__ int n_vis;
 
     for (int e = threadIdx.x; e < d; e += blockDim.x)
         qs[e] = to_f(q[((size_t)t * nh + h) * d + e]) * scale;
+    const bool causal = moff == 0xffffffffu;
+    if (!causal && warp == 0) {
+        int count = 0;
+        for (int j0 = 0; j0 < n; j0 += WARP) {
+            const int j = j0 + lane;
+            const bool on = j < n && masks[moff + (size_t)r * n + j] != 0;
+            const unsigned int ballot = __ballot_sync(FULL_MASK, on);
+            if (on) vis[count + __popc(ballot & ((1u << lane) - 1u))] = (unsigned short)j;
+            count += __popc(ballot);
+        }
+        if (lane == 0) n_vis = count;
+    }
     __syncthreads();
+    // Slots the row sees: causal rows see the new ones up to themselves.
+    const int seen = past + (causal ? r + 1 : n_vis);
 
     float m = -INFINITY, l = 0.f;
     float acc[PA_PER_LANE];
@@ -168,18 +192,13 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
     for (int k = 0; k < VEC; ++k) accv[k] = 0.f;
 
     const int nwarps = blockDim.x / WARP; // at most PA_WARPS; fixed by the launcher
-    for (int base = warp * WARP; base < L; base += nwarps * WARP) {
+    for (int base = warp * WARP; base < seen; base += nwarps * WARP) {
         const int i = base + lane;
         float sc = -INFINITY;
         unsigned int slot = 0;
-        if (i < L) {
-            slot = slots[i];
-            bool ok = true;
-            if (i >= past) {
-                const int j = i - past;
-                ok = moff == 0xffffffffu ? j <= r : masks[moff + (size_t)r * n + j] != 0;
-            }
-            if (ok) {
+        if (i < seen) {
+            slot = slots[causal || i < past ? i : past + vis[i - past]];
+            {
                 const T *kr = k_base + (size_t)slot * row_stride;
                 float dot = 0.f;
                 if (d % VEC == 0) {
@@ -203,7 +222,7 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         const float corr = expf(m - m_new); // 0 on the first chunk (m = -inf)
         const float p = sc == -INFINITY ? 0.f : expf(sc - m_new);
         l = l * corr + warp_sum(p);
-        const int cnt = min(WARP, L - base); // warp-uniform
+        const int cnt = min(WARP, seen - base); // warp-uniform
         if (vec_v) {
 #pragma unroll
             for (int k = 0; k < VEC; ++k) accv[k] *= corr;
@@ -289,12 +308,14 @@ __device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
 }
 
 // ---------------------------------------------------------------------------------------
-// Matrix-vector products for the few rows of a decode step: y[m, n] = Σ_k x[m, k] · w[n, k]
-// for m < M ≤ GEMV_MAX_ROWS, w row-major [N, K] (a linear layer's weight), x [M, K], y [M, N],
-// f32 accumulation, y rounded to T. `split` warps share an output column, each over an
-// interleaved part of K, and read w's row once with 16-byte loads, applying it to every row
-// of x: the weights are read once per step whatever M is, and row m's sum is taken in an
-// order that depends on K and split (the host picks split from K alone), never on M.
+// Matrix-vector products for the rows of a decode, draft or verification step:
+// y[m, n] = Σ_k x[m, k] · w[n, k], w row-major [N, K] (a linear layer's weight), x [M, K],
+// y [M, N], f32 accumulation, y rounded to T. `split` warps share an output column, each
+// over an interleaved part of K; they load their part of w's row once, into registers, and
+// apply it to the rows in chunks of GEMV_MAX_ROWS. Row m's sum is taken in an order that
+// depends on K and split (the host picks split from K alone), never on M: a row gets the
+// same bits in a one-row decode step as in a 64-row verification, which is what keeps
+// greedy speculation exact in bf16.
 // Needs K a multiple of the vector width (4 f32, 8 f16/bf16) and 16-byte aligned rows.
 // ---------------------------------------------------------------------------------------
 #define GEMV_MAX_ROWS 8
@@ -302,9 +323,12 @@ __device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
 // Largest K (GEMV_MAX_K in lib.rs).
 #define GEMV_MAX_K 2048
 
-// Six blocks of 8 warps per multiprocessor: SmolLM2's widest projection of K = 576 (gate_up,
-// 768 blocks) then runs in one wave on 132 multiprocessors.
-#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, 5)
+// Vectors a thread loads at once when staging a chunk of rows.
+#define STAGE_BATCH 4
+
+// At least three blocks of 8 warps per multiprocessor (85 registers a thread: the batched
+// loads of a chunk of rows fit with at most a few bytes spilled).
+#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, 3)
 
 // 16 bytes of T values into `p` (16-byte aligned).
 template <typename T> __device__ __forceinline__ void store16(T *p, const float *v) {
@@ -384,15 +408,22 @@ template <typename T> struct GemvWarp {
                 y[(size_t)m * N + n] = from_f<T>(total);
             }
         }
+        __syncthreads(); // `sums` and the staged rows are free for the next chunk
     }
 
+    // All rows' loads are issued before any product, so a chunk costs one memory latency
+    // rather than one per row (row m ≥ M re-reads row M − 1 and is not used).
     __device__ __forceinline__ static void add_rows(const T *x, const float *w1, const int k0,
                                                     const int M, const int K, float *acc) {
+        uint4 raw[GEMV_MAX_ROWS];
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m)
+            raw[m] = *reinterpret_cast<const uint4 *>(x + (size_t)min(m, M - 1) * K + k0);
 #pragma unroll
         for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
             if (m < M) {
                 float xv[VEC];
-                load16(x + (size_t)m * K + k0, xv);
+                unpack16<T>(raw[m], xv);
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) acc[m] = fmaf(w1[i], xv[i], acc[m]);
             }
@@ -405,7 +436,8 @@ __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__rest
                      const int M, const int N, const int K, const int split) {
     GemvWarp<T> g;
     g.prefetch(w, N, K, split);
-    g.finish(x, y, M, N, K, split);
+    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS)
+        g.finish(x + (size_t)m0 * K, y + (size_t)m0 * N, min(GEMV_MAX_ROWS, M - m0), N, K, split);
 }
 
 // The fused variants stage their input rows [M, K] in dynamic shared memory, as T: exact,
@@ -425,18 +457,34 @@ __device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
     g.prefetch(w, N, K, split);
     T *xs = reinterpret_cast<T *>(gemv_stage);
     const int kv = K / VEC;
-    for (int i = threadIdx.x; i < M * kv; i += blockDim.x) {
-        const int m = i / kv, k0 = (i % kv) * VEC;
-        const T *row = gu + (size_t)m * 2 * K;
-        float gate[VEC], up[VEC];
-        load16(row + k0, gate);
-        load16(row + K + k0, up);
+    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS) {
+        const int mc = min(GEMV_MAX_ROWS, M - m0);
+        // Vectors (row, k0) in batches of STAGE_BATCH per thread, all loads first.
+        for (int base = threadIdx.x; base < mc * kv; base += STAGE_BATCH * blockDim.x) {
+            uint4 g_raw[STAGE_BATCH], u_raw[STAGE_BATCH];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) gate[j] = silu_t<T>(gate[j]) * up[j];
-        store16(xs + (size_t)m * K + k0, gate);
+            for (int u = 0; u < STAGE_BATCH; ++u) {
+                const int i = min(base + u * (int)blockDim.x, mc * kv - 1);
+                const T *row = gu + (size_t)(m0 + i / kv) * 2 * K + (i % kv) * VEC;
+                g_raw[u] = *reinterpret_cast<const uint4 *>(row);
+                u_raw[u] = *reinterpret_cast<const uint4 *>(row + K);
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_BATCH; ++u) {
+                const int i = base + u * blockDim.x;
+                if (i < mc * kv) {
+                    float gate[VEC], up[VEC];
+                    unpack16<T>(g_raw[u], gate);
+                    unpack16<T>(u_raw[u], up);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) gate[j] = silu_t<T>(gate[j]) * up[j];
+                    store16(xs + (size_t)(i / kv) * K + (i % kv) * VEC, gate);
+                }
+            }
+        }
+        __syncthreads();
+        g.finish(xs, y + (size_t)m0 * N, mc, N, K, split);
     }
-    __syncthreads();
-    g.finish(xs, y, M, N, K, split);
 }
 
 // The residual add and RMSNorm fused into the projection after them: sum = x + res (rounded
@@ -452,11 +500,14 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
                                  T *__restrict__ y, T *__restrict__ sum_out, const int M,
                                  const int N, const int K, const float eps, const int split) {
     constexpr int VEC = 16 / sizeof(T);
-    __shared__ float sq[GEMV_MAX_ROWS][GEMV_WARPS];
+    __shared__ float row_scale[GEMV_MAX_ROWS];
     GemvWarp<T> g;
     g.prefetch(w, N, K, split);
     T *xs = reinterpret_cast<T *>(gemv_stage);
-    T *nws = xs + (size_t)M * K;
+    // Dynamic shared memory: a chunk of rows, the norm weight, then the chunk's per-vector
+    // sums of squares (f32).
+    T *nws = xs + (size_t)min(M, GEMV_MAX_ROWS) * K;
+    float *sqv = reinterpret_cast<float *>(nws + K);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int kv = K / VEC;
     for (int v = threadIdx.x; v < kv; v += blockDim.x) {
@@ -464,49 +515,65 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
         load16(nw + v * VEC, t);
         store16(nws + v * VEC, t);
     }
+    __syncthreads(); // the staged norm weight
+    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS) {
+        const int mc = min(GEMV_MAX_ROWS, M - m0);
+        const size_t row0 = (size_t)m0 * K;
+        // Vectors (row, v) in batches of STAGE_BATCH per thread, all loads first; each
+        // vector's sum of squares goes to sqv, summed per row below in a fixed order.
+        for (int base = threadIdx.x; base < mc * kv; base += STAGE_BATCH * blockDim.x) {
+            uint4 x_raw[STAGE_BATCH], r_raw[STAGE_BATCH];
 #pragma unroll
-    for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
-        if (m < M) {
-            float ss = 0.f;
-            for (int v = threadIdx.x; v < kv; v += blockDim.x) {
-                const size_t off = (size_t)m * K + v * VEC;
-                float s[VEC], r[VEC];
-                load16(x + off, s);
-                if (res) {
-                    load16(res + off, r);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) r[j] = 0.f;
-                }
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    s[j] = round_t<T>(s[j] + r[j]);
-                    ss += s[j] * s[j];
-                }
-                store16(xs + off, s);
-                if (res && blockIdx.x == 0) store16(sum_out + off, s);
+            for (int u = 0; u < STAGE_BATCH; ++u) {
+                const int i = min(base + u * (int)blockDim.x, mc * kv - 1);
+                const size_t off = row0 + (size_t)(i / kv) * K + (i % kv) * VEC;
+                x_raw[u] = *reinterpret_cast<const uint4 *>(x + off);
+                r_raw[u] = res ? *reinterpret_cast<const uint4 *>(res + off) : make_uint4(0, 0, 0, 0);
             }
-            ss = warp_sum(ss);
-            if (lane == 0) sq[m][warp] = ss;
+#pragma unroll
+            for (int u = 0; u < STAGE_BATCH; ++u) {
+                const int i = base + u * blockDim.x;
+                if (i < mc * kv) {
+                    const size_t off = (size_t)(i / kv) * K + (i % kv) * VEC;
+                    float sv[VEC], r[VEC];
+                    unpack16<T>(x_raw[u], sv);
+                    unpack16<T>(r_raw[u], r); // zero bits are 0.0 in every T
+                    float ss = 0.f;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        sv[j] = round_t<T>(sv[j] + r[j]);
+                        ss += sv[j] * sv[j];
+                    }
+                    sqv[i] = ss;
+                    store16(xs + off, sv);
+                    if (res && blockIdx.x == 0) store16(sum_out + row0 + off, sv);
+                }
+            }
         }
-    }
-    __syncthreads();
-    for (int m = 0; m < M; ++m) {
-        float total = 0.f;
-        for (int q = 0; q < GEMV_WARPS; ++q) total += sq[m][q];
-        const float scale = rsqrtf(total / K + eps);
-        for (int v = threadIdx.x; v < kv; v += blockDim.x) {
-            const size_t off = (size_t)m * K + v * VEC;
-            float s[VEC], wn[VEC];
-            load16(xs + off, s);
+        __syncthreads();
+        // Row m's sum of squares: warp m over its vectors (lane-strided, then the warp's
+        // tree), an order fixed by K.
+        if (warp < mc) {
+            float ss = 0.f;
+            for (int v = lane; v < kv; v += WARP) ss += sqv[warp * kv + v];
+            ss = warp_sum(ss);
+            if (lane == 0) row_scale[warp] = rsqrtf(ss / K + eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < mc * kv; i += blockDim.x) {
+            const int v = i % kv;
+            const size_t off = (size_t)(i / kv) * K + v * VEC;
+            const float scale = row_scale[i / kv];
+            float sv[VEC], wn[VEC];
+            load16(xs + off, sv);
             load16(nws + v * VEC, wn);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) s[j] = round_t<T>(scale * s[j]) * wn[j];
-            store16(xs + off, s);
+            for (int j = 0; j < VEC; ++j) sv[j] = round_t<T>(scale * sv[j]) * wn[j];
+            store16(xs + off, sv);
         }
+        __syncthreads();
+        g.finish(xs, y + (size_t)m0 * N, mc, N, K, split);
     }
-    __syncthreads();
-    g.finish(xs, y, M, N, K, split);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -790,17 +857,15 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
                                                         const int width) {                      \
         kv_move<T>(table, scratch, n_pools, m, width);                                          \
     }                                                                                           \
-    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_##SUFFIX(const T *x, const T *w, T *y, const int M, \
-                                                     const int N, const int K,                  \
-                                                     const int split) {                         \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_##SUFFIX(                               \
+        const T *x, const T *w, T *y, const int M, const int N, const int K, const int split) {  \
         gemv<T>(x, w, y, M, N, K, split);                                                       \
     }                                                                                           \
-    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_swiglu_##SUFFIX(const T *gu, const T *w, T *y,      \
-                                                            const int M, const int N,           \
-                                                            const int K, const int split) {     \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
+        const T *gu, const T *w, T *y, const int M, const int N, const int K, const int split) { \
         gemv_swiglu<T>(gu, w, y, M, N, K, split);                                               \
     }                                                                                           \
-    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_add_rmsnorm_##SUFFIX(                               \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_add_rmsnorm_##SUFFIX(                   \
         const T *x, const T *res, const T *nw, const T *w, T *y, T *sum_out, const int M,       \
         const int N, const int K, const float eps, const int split) {                           \
         gemv_add_rmsnorm<T>(x, res, nw, w, y, sum_out, M, N, K, eps, split);                    \

@@ -47,6 +47,11 @@ pub mod names {
 /// per-lane registers are sized for it).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Most new tokens of one sequence under an explicit mask (a draft tree) that
+/// [`paged_attention`] takes: a row's visible ones are listed in shared memory
+/// (`PA_MAX_MASKED_NEW` in kernels.cu).
+pub const MAX_MASKED_NEW: usize = 1024;
+
 /// `mask_off` of a sequence without an explicit mask: causal over its new tokens.
 const CAUSAL: u32 = u32::MAX;
 
@@ -99,6 +104,13 @@ impl PagedAttnMeta {
                 );
             }
             if let Some(m) = s.mask {
+                if s.n_new > MAX_MASKED_NEW {
+                    candle_core::bail!(
+                        "paged attention: sequence {i} brings {} new tokens under a tree mask; \
+                         the kernel takes at most {MAX_MASKED_NEW}",
+                        s.n_new
+                    );
+                }
                 if m.len() != s.n_new * s.n_new {
                     candle_core::bail!(
                         "paged attention: sequence {i} has a mask of {} entries for {} new tokens",
@@ -268,7 +280,8 @@ pub fn kv_append(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
     no_cuda("kv append")
 }
 
-/// Most rows [`gemv`] takes (`GEMV_MAX_ROWS` in kernels.cu).
+/// Rows per chunk of the gemv kernels (`GEMV_MAX_ROWS` in kernels.cu): a block loads its
+/// weights once and applies them to a step's rows a chunk at a time.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Largest K (input width) [`gemv`] takes. Measured on the H200 (docs/gpu-results.md): with
@@ -277,7 +290,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// where cuBLAS streams long rows closer to the bandwidth.
 pub const GEMV_MAX_K: usize = 2048;
 
-/// Whether [`gemv`] takes `x · wᵀ`: 1 to [`GEMV_MAX_ROWS`] rows, a weight `[N, K]` with
+/// Whether [`gemv`] takes `x · wᵀ`: at least one row, a weight `[N, K]` with
 /// K ≤ [`GEMV_MAX_K`] and the same dtype (f32, f16, bf16), both contiguous, K a multiple of
 /// the 16-byte vector and every row starting 16-byte aligned.
 pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
@@ -296,7 +309,7 @@ fn gemv_fits(x: &Tensor, k: usize, w: &Tensor) -> bool {
             .contiguous_offsets()
             .is_some_and(|(start, _)| (start * size).is_multiple_of(16))
     };
-    (1..=GEMV_MAX_ROWS).contains(&m)
+    m >= 1
         && k == wk
         && k <= GEMV_MAX_K
         && x.dtype() == w.dtype()
@@ -308,7 +321,7 @@ fn gemv_fits(x: &Tensor, k: usize, w: &Tensor) -> bool {
 
 fn gemv_misfit(op: &str, x: &Tensor, w: &Tensor) -> candle_core::Error {
     candle_core::Error::Msg(format!(
-        "{op}: x {:?} {:?} and w {:?} {:?} do not fit the kernel (1 to {GEMV_MAX_ROWS} rows, \
+        "{op}: x {:?} {:?} and w {:?} {:?} do not fit the kernel (at least one row, \
          same dtype, K a multiple of 16 bytes, aligned rows)",
         x.dims(),
         x.dtype(),
@@ -318,8 +331,9 @@ fn gemv_misfit(op: &str, x: &Tensor, w: &Tensor) -> candle_core::Error {
 }
 
 /// `x [M, K] · wᵀ` for a linear layer's weight `w [N, K]` → `[M, N]`, with f32 accumulation,
-/// reading the weight once for all rows; every row's sum is taken in the same order whatever
-/// M is. Check [`gemv_applies`] first.
+/// reading the weight once; every row's sum is taken in the same order whatever M is, so a
+/// row's result never depends on the other rows.
+/// Check [`gemv_applies`] first.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !gemv_applies(x, w) {
         return Err(gemv_misfit("gemv", x, w));
@@ -332,21 +346,27 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     no_cuda("gemv")
 }
 
-/// Most bytes of input rows (`M·K` elements) the fused gemv variants stage in a block's shared
-/// memory: every bf16/f16 step of [`GEMV_MAX_ROWS`] × [`GEMV_MAX_K`], f32 up to 10,240 elements
-/// (8 rows of K = 1,280, 6 of 1,536).
-pub const GEMV_STAGE_MAX_BYTES: usize = 40 * 1024;
+/// Most bytes a fused gemv variant stages in a block's dynamic shared memory (48 KiB with
+/// the kernels' ~1 KiB of static shared memory): a chunk of input rows (`rows·K` elements,
+/// `rows` ≤ [`GEMV_MAX_ROWS`]), plus for [`gemv_add_rms_norm`] the norm weight and a sum of
+/// squares per vector. The fused variants apply where a full chunk fits: every bf16/f16 K up
+/// to [`GEMV_MAX_K`]; in f32, SmolLM2's K = 576 but not its 1,536.
+pub const GEMV_STAGE_MAX_BYTES: usize = 46 * 1024;
 
-fn gemv_stage_fits(m: usize, k: usize, dtype: DType) -> bool {
-    m * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES
+/// Whether `rows` rows of `k` elements fit the staging memory.
+fn gemv_stage_fits(rows: usize, k: usize, dtype: DType) -> bool {
+    rows * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES
 }
 
 /// Whether [`gemv_swiglu`] takes the fused gate_up rows `gu [M, 2K]` against `w [N, K]`
 /// (the conditions of [`gemv_applies`] with K = half of `gu`'s width, and the staged rows
 /// within [`GEMV_STAGE_MAX_BYTES`]).
 pub fn gemv_swiglu_applies(gu: &Tensor, w: &Tensor) -> bool {
-    gu.dims2().is_ok_and(|(m, two_k)| {
-        two_k % 2 == 0 && gemv_fits(gu, two_k / 2, w) && gemv_stage_fits(m, two_k / 2, gu.dtype())
+    // A full chunk must fit whatever the rows (as for gemv_add_rms_norm_applies).
+    gu.dims2().is_ok_and(|(_, two_k)| {
+        two_k % 2 == 0
+            && gemv_fits(gu, two_k / 2, w)
+            && gemv_stage_fits(GEMV_MAX_ROWS, two_k / 2, gu.dtype())
     })
 }
 
@@ -366,10 +386,23 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// Whether [`gemv_add_rms_norm`] takes the rows `x` (and a residual like them) against `w`:
 /// [`gemv_applies`], with the staged rows within [`GEMV_STAGE_MAX_BYTES`].
+///
+/// Whether it applies depends on K and the dtype only, never on the number of rows: the fused
+/// kernel's normed rows differ from [`add_rms_norm`]'s in the last bit, and a decode step and
+/// a verification must take the same one.
 pub fn gemv_add_rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
     gemv_applies(x, w)
-        && x.dims2()
-            .is_ok_and(|(m, k)| gemv_stage_fits(m, k, x.dtype()))
+        && x.dims2().is_ok_and(|(_, k)| {
+            let full_chunk = gemv_add_rms_norm_stage(GEMV_MAX_ROWS, k, x.dtype().size_in_bytes());
+            full_chunk <= GEMV_STAGE_MAX_BYTES
+        })
+}
+
+/// Bytes [`gemv_add_rms_norm`] stages for `m` rows of `k` elements of `elem` bytes: a chunk
+/// of rows, the norm weight, and an f32 sum of squares per 16-byte vector of the chunk.
+fn gemv_add_rms_norm_stage(m: usize, k: usize, elem: usize) -> usize {
+    let chunk = m.min(GEMV_MAX_ROWS);
+    (chunk + 1) * k * elem + chunk * (k * elem / 16) * 4
 }
 
 /// `(x + res, rms_norm(x + res) · norm_w · wᵀ)` in one launch: [`add_rms_norm`] fused into

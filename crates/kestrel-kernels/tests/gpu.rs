@@ -586,14 +586,16 @@ fn kv_move_moves_rows_in_every_pool_reading_before_writing() {
 fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(29);
+    // Two full chunks of rows and part of a third.
+    let rows = 2 * GEMV_MAX_ROWS + 3;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for (n, k) in [(960usize, 576usize), (300, 2048), (7, 64)] {
             let w_h = rounded(&randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
-            let x_h = rounded(&randn(&mut rng, GEMV_MAX_ROWS * k, 1.0), dtype);
+            let x_h = rounded(&randn(&mut rng, rows * k, 1.0), dtype);
             let w = to_dev(&w_h, &[n, k], dtype, &dev);
-            let x_all = to_dev(&x_h, &[GEMV_MAX_ROWS, k], dtype, &dev);
+            let x_all = to_dev(&x_h, &[rows, k], dtype, &dev);
             let full = host(&gemv(&x_all, &w).unwrap());
-            let reference = Tensor::from_slice(&x_h, (GEMV_MAX_ROWS, k), &Device::Cpu)
+            let reference = Tensor::from_slice(&x_h, (rows, k), &Device::Cpu)
                 .unwrap()
                 .matmul(
                     &Tensor::from_slice(&w_h, (n, k), &Device::Cpu)
@@ -611,28 +613,30 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
             let case = format!("{dtype:?} [{n}, {k}]");
             let err = max_abs(&full, &want);
             assert!(err <= tol, "{case}: max abs error {err}");
-            // Every prefix of the rows gives exactly those rows of the full product.
-            for m in 1..GEMV_MAX_ROWS {
+            // Every prefix of the rows gives exactly those rows of the full product, and the
+            // last row alone gives that row's bits too (a decode step against a verification).
+            for m in 1..rows {
                 let x = x_all.narrow(0, 0, m).unwrap();
                 let part = host(&gemv(&x, &w).unwrap());
                 assert!(
                     part == full[..m * n],
-                    "{case}: {m} rows differ from the same rows of {GEMV_MAX_ROWS}"
+                    "{case}: {m} rows differ from the same rows of {rows}"
                 );
             }
+            let last = host(&gemv(&x_all.narrow(0, rows - 1, 1).unwrap(), &w).unwrap());
+            assert!(
+                last == full[(rows - 1) * n..],
+                "{case}: the last row alone differs"
+            );
         }
     }
-    // K not a multiple of the vector width, too many rows, or a misaligned view: not taken.
+    // K not a multiple of the vector width, or a misaligned view: not taken.
     let w = Tensor::zeros((4, 6), DType::F32, &dev).unwrap();
     assert!(!gemv_applies(
         &Tensor::zeros((1, 6), DType::F32, &dev).unwrap(),
         &w
     ));
     let w = Tensor::zeros((4, 8), DType::F32, &dev).unwrap();
-    assert!(!gemv_applies(
-        &Tensor::zeros((GEMV_MAX_ROWS + 1, 8), DType::F32, &dev).unwrap(),
-        &w
-    ));
     let x = Tensor::zeros((1, 9), DType::F32, &dev)
         .unwrap()
         .narrow(1, 1, 8)
@@ -642,7 +646,7 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     assert!(err.contains("do not fit the kernel"), "{err}");
 }
 
-/// The rows of a `[GEMV_MAX_ROWS, ..]` input's first `m` rows.
+/// A tensor's first `m` rows.
 fn first_rows(t: &Tensor, m: usize) -> Tensor {
     t.narrow(0, 0, m).unwrap()
 }
@@ -659,18 +663,20 @@ fn gemv_swiglu_equals_swiglu_then_gemv_bit_for_bit() {
                 dtype,
                 &dev,
             );
+            // More than a chunk of rows.
+            let max_rows = GEMV_MAX_ROWS + 3;
             let gu = to_dev(
-                &randn(&mut rng, GEMV_MAX_ROWS * 2 * k, 4.0),
-                &[GEMV_MAX_ROWS, 2 * k],
+                &randn(&mut rng, max_rows * 2 * k, 4.0),
+                &[max_rows, 2 * k],
                 dtype,
                 &dev,
             );
             let case = format!("{dtype:?} [{n}, {k}]");
-            for m in 1..=GEMV_MAX_ROWS {
+            for m in 1..=max_rows {
                 let rows = first_rows(&gu, m);
-                // The staged rows must fit the block's shared memory (7 and 8 f32 rows of
-                // 1,536 do not).
-                let fits = m * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES;
+                // A full chunk of staged rows must fit the block's shared memory, whatever the
+                // rows (8 f32 rows of 1,536 do not).
+                let fits = GEMV_MAX_ROWS * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES;
                 assert_eq!(gemv_swiglu_applies(&rows, &w), fits, "{case}, {m} rows");
                 if !fits {
                     continue;
@@ -705,28 +711,22 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
                 dtype,
                 &dev,
             );
-            let shape = [GEMV_MAX_ROWS, k];
-            let x = to_dev(
-                &randn(&mut rng, GEMV_MAX_ROWS * k, 2.0),
-                &shape,
-                dtype,
-                &dev,
-            );
-            let r = to_dev(
-                &randn(&mut rng, GEMV_MAX_ROWS * k, 2.0),
-                &shape,
-                dtype,
-                &dev,
-            );
+            // More than a chunk of rows.
+            let rows = GEMV_MAX_ROWS + 3;
+            let shape = [rows, k];
+            let x = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);
+            let r = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);
             let nw: Vec<f32> = randn(&mut rng, k, 0.5).iter().map(|v| v + 1.0).collect();
             let nw = to_dev(&nw, &[k], dtype, &dev);
             let case = format!("{dtype:?} [{n}, {k}]");
             if dtype == DType::F32 && k == 2048 {
-                // 8 rows of 2,048 f32 exceed the staging limit; 5 rows fit.
+                // A full chunk of 8 rows of 2,048 f32 (and the norm weight) exceeds the
+                // staging limit, and the kernel is then refused for any number of rows: a
+                // decode step and a verification must take the same path.
                 assert!(!gemv_add_rms_norm_applies(&x, &w));
+                assert!(!gemv_add_rms_norm_applies(&first_rows(&x, 1), &w));
                 let err = gemv_add_rms_norm(&x, Some(&r), &nw, eps, &w).unwrap_err();
                 assert!(err.to_string().contains("do not fit the kernel"), "{err}");
-                assert!(gemv_add_rms_norm_applies(&first_rows(&x, 5), &w));
                 continue;
             }
             let (sum_all, y_all) = gemv_add_rms_norm(&x, Some(&r), &nw, eps, &w).unwrap();
@@ -742,7 +742,7 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
                 host(&y_alone) == host(&y_zeros),
                 "{case}: no residual ≠ zero residual"
             );
-            assert_eq!(y_all.dims(), [GEMV_MAX_ROWS, n], "{case}");
+            assert_eq!(y_all.dims(), [rows, n], "{case}");
             let (want_sum, normed) = add_rms_norm(&x, &r, &nw, eps).unwrap();
             assert!(
                 host(&sum_all) == host(&want_sum),
@@ -759,13 +759,13 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
             let err = max_abs(&host(&y_all), &want);
             assert!(err <= tol, "{case}: max abs error {err}");
             let y_all = host(&y_all);
-            for m in 1..GEMV_MAX_ROWS {
+            for m in 1..rows {
                 let (s, y) =
                     gemv_add_rms_norm(&first_rows(&x, m), Some(&first_rows(&r, m)), &nw, eps, &w)
                         .unwrap();
                 assert!(
                     host(&y) == y_all[..m * n],
-                    "{case}: {m} rows differ from the same rows of {GEMV_MAX_ROWS}"
+                    "{case}: {m} rows differ from the same rows of {rows}"
                 );
                 assert!(
                     host(&s) == host(&first_rows(&want_sum, m)),

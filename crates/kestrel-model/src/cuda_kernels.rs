@@ -16,16 +16,6 @@ pub mod ops {
     pub const GEMM: &str = "gemm";
 }
 
-/// Largest tree step (new tokens × KV heads) whose attention runs the paged kernel; bigger
-/// ones take candle's batched matmuls. The kernel gives every (query row, head) one block that
-/// walks all of its sequence's slots, so its cost grows with the rows while the matmul path
-/// shares the K/V reads. Measured on the H200 (docs/gpu-results.md, verify:T against a
-/// one-token step, kernel vs candle ops): SmolLM2 (3 KV heads) batch 1 × 64 rows = 192 pairs
-/// 1.12× vs 1.21× and batch 16 × 8 = 384 pairs 0.98× vs 1.13× favour the kernel; batch 16 × 16
-/// = 768 pairs 1.48× vs 1.20×, batch 16 × 64 = 3,072 pairs 5.0× vs 3.7× and Llama-2-7B (32 KV
-/// heads) × 64 rows = 2,048 pairs 2.2× vs 1.4× favour candle.
-pub const TREE_KERNEL_MAX_QUERY_KV_PAIRS: usize = 512;
-
 /// Per op: `true` = Kestrel's kernel, `false` = candle ops (the portable path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaKernels {
@@ -105,20 +95,18 @@ impl CudaKernels {
         }
     }
 
-    /// Whether a step's attention takes the paged-attention kernel. `query_kv_pairs`: the
-    /// step's new tokens (all sequences) × KV heads.
-    pub(crate) fn attention(
-        &self,
-        prompt: bool,
-        single_tokens: bool,
-        query_kv_pairs: usize,
-    ) -> bool {
+    /// Whether a step's attention takes the paged-attention kernel. Tree steps take it
+    /// whatever their size (when the plan picks it): a verification must attend exactly as
+    /// the decode step it stands for, and the kernel gives a query row the same bits in both
+    /// (candle's batched matmuls, ~25% faster on big trees before the kernel read V rows as
+    /// vectors, do not).
+    pub(crate) fn attention(&self, prompt: bool, single_tokens: bool) -> bool {
         if prompt {
             self.attention_context
         } else if single_tokens {
             self.attention_decode
         } else {
-            self.attention_tree && query_kv_pairs <= TREE_KERNEL_MAX_QUERY_KV_PAIRS
+            self.attention_tree
         }
     }
 }
@@ -152,11 +140,8 @@ mod tests {
             choice("gemm", "kestrel_gemv_bf16+cublas"),
         ];
         let k = CudaKernels::from_choices(&new);
-        assert!(k.attention(false, true, 1) && k.attention(false, false, 192));
-        assert!(!k.attention(true, false, 1));
-        // A tree step too big for the kernel goes back to candle's matmuls.
-        assert!(!k.attention(false, false, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
-        assert!(k.attention(false, true, TREE_KERNEL_MAX_QUERY_KV_PAIRS + 1));
+        assert!(k.attention(false, true) && k.attention(false, false));
+        assert!(!k.attention(true, false));
         assert!(k.kv_append && k.add_rmsnorm && k.swiglu && k.qkv_rope && k.gemv);
     }
 }

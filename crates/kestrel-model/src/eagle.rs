@@ -9,7 +9,7 @@ use crate::layer::{causal_train_inputs, train_mask, AttnCtx, DecoderLayer, Linea
 use crate::llama::{check_cache, check_supported, layer_dims, Llama, OutputRows};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
-use crate::step_graph::StepGraphs;
+use crate::step_graph::{GraphActivity, StepGraphs};
 use crate::weights::{MapSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
@@ -198,6 +198,11 @@ impl EagleHead {
     /// See [`Llama::cuda_graph_count`].
     pub fn cuda_graph_count(&self) -> usize {
         self.graphs.count()
+    }
+
+    /// See [`Llama::cuda_graph_activity`].
+    pub fn cuda_graph_activity(&self) -> GraphActivity {
+        self.graphs.activity()
     }
 
     /// A one-layer KV cache shaped for this head.

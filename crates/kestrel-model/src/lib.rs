@@ -37,6 +37,7 @@ pub use error::{ModelError, Result};
 pub use llama::{Llama, OutputRows, SeqInput};
 pub use prefix_cache::PrefixKeys;
 pub use rope::inv_freq;
+pub use step_graph::GraphActivity;
 
 /// The candle dtype of a Kestrel dtype.
 pub fn candle_dtype(dtype: kestrel_core::DType) -> candle_core::DType {

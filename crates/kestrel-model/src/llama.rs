@@ -8,7 +8,7 @@ use crate::error::{invalid, ModelError, Result};
 use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
-use crate::step_graph::StepGraphs;
+use crate::step_graph::{GraphActivity, StepGraphs};
 use crate::unshard;
 use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
@@ -351,6 +351,11 @@ impl Llama {
     /// How many step graphs are captured now (one per step layout in use).
     pub fn cuda_graph_count(&self) -> usize {
         self.graphs.count()
+    }
+
+    /// What the step graphs have done since the model was loaded.
+    pub fn cuda_graph_activity(&self) -> GraphActivity {
+        self.graphs.activity()
     }
     pub fn dtype(&self) -> DType {
         self.dtype

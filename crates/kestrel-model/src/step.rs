@@ -104,9 +104,7 @@ pub(crate) fn plan_step<'a>(
     let requests: Vec<(SeqId, usize)> = inputs.iter().map(|s| (s.seq, s.n)).collect();
     cache.reserve(&requests)?;
     let single = inputs.iter().all(|s| s.n == 1);
-    let new_tokens: usize = inputs.iter().map(|s| s.n).sum();
-    let query_kv_pairs = new_tokens * cache.n_kv_heads();
-    let kernel_attn = cuda.is_some_and(|k| k.attention(prompt, single, query_kv_pairs));
+    let kernel_attn = cuda.is_some_and(|k| k.attention(prompt, single));
     // Per-sequence slot and mask tensors are for the candle path only.
     let per_seq_tensors = !device.is_cpu() && !kernel_attn;
 

@@ -35,9 +35,36 @@ struct Captured {
     out: Tensor,
 }
 
+/// What a model's step graphs have done since it was loaded: for reports, and to tell a run
+/// that replays its graphs from one that keeps capturing new ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GraphActivity {
+    /// Graphs captured.
+    pub captures: u64,
+    /// Wall time of those captures, including the eager step each one repeats.
+    pub capture_s: f64,
+    /// Steps that replayed a graph.
+    pub replays: u64,
+    /// Times every graph was dropped because the model moved to another KV cache.
+    pub cache_changes: u64,
+}
+
+impl std::ops::Add for GraphActivity {
+    type Output = GraphActivity;
+    fn add(self, o: GraphActivity) -> GraphActivity {
+        GraphActivity {
+            captures: self.captures + o.captures,
+            capture_s: self.capture_s + o.capture_s,
+            replays: self.replays + o.replays,
+            cache_changes: self.cache_changes + o.cache_changes,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Graphs {
     enabled: bool,
+    activity: GraphActivity,
     /// Why capturing failed, which turned graphs off.
     failure: Option<String>,
     /// The KV cache the graphs write (its first K pool).
@@ -98,6 +125,10 @@ impl StepGraphs {
         self.lock().entries.len()
     }
 
+    pub fn activity(&self) -> GraphActivity {
+        self.lock().activity
+    }
+
     /// `compute(ids, step, input)` over `inputs` and an optional device tensor `input` (its
     /// shape fixed by the layout), through the graph of their layout when there is one (else
     /// eagerly, capturing the layout once it recurs); `cache`: the KV cache's identity.
@@ -112,9 +143,15 @@ impl StepGraphs {
     ) -> Result<Tensor> {
         let mut g = self.lock();
         if g.cache != Some(cache) {
+            if g.cache.is_some() && !g.entries.is_empty() {
+                g.activity.cache_changes += 1;
+            }
             g.entries.clear();
             g.seen.clear();
             g.cache = Some(cache);
+        }
+        if g.entries.contains_key(&inputs.layout) {
+            g.activity.replays += 1;
         }
         if let Some(c) = g.entries.get_mut(&inputs.layout) {
             kestrel_kernels::upload_into(&c.u32s, 0, &inputs.u32s)?;
@@ -136,6 +173,7 @@ impl StepGraphs {
             return eager(inputs, input, dtype, device, &compute);
         }
         g.seen.remove(&layout);
+        let started = std::time::Instant::now();
         let (u32s, f32s) = upload(inputs, device)?;
         let input = match input {
             Some(x) => Some(x.copy()?),
@@ -153,6 +191,8 @@ impl StepGraphs {
         });
         match captured {
             Ok((graph, ())) => {
+                g.activity.captures += 1;
+                g.activity.capture_s += started.elapsed().as_secs_f64();
                 g.entries.insert(
                     layout,
                     Captured {

@@ -379,3 +379,118 @@ fn cuda_graph_head_steps_equal_eager_steps() {
         assert_same_bits(g, w, &format!("head step {step}"));
     }
 }
+
+/// Hidden-state rows of `tokens` fed to a fresh cache after `prompt`: one step of all of
+/// them (a chain verification, causal over the new tokens) or one step per token (decoding).
+fn chain_rows(m: &Llama, prompt: &[u32], tokens: &[u32], one_step: bool) -> Vec<Vec<f32>> {
+    let mut cache = m.new_cache(64, 4).unwrap();
+    let seq = cache.add_sequence();
+    let pos: Vec<u32> = (0..(prompt.len() + tokens.len()) as u32).collect();
+    let input = |toks: &[u32], start: usize, cache: &mut PagedKvCache, prompt: bool| {
+        let batch = [SeqInput {
+            seq,
+            tokens: toks,
+            positions: &pos[start..start + toks.len()],
+            mask: None,
+            output_rows: OutputRows::All,
+        }];
+        let h = if prompt {
+            m.forward_prompt(&batch, cache)
+        } else {
+            m.forward(&batch, cache)
+        };
+        rows(&h.unwrap())
+    };
+    input(prompt, 0, &mut cache, true);
+    let start = prompt.len();
+    if one_step {
+        return input(tokens, start, &mut cache, false);
+    }
+    let mut out = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        out.extend(input(std::slice::from_ref(t), start + i, &mut cache, false));
+    }
+    out
+}
+
+/// Greedy speculation is exact only if a verified row is computed exactly as the decode
+/// step it stands for. In bf16 a rounding difference easily flips a greedy choice, so the
+/// rows must match bit for bit: 12 tokens verified in one step (more than one gemv chunk of
+/// rows) against the same 12 decoded one at a time, hidden states and logits.
+#[test]
+fn bf16_verified_rows_equal_decoded_rows_bit_for_bit() {
+    // Widths the gemv kernels take in bf16 (multiples of 8 elements).
+    let cfg: ModelConfig = serde_json::from_str(
+        r#"{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let mut m = Llama::random(&cfg, SEED, DType::BF16, &gpu()).unwrap();
+    m.set_cuda_kernels(CudaKernels::all());
+    let prompt = [5u32, 17, 42, 9, 11, 23, 3];
+    let tokens: Vec<u32> = (0..12).map(|k| (k * 29 + 7) % 96).collect();
+    let verified = chain_rows(&m, &prompt, &tokens, true);
+    let decoded = chain_rows(&m, &prompt, &tokens, false);
+    assert_same_bits(&verified, &decoded, "verified hidden states");
+    let logits = |hs: &[Vec<f32>]| {
+        let flat: Vec<f32> = hs.concat();
+        let h = candle_core::Tensor::from_slice(&flat, (hs.len(), 64), &gpu())
+            .unwrap()
+            .to_dtype(candle_core::DType::BF16)
+            .unwrap();
+        rows(&m.logits(&h).unwrap())
+    };
+    assert_same_bits(&logits(&verified), &logits(&decoded), "verified logits");
+
+    // A branching tree: the path root → 2 → 5 → 9 → 11 has other nodes between its nodes,
+    // and each of its rows must still be that token decoded after its ancestors.
+    let parent = [0usize, 0, 0, 1, 2, 2, 3, 4, 5, 5, 8, 9];
+    let depth = |mut i: usize| {
+        let mut d = 0;
+        while i != 0 {
+            i = parent[i];
+            d += 1;
+        }
+        d
+    };
+    let n = parent.len();
+    let sees = |i: usize, j: usize| {
+        let mut k = i;
+        loop {
+            if k == j {
+                return true;
+            }
+            if k == 0 {
+                return false;
+            }
+            k = parent[k];
+        }
+    };
+    let mask: Vec<bool> = (0..n * n).map(|ij| sees(ij / n, ij % n)).collect();
+    let mut cache = m.new_cache(64, 4).unwrap();
+    let seq = cache.add_sequence();
+    let prompt_pos: Vec<u32> = (0..prompt.len() as u32).collect();
+    let prefill = SeqInput {
+        seq,
+        tokens: &prompt,
+        positions: &prompt_pos,
+        mask: None,
+        output_rows: OutputRows::Last,
+    };
+    m.forward_prompt(&[prefill], &mut cache).unwrap();
+    let pos: Vec<u32> = (0..n).map(|i| (prompt.len() + depth(i)) as u32).collect();
+    let tree = SeqInput {
+        seq,
+        tokens: &tokens,
+        positions: &pos,
+        mask: Some(&mask),
+        output_rows: OutputRows::All,
+    };
+    let tree_rows = rows(&m.forward(&[tree], &mut cache).unwrap());
+    let path = [0usize, 2, 5, 9, 11];
+    let path_tokens: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
+    let decoded = chain_rows(&m, &prompt, &path_tokens, false);
+    let on_path: Vec<Vec<f32>> = path.iter().map(|&i| tree_rows[i].clone()).collect();
+    assert_same_bits(&on_path, &decoded, "tree rows on a branch");
+}

@@ -78,6 +78,15 @@ impl Engine {
         }
     }
 
+    /// What the step graphs of the model and the head have done since loading.
+    pub fn cuda_graph_activity(&self) -> kestrel_model::GraphActivity {
+        let model = self.model.cuda_graph_activity();
+        match &self.eagle {
+            Some(head) => model + head.cuda_graph_activity(),
+            None => model,
+        }
+    }
+
     /// Why CUDA graphs were turned off after a failed capture (model or head), if they were.
     pub fn cuda_graph_failure(&self) -> Option<String> {
         self.model
