@@ -34,8 +34,9 @@ pub struct CudaKernels {
     /// The fused QKV projection's split, RoPE and K/V append in one kernel (steps through
     /// the attention and `kv_append` kernels only).
     pub qkv_rope: bool,
-    /// Projections of steps of at most `kestrel_kernels::GEMV_MAX_ROWS` rows through the
-    /// `gemv` kernel (others through cuBLAS).
+    /// Projections of decode, draft and verification steps (any row count) through the
+    /// row-invariant `gemv` kernels where the weight is at most `kestrel_kernels::GEMV_MAX_K`
+    /// wide; prompts and wider weights through cuBLAS.
     pub gemv: bool,
 }
 
