@@ -693,10 +693,8 @@ __device__ __forceinline__ bool beats(float av, unsigned int ai, float bv, unsig
     return ai != NO_INDEX && (bi == NO_INDEX || av > bv || (av == bv && ai < bi));
 }
 
-// The best (value, index) of the block; every thread gets it. `sv`, `si`: 32 entries of
-// shared memory each.
-__device__ __forceinline__ void block_best(float &best, unsigned int &idx, float *sv,
-                                           unsigned int *si) {
+// The best (value, index) of the warp; every lane gets it.
+__device__ __forceinline__ void warp_best(float &best, unsigned int &idx) {
 #pragma unroll
     for (int o = WARP / 2; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(FULL_MASK, best, o);
@@ -706,6 +704,13 @@ __device__ __forceinline__ void block_best(float &best, unsigned int &idx, float
             idx = oi;
         }
     }
+}
+
+// The best (value, index) of the block; every thread gets it. `sv`, `si`: 32 entries of
+// shared memory each.
+__device__ __forceinline__ void block_best(float &best, unsigned int &idx, float *sv,
+                                           unsigned int *si) {
+    warp_best(best, idx);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     __syncthreads(); // `sv`/`si` may still be read by a previous call
     if (lane == 0) {
@@ -716,15 +721,7 @@ __device__ __forceinline__ void block_best(float &best, unsigned int &idx, float
     const int nwarps = blockDim.x / WARP;
     best = lane < nwarps ? sv[lane] : -INFINITY;
     idx = lane < nwarps ? si[lane] : NO_INDEX;
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-        const unsigned int oi = __shfl_xor_sync(FULL_MASK, idx, o);
-        if (beats(ov, oi, best, idx)) {
-            best = ov;
-            idx = oi;
-        }
-    }
+    warp_best(best, idx);
 }
 
 // One block per row. A row is read with 16-byte loads, four in flight per thread: a single
