@@ -253,6 +253,9 @@ impl InplaceOp3 for KvAppend {
 
 pub(crate) struct AddRmsNorm {
     pub eps: f32,
+    /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
+    /// warp per row (for that op's steps of many rows), instead of candle's order.
+    pub gemv_order: bool,
 }
 
 impl AddRmsNorm {
@@ -271,8 +274,12 @@ impl AddRmsNorm {
         // SAFETY: the kernel writes both halves of every row.
         let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
         if rows > 0 {
-            let func =
-                dev.get_or_load_custom_func(&format!("kestrel_add_rmsnorm_{sfx}"), MODULE, PTX)?;
+            let kernel = if self.gemv_order {
+                "kestrel_add_rmsnorm_rows"
+            } else {
+                "kestrel_add_rmsnorm"
+            };
+            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
             let (rows_a, h_a) = (i32_arg(rows, "rows")?, i32_arg(h, "hidden size")?);
             let mut b = func.builder();
             b.arg(&xv);
@@ -282,8 +289,13 @@ impl AddRmsNorm {
             b.arg(&rows_a);
             b.arg(&h_a);
             b.arg(&self.eps);
-            // block_sum needs a multiple of 32 threads, at most 1024.
-            let cfg = launch_cfg((rows as u32, 1), threads_for(h).min(1024));
+            let cfg = if self.gemv_order {
+                // A warp per row, 8 a block.
+                launch_cfg((rows.div_ceil(8) as u32, 1), 256)
+            } else {
+                // block_sum needs a multiple of 32 threads, at most 1024.
+                launch_cfg((rows as u32, 1), threads_for(h).min(1024))
+            };
             // SAFETY: argument types match kestrel_add_rmsnorm_*.
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -598,7 +610,14 @@ const GEMV_WARPS: usize = 8;
 /// over its part of K, so K = 576 in bf16 (72 vectors) takes 2 warps, not 4 with the last one
 /// idle; fewer warps per column also means fewer blocks (one wave for SmolLM2's gate_up
 /// rather than two). Depends on K alone, so a row's sum order never depends on M.
+/// The tensor-core engine (split `GEMV_MMA` = 0) takes 16 columns a block, its 8 warps
+/// sharing K.
 fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (LaunchConfig, i32) {
+    if crate::gemv_tensor_cores(elem_bytes, k) {
+        let mut cfg = launch_cfg((n.div_ceil(16) as u32, 1), (GEMV_WARPS * 32) as u32);
+        cfg.shared_mem_bytes = stage_bytes as u32;
+        return (cfg, 0);
+    }
     let vec = 16 / elem_bytes;
     let rounds = k / (32 * vec);
     let split = match rounds {
@@ -636,9 +655,9 @@ impl Gemv {
         // SAFETY: every (row, column) is written by its column's warp.
         let out = unsafe { dev.alloc::<T>(m * n)? };
         if m > 0 && n > 0 {
-            let chunk = m.min(crate::GEMV_MAX_ROWS);
             let (kernel, stage) = if self.swiglu {
-                ("kestrel_gemv_swiglu", chunk * k * std::mem::size_of::<T>())
+                let stage = crate::gemv_swiglu_stage(m, k, std::mem::size_of::<T>());
+                ("kestrel_gemv_swiglu", stage)
             } else {
                 ("kestrel_gemv", 0)
             };
@@ -698,7 +717,8 @@ impl GemvAddRmsNorm {
                 PTX,
             )?;
             let size = std::mem::size_of::<T>();
-            let (cfg, split) = gemv_launch(n, k, size, crate::gemv_add_rms_norm_stage(m, k, size));
+            let stage = crate::gemv_add_rms_norm_stage(m, k, size);
+            let (cfg, split) = gemv_launch(n, k, size, stage);
             let (m_a, n_a, k_a) = (
                 i32_arg(m, "rows")?,
                 i32_arg(n, "columns")?,

@@ -344,6 +344,7 @@ template <typename T> __device__ __forceinline__ void store16(T *p, const float 
 // latency, and applied to the rows afterwards (`finish`).
 template <typename T> struct GemvWarp {
     static constexpr int VEC = 16 / sizeof(T);
+    static constexpr int CHUNK = GEMV_MAX_ROWS; // rows a `finish` takes
     // Vectors per lane that the host's choice of split (cuda.rs, gemv_launch) can give at
     // K ≤ GEMV_MAX_K: 2, or 4 for f32. Any further ones are loaded in `finish`.
     static constexpr int PREFETCH =
@@ -431,14 +432,26 @@ template <typename T> struct GemvWarp {
     }
 };
 
-template <typename T>
-__device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
-                     const int M, const int N, const int K, const int split) {
-    GemvWarp<T> g;
-    g.prefetch(w, N, K, split);
-    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS)
-        g.finish(x + (size_t)m0 * K, y + (size_t)m0 * N, min(GEMV_MAX_ROWS, M - m0), N, K, split);
-}
+// ---------------------------------------------------------------------------------------
+// The tensor-core engine (f16/bf16, K a multiple of MMA_KB; the host asks for it with
+// split = GEMV_MMA). A block computes 16 output columns; its 8 warps take K's blocks of 64 in
+// turn (warp p: blocks p, p + 8, …). For each block of K a warp issues four
+// mma.m16n8k16 (f32 accumulation) with the weights as A (16 columns × 16 k) and the rows as B
+// (16 k × 8 rows), so up to 8 rows ride along with each weight load. A lane loads 32
+// contiguous bytes of each of its two weight rows and of its input row and feeds them to the
+// four MMAs in a fixed permutation of k (the same for weights and rows, so the product is
+// unchanged). The warps' partial sums are then added in warp order.
+// Why it stays row-invariant: an MMA computes each output from its own row and column only,
+// and a row's sequence of MMAs and the order of the warps' partials depend on K alone, so a
+// row gets the same bits whatever M and whatever the other rows hold. It replaces the FMA
+// engine's eight rows a pass and their butterflies: a 64-row verification costs about what a
+// one-row step does instead of ~8 times as much.
+// ---------------------------------------------------------------------------------------
+#define GEMV_MMA 0
+#define MMA_KB 64
+// Tiles of 8 rows a pass of the tensor-core engine takes when the rows come from global
+// memory (the fused variants take one tile: GEMV_MAX_ROWS rows).
+#define MMA_PASS_TILES 4
 
 // The fused variants stage their input rows [M, K] in dynamic shared memory, as T: exact,
 // since the kernels they replace store T. Each block computes them once for all of its
@@ -446,19 +459,165 @@ __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__rest
 // its weights are already on their way.
 extern __shared__ __align__(16) unsigned char gemv_stage[];
 
+template <typename T> __device__ __forceinline__ void mma16816(float *d, const unsigned *a,
+                                                               const unsigned *b);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float *d, const unsigned *a,
+                                                        const unsigned *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float *d, const unsigned *a, const unsigned *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// MT: tiles of 8 rows per pass (`finish` takes up to 8·MT rows). STAGED: the rows are in
+// `gemv_stage`, whose space then also takes the warps' partial sums once every warp is done
+// with the rows (the host sizes it for both): a separate array would push the fused variants
+// past the 48 KiB a block may use.
+template <typename T, int MT, bool STAGED> struct GemvMma {
+    static constexpr int CHUNK = 8 * MT; // rows a `finish` takes
+    // A lane's 32 bytes of weight row n0 + g ([0], [1]) and n0 + g + 8 ([2], [3]) for its
+    // first block of K, loaded by `prefetch`.
+    uint4 first[4];
+    const T *w_lo, *w_hi;
+    int n0, g, t, warp, nkb;
+
+    __device__ __forceinline__ void load_w(const int kb, uint4 *v) const {
+        const int k0 = kb * MMA_KB + 16 * t;
+        v[0] = *reinterpret_cast<const uint4 *>(w_lo + k0);
+        v[1] = *reinterpret_cast<const uint4 *>(w_lo + k0 + 8);
+        v[2] = *reinterpret_cast<const uint4 *>(w_hi + k0);
+        v[3] = *reinterpret_cast<const uint4 *>(w_hi + k0 + 8);
+    }
+
+    __device__ __forceinline__ void prefetch(const T *__restrict__ w, const int N, const int K,
+                                             const int) {
+        const int lane = threadIdx.x % WARP;
+        warp = threadIdx.x / WARP;
+        g = lane >> 2;
+        t = lane & 3;
+        n0 = blockIdx.x * 16;
+        nkb = K / MMA_KB;
+        // Columns past N compute from row N − 1 and are never stored.
+        w_lo = w + (size_t)min(n0 + g, N - 1) * K;
+        w_hi = w + (size_t)min(n0 + g + 8, N - 1) * K;
+        if (warp < nkb) load_w(warp, first);
+    }
+
+    // y[m, n] for m < M ≤ 8·MT from the rows x [M, K] (global or shared memory).
+    __device__ __forceinline__ void finish(const T *x, T *__restrict__ y, const int M,
+                                           const int N, const int K, const int) {
+        float acc[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+        uint4 cur[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cur[i] = first[i];
+        for (int kb = warp; kb < nkb; kb += GEMV_WARPS) {
+            // The next block's weights are on their way while this one's MMAs run.
+            uint4 next[4];
+            if (kb + GEMV_WARPS < nkb) load_w(kb + GEMV_WARPS, next);
+            const int k0 = kb * MMA_KB + 16 * t;
+            const unsigned *wl = reinterpret_cast<const unsigned *>(&cur[0]);
+            const unsigned *wh = reinterpret_cast<const unsigned *>(&cur[2]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt * 8 < M) {
+                    const int row = mt * 8 + g;
+                    uint4 xr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+                    if (row < M) {
+                        xr[0] = *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0);
+                        xr[1] = *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0 + 8);
+                    }
+                    const unsigned *xw = reinterpret_cast<const unsigned *>(xr);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        // k slots (2t, 2t+1) ↔ k0 + 4j + (0, 1); (2t+8, 2t+9) ↔ k0 + 4j + (2, 3).
+                        const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
+                        const unsigned b[2] = {xw[2 * j], xw[2 * j + 1]};
+                        mma16816<T>(acc[mt], a, b);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) cur[i] = next[i];
+        }
+        float(*part)[MT][16][8];
+        if constexpr (STAGED) {
+            __syncthreads(); // every warp is done with the staged rows
+            part = reinterpret_cast<float(*)[MT][16][8]>(gemv_stage);
+        } else {
+            __shared__ float own[GEMV_WARPS][MT][16][8];
+            part = own;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            part[warp][mt][g][2 * t] = acc[mt][0];
+            part[warp][mt][g][2 * t + 1] = acc[mt][1];
+            part[warp][mt][g + 8][2 * t] = acc[mt][2];
+            part[warp][mt][g + 8][2 * t + 1] = acc[mt][3];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < MT * 128; i += blockDim.x) {
+            const int mt = i / 128, c = (i / 8) % 16, m = mt * 8 + i % 8;
+            if (m < M && n0 + c < N) {
+                float total = 0.f;
+#pragma unroll
+                for (int q = 0; q < GEMV_WARPS; ++q) total += part[q][mt][c][i % 8];
+                y[(size_t)m * N + n0 + c] = from_f<T>(total);
+            }
+        }
+        __syncthreads(); // `part` and the staged rows are free for the next chunk
+    }
+};
+
+
+// Runs `run(engine)` with the engine the host picked through `split`: the tensor-core one
+// (MT tiles of 8 rows a pass; STAGED: the rows are in `gemv_stage`) or the FMA one.
+template <typename T, int MT, bool STAGED, typename F>
+__device__ __forceinline__ void with_engine(const int split, F &&run) {
+    if constexpr (sizeof(T) == 2) {
+        if (split == GEMV_MMA) {
+            run(GemvMma<T, MT, STAGED>{});
+            return;
+        }
+    }
+    run(GemvWarp<T>{});
+}
+
+template <typename T>
+__device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
+                     const int M, const int N, const int K, const int split) {
+    with_engine<T, MMA_PASS_TILES, false>(split, [&](auto g) {
+        constexpr int CHUNK = decltype(g)::CHUNK;
+        g.prefetch(w, N, K, split);
+        for (int m0 = 0; m0 < M; m0 += CHUNK)
+            g.finish(x + (size_t)m0 * K, y + (size_t)m0 * N, min(CHUNK, M - m0), N, K, split);
+    });
+}
+
+
 // SwiGLU fused into the projection after it: x = round_T(silu_T(gate) · up) of the fused
 // gate_up rows gu [M, 2K], computed as kestrel_swiglu does.
-template <typename T>
-__device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
-                            T *__restrict__ y, const int M, const int N, const int K,
-                            const int split) {
+template <typename T, typename G>
+__device__ void gemv_swiglu_with(G g, const T *__restrict__ gu, const T *__restrict__ w,
+                                 T *__restrict__ y, const int M, const int N, const int K,
+                                 const int split) {
     constexpr int VEC = 16 / sizeof(T);
-    GemvWarp<T> g;
     g.prefetch(w, N, K, split);
     T *xs = reinterpret_cast<T *>(gemv_stage);
     const int kv = K / VEC;
-    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS) {
-        const int mc = min(GEMV_MAX_ROWS, M - m0);
+    for (int m0 = 0; m0 < M; m0 += G::CHUNK) {
+        const int mc = min(G::CHUNK, M - m0);
         // Vectors (row, k0) in batches of STAGE_BATCH per thread, all loads first.
         for (int base = threadIdx.x; base < mc * kv; base += STAGE_BATCH * blockDim.x) {
             uint4 g_raw[STAGE_BATCH], u_raw[STAGE_BATCH];
@@ -494,20 +653,59 @@ __device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
 // vectors t, t + blockDim, …, the same ones in every row), stage the sums and nw in shared
 // memory ([M, K] then [K]) and sum their squares; a row's sum of squares is then the warps'
 // partial sums added in a fixed order, so it does not depend on M.
+// Partial sums of the tensor-core engine over one tile of rows (GemvMma<T, 1, true>), which
+// it keeps where the staged rows were (GEMV_PART_BYTES in lib.rs).
+#define GEMV_PART_BYTES (GEMV_WARPS * 16 * 8 * 4)
+
+// Where gemv_add_rmsnorm keeps the norm weight in `gemv_stage`: after a chunk's rows and sums
+// of squares, and past the engine's partial sums, which overwrite those once they are used
+// (gemv_add_rms_norm_stage in lib.rs computes the same).
+__device__ __forceinline__ int gemv_add_rmsnorm_norm_offset(const int chunk, const int K,
+                                                            const int vec, const int elem) {
+    const int used = chunk * K * elem + chunk * (K / vec) * 4;
+    return max((used + 15) / 16 * 16, GEMV_PART_BYTES);
+}
+
+// One 16-byte vector of a residual sum: s = round_T(x + r) (zero bits for r: no add), and
+// Σ s² over the vector. gemv_add_rmsnorm's staging and add_rmsnorm_rows share it (and
+// normed_vec), so that the two give the same bits.
 template <typename T>
-__device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
-                                 const T *__restrict__ nw, const T *__restrict__ w,
-                                 T *__restrict__ y, T *__restrict__ sum_out, const int M,
-                                 const int N, const int K, const float eps, const int split) {
+__device__ __forceinline__ float residual_vec(const uint4 x_raw, const uint4 r_raw, float *s) {
+    constexpr int VEC = 16 / sizeof(T);
+    float r[VEC];
+    unpack16<T>(x_raw, s);
+    unpack16<T>(r_raw, r); // zero bits are 0.0 in every T
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        s[j] = round_t<T>(s[j] + r[j]);
+        ss += s[j] * s[j];
+    }
+    return ss;
+}
+
+// s ← round_T(scale · s) · w: a normed vector, rounded to T when stored.
+template <typename T>
+__device__ __forceinline__ void normed_vec(float *s, const float *wn, const float scale) {
+#pragma unroll
+    for (int j = 0; j < 16 / (int)sizeof(T); ++j) s[j] = round_t<T>(scale * s[j]) * wn[j];
+}
+
+template <typename T, typename G>
+__device__ void gemv_add_rmsnorm_with(G g, const T *__restrict__ x, const T *__restrict__ res,
+                                      const T *__restrict__ nw, const T *__restrict__ w,
+                                      T *__restrict__ y, T *__restrict__ sum_out, const int M,
+                                      const int N, const int K, const float eps,
+                                      const int split) {
     constexpr int VEC = 16 / sizeof(T);
     __shared__ float row_scale[GEMV_MAX_ROWS];
-    GemvWarp<T> g;
     g.prefetch(w, N, K, split);
     T *xs = reinterpret_cast<T *>(gemv_stage);
-    // Dynamic shared memory: a chunk of rows, the norm weight, then the chunk's per-vector
-    // sums of squares (f32).
-    T *nws = xs + (size_t)min(M, GEMV_MAX_ROWS) * K;
-    float *sqv = reinterpret_cast<float *>(nws + K);
+    // Dynamic shared memory: a chunk of rows, the chunk's per-vector sums of squares (f32),
+    // then the norm weight (gemv_add_rmsnorm_norm_offset).
+    const int chunk = min(M, G::CHUNK);
+    float *sqv = reinterpret_cast<float *>(xs + (size_t)chunk * K);
+    T *nws = reinterpret_cast<T *>(gemv_stage + gemv_add_rmsnorm_norm_offset(chunk, K, VEC, sizeof(T)));
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int kv = K / VEC;
     for (int v = threadIdx.x; v < kv; v += blockDim.x) {
@@ -516,8 +714,8 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
         store16(nws + v * VEC, t);
     }
     __syncthreads(); // the staged norm weight
-    for (int m0 = 0; m0 < M; m0 += GEMV_MAX_ROWS) {
-        const int mc = min(GEMV_MAX_ROWS, M - m0);
+    for (int m0 = 0; m0 < M; m0 += G::CHUNK) {
+        const int mc = min(G::CHUNK, M - m0);
         const size_t row0 = (size_t)m0 * K;
         // Vectors (row, v) in batches of STAGE_BATCH per thread, all loads first; each
         // vector's sum of squares goes to sqv, summed per row below in a fixed order.
@@ -535,16 +733,8 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
                 const int i = base + u * blockDim.x;
                 if (i < mc * kv) {
                     const size_t off = (size_t)(i / kv) * K + (i % kv) * VEC;
-                    float sv[VEC], r[VEC];
-                    unpack16<T>(x_raw[u], sv);
-                    unpack16<T>(r_raw[u], r); // zero bits are 0.0 in every T
-                    float ss = 0.f;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        sv[j] = round_t<T>(sv[j] + r[j]);
-                        ss += sv[j] * sv[j];
-                    }
-                    sqv[i] = ss;
+                    float sv[VEC];
+                    sqv[i] = residual_vec<T>(x_raw[u], r_raw[u], sv);
                     store16(xs + off, sv);
                     if (res && blockIdx.x == 0) store16(sum_out + row0 + off, sv);
                 }
@@ -553,11 +743,11 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
         __syncthreads();
         // Row m's sum of squares: warp m over its vectors (lane-strided, then the warp's
         // tree), an order fixed by K.
-        if (warp < mc) {
+        for (int r = warp; r < mc; r += GEMV_WARPS) {
             float ss = 0.f;
-            for (int v = lane; v < kv; v += WARP) ss += sqv[warp * kv + v];
+            for (int v = lane; v < kv; v += WARP) ss += sqv[r * kv + v];
             ss = warp_sum(ss);
-            if (lane == 0) row_scale[warp] = rsqrtf(ss / K + eps);
+            if (lane == 0) row_scale[r] = rsqrtf(ss / K + eps);
         }
         __syncthreads();
         for (int i = threadIdx.x; i < mc * kv; i += blockDim.x) {
@@ -567,12 +757,69 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
             float sv[VEC], wn[VEC];
             load16(xs + off, sv);
             load16(nws + v * VEC, wn);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) sv[j] = round_t<T>(scale * sv[j]) * wn[j];
+            normed_vec<T>(sv, wn, scale);
             store16(xs + off, sv);
         }
         __syncthreads();
         g.finish(xs, y + (size_t)m0 * N, mc, N, K, split);
+    }
+}
+
+// The staged variants take chunks of GEMV_MAX_ROWS rows with either engine. Every block
+// stages all rows, so the host runs steps of more rows unfused (lib.rs), which gives the
+// same bits.
+template <typename T>
+__device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
+                            T *__restrict__ y, const int M, const int N, const int K,
+                            const int split) {
+    with_engine<T, 1, true>(split, [&](auto g) { gemv_swiglu_with<T>(g, gu, w, y, M, N, K, split); });
+}
+
+template <typename T>
+__device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
+                                 const T *__restrict__ nw, const T *__restrict__ w,
+                                 T *__restrict__ y, T *__restrict__ sum_out, const int M,
+                                 const int N, const int K, const float eps, const int split) {
+    with_engine<T, 1, true>(split, [&](auto g) {
+        gemv_add_rmsnorm_with<T>(g, x, res, nw, w, y, sum_out, M, N, K, eps, split);
+    });
+}
+
+// gemv_add_rmsnorm's sums and normed rows written out, for steps with more rows than its
+// chunk (lib.rs then runs the plain gemv on them): out [2, n_rows, h] = sums, normed rows.
+// One warp per row walks the row's vectors in the order of the fused kernel's staging (lane l:
+// vectors l, l + 32, …, then the warp's tree), so each value has the fused kernel's bits.
+// Needs h a multiple of the vector width and 16-byte aligned rows.
+template <typename T>
+__device__ void add_rmsnorm_rows(const T *__restrict__ x, const T *__restrict__ res,
+                                 const T *__restrict__ w, T *__restrict__ out, const int n_rows,
+                                 const int h, const float eps) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    if (row >= n_rows) return; // a whole warp
+    const int kv = h / VEC;
+    const size_t base = (size_t)row * h;
+    T *sum_out = out + base;
+    T *norm_out = out + (size_t)n_rows * h + base;
+    auto vec = [&](const int v, float *s) {
+        const uint4 x_raw = *reinterpret_cast<const uint4 *>(x + base + v * VEC);
+        const uint4 r_raw = *reinterpret_cast<const uint4 *>(res + base + v * VEC);
+        return residual_vec<T>(x_raw, r_raw, s);
+    };
+    float ss = 0.f;
+    for (int v = lane; v < kv; v += WARP) {
+        float s[VEC];
+        ss += vec(v, s);
+        store16(sum_out + v * VEC, s);
+    }
+    const float scale = rsqrtf(warp_sum(ss) / h + eps);
+    for (int v = lane; v < kv; v += WARP) {
+        float s[VEC], wn[VEC];
+        vec(v, s); // the same sums again
+        load16(w + v * VEC, wn);
+        normed_vec<T>(s, wn, scale);
+        store16(norm_out + v * VEC, s);
     }
 }
 
@@ -843,6 +1090,11 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
                                                             const int n_rows, const int h,      \
                                                             const float eps) {                  \
         add_rmsnorm<T>(x, res, w, out, n_rows, h, eps);                                         \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_add_rmsnorm_rows_##SUFFIX(                               \
+        const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,              \
+        const float eps) {                                                                      \
+        add_rmsnorm_rows<T>(x, res, w, out, n_rows, h, eps);                                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_qkv_rope_##SUFFIX(                                       \
         const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \

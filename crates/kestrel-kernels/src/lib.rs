@@ -284,11 +284,29 @@ pub fn kv_append(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
 /// weights once and applies them to a step's rows a chunk at a time.
 pub const GEMV_MAX_ROWS: usize = 8;
 
-/// Largest K (input width) [`gemv`] takes. Measured on the H200 (docs/gpu-results.md): with
-/// every linear through it, SmolLM2 (K = 576 and 1,536) ran as fast or faster than with cuBLAS
-/// and Llama-2-7B (K = 4,096 and 11,008) slower (121 against 185 tok/s at batch 1, bf16),
-/// where cuBLAS streams long rows closer to the bandwidth.
+/// Largest K (input width) [`gemv`]'s FMA engine takes (f32, and f16/bf16 with K not a
+/// multiple of [`GEMV_MMA_K_BLOCK`]). Measured on the H200 (docs/gpu-results.md): with every
+/// linear through it, SmolLM2 (K = 576 and 1,536) ran as fast or faster than with cuBLAS and
+/// Llama-2-7B (K = 4,096 and 11,008) slower (121 against 185 tok/s at batch 1, bf16), where
+/// cuBLAS streams long rows closer to the bandwidth. The tensor-core engine has no limit.
 pub const GEMV_MAX_K: usize = 2048;
+
+/// The block of K the tensor-core engine takes at a time (`MMA_KB` in kernels.cu): f16/bf16
+/// products whose K is a multiple of it go through `mma.m16n8k16`, up to 8 rows with each
+/// weight load, so that a verification of many rows costs little more than one row.
+pub const GEMV_MMA_K_BLOCK: usize = 64;
+
+/// Whether a product of `elem_bytes` elements over `k` takes the tensor-core engine. Depends
+/// on the dtype and K alone, as every choice of the gemv kernels must (a row's bits may not
+/// depend on how many rows a step has).
+pub(crate) fn gemv_tensor_cores(elem_bytes: usize, k: usize) -> bool {
+    elem_bytes == 2 && k.is_multiple_of(GEMV_MMA_K_BLOCK)
+}
+
+/// Bytes of the tensor-core engine's partial sums for one tile of rows (`GEMV_PART_BYTES` in
+/// kernels.cu): 8 warps × 16 columns × 8 rows of f32. The fused variants keep them in their
+/// staging memory, which is therefore at least this large.
+const GEMV_PART_BYTES: usize = 8 * 16 * 8 * 4;
 
 /// Whether [`gemv`] takes `x · wᵀ`: at least one row, a weight `[N, K]` with
 /// K ≤ [`GEMV_MAX_K`] and the same dtype (f32, f16, bf16), both contiguous, K a multiple of
@@ -311,7 +329,7 @@ fn gemv_fits(x: &Tensor, k: usize, w: &Tensor) -> bool {
     };
     m >= 1
         && k == wk
-        && k <= GEMV_MAX_K
+        && (k <= GEMV_MAX_K || gemv_tensor_cores(size, k))
         && x.dtype() == w.dtype()
         && dtype_suffix(x.dtype()).is_ok()
         && (k * size).is_multiple_of(16)
@@ -347,15 +365,17 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// Most bytes a fused gemv variant stages in a block's dynamic shared memory (48 KiB with
-/// the kernels' ~1 KiB of static shared memory): a chunk of input rows (`rows·K` elements,
-/// `rows` ≤ [`GEMV_MAX_ROWS`]), plus for [`gemv_add_rms_norm`] the norm weight and a sum of
-/// squares per vector. The fused variants apply where a full chunk fits: every bf16/f16 K up
-/// to [`GEMV_MAX_K`]; in f32, SmolLM2's K = 576 but not its 1,536.
+/// the kernels' static shared memory): a chunk of input rows (`rows·K` elements, `rows` ≤
+/// [`GEMV_MAX_ROWS`]), plus for [`gemv_add_rms_norm`] a sum of squares per vector and the
+/// norm weight; at least the tensor-core engine's partial sums. The fused variants apply
+/// where a full chunk fits: every bf16/f16 K up to [`GEMV_MAX_K`]; in f32, SmolLM2's K = 576
+/// but not its 1,536.
 pub const GEMV_STAGE_MAX_BYTES: usize = 46 * 1024;
 
-/// Whether `rows` rows of `k` elements fit the staging memory.
-fn gemv_stage_fits(rows: usize, k: usize, dtype: DType) -> bool {
-    rows * k * dtype.size_in_bytes() <= GEMV_STAGE_MAX_BYTES
+/// Bytes [`gemv_swiglu`] stages for `m` rows of `k` elements of `elem` bytes: a chunk of
+/// rows, whose space then takes the engine's partial sums.
+pub(crate) fn gemv_swiglu_stage(m: usize, k: usize, elem: usize) -> usize {
+    (m.min(GEMV_MAX_ROWS) * k * elem).max(GEMV_PART_BYTES)
 }
 
 /// Whether [`gemv_swiglu`] takes the fused gate_up rows `gu [M, 2K]` against `w [N, K]`
@@ -366,15 +386,21 @@ pub fn gemv_swiglu_applies(gu: &Tensor, w: &Tensor) -> bool {
     gu.dims2().is_ok_and(|(_, two_k)| {
         two_k % 2 == 0
             && gemv_fits(gu, two_k / 2, w)
-            && gemv_stage_fits(GEMV_MAX_ROWS, two_k / 2, gu.dtype())
+            && gemv_swiglu_stage(usize::MAX, two_k / 2, gu.dtype().size_in_bytes())
+                <= GEMV_STAGE_MAX_BYTES
     })
 }
 
 /// `swiglu(gu) · wᵀ` in one launch: [`swiglu`]'s output (same roundings) computed inside the
-/// [`gemv`] that consumes it, e.g. an MLP's down projection. Check [`gemv_swiglu_applies`].
+/// [`gemv`] that consumes it, e.g. an MLP's down projection; steps of more than
+/// [`GEMV_MAX_ROWS`] rows run the two apart (the same bits). Check [`gemv_swiglu_applies`].
 pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !gemv_swiglu_applies(gu, w) {
         return Err(gemv_misfit("gemv_swiglu", gu, w));
+    }
+    if gu.dim(0)? > GEMV_MAX_ROWS {
+        // As in gemv_add_rms_norm: past one chunk, apart is cheaper and gives the same bits.
+        return gemv(&swiglu(gu)?, w);
     }
     #[cfg(feature = "cuda")]
     {
@@ -393,23 +419,28 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub fn gemv_add_rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
     gemv_applies(x, w)
         && x.dims2().is_ok_and(|(_, k)| {
-            let full_chunk = gemv_add_rms_norm_stage(GEMV_MAX_ROWS, k, x.dtype().size_in_bytes());
+            let full_chunk = gemv_add_rms_norm_stage(usize::MAX, k, x.dtype().size_in_bytes());
             full_chunk <= GEMV_STAGE_MAX_BYTES
         })
 }
 
 /// Bytes [`gemv_add_rms_norm`] stages for `m` rows of `k` elements of `elem` bytes: a chunk
-/// of rows, the norm weight, and an f32 sum of squares per 16-byte vector of the chunk.
+/// of rows and an f32 sum of squares per 16-byte vector of the chunk (at least
+/// `GEMV_PART_BYTES` in all, which the engine's partial sums overwrite), then the norm
+/// weight (`gemv_add_rmsnorm_norm_offset` in kernels.cu).
 fn gemv_add_rms_norm_stage(m: usize, k: usize, elem: usize) -> usize {
     let chunk = m.min(GEMV_MAX_ROWS);
-    (chunk + 1) * k * elem + chunk * (k * elem / 16) * 4
+    let used = chunk * k * elem + chunk * (k * elem / 16) * 4;
+    used.next_multiple_of(16).max(GEMV_PART_BYTES) + k * elem
 }
 
 /// `(x + res, rms_norm(x + res) · norm_w · wᵀ)` in one launch: [`add_rms_norm`] fused into
 /// the [`gemv`] of the projection after it (with `res` `None`: no add, the sum is `x`). The
 /// normed rows equal [`add_rms_norm`]'s up to the order of the sum of squares (taken per row
 /// in an order fixed by K, so a row's result does not depend on the other rows); the sum is
-/// exact. Check [`gemv_add_rms_norm_applies`].
+/// exact. Steps of more than [`GEMV_MAX_ROWS`] rows run as two launches with the same
+/// arithmetic (the rows normed in the fused kernel's order, then [`gemv`]).
+/// Check [`gemv_add_rms_norm_applies`].
 pub fn gemv_add_rms_norm(
     x: &Tensor,
     res: Option<&Tensor>,
@@ -425,6 +456,21 @@ pub fn gemv_add_rms_norm(
         && norm_w.is_contiguous();
     if !fits {
         return Err(gemv_misfit("gemv_add_rms_norm", x, w));
+    }
+    if m > GEMV_MAX_ROWS {
+        // Every block of the fused kernel would stage (add, norm) all the rows for its 16 or
+        // so columns: past one chunk, two launches cost less, with the same arithmetic.
+        let zeros;
+        let r = match res {
+            Some(r) => r,
+            None => {
+                zeros = x.zeros_like()?;
+                &zeros
+            }
+        };
+        let (sum, normed) = add_rms_norm_in(x, r, norm_w, eps, true)?;
+        let sum = if res.is_some() { sum } else { x.clone() };
+        return Ok((sum, gemv(&normed, w)?));
     }
     #[cfg(feature = "cuda")]
     {
@@ -491,6 +537,19 @@ pub fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
 /// the dtype, then normalised in f32 (like candle's `rms_norm` for f32; normalised, stored in
 /// the dtype, then scaled for f16/bf16, like the model's RMSNorm).
 pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    add_rms_norm_in(x, res, w, eps, false)
+}
+
+/// [`add_rms_norm`]; with `gemv_order`, in the order of [`gemv_add_rms_norm`]'s staging
+/// (16-byte vectors, lane-strided, one warp per row), which needs what [`gemv_applies`] asks
+/// of rows.
+fn add_rms_norm_in(
+    x: &Tensor,
+    res: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    gemv_order: bool,
+) -> Result<(Tensor, Tensor)> {
     let (rows, h) = x.dims2()?;
     if res.dims() != x.dims()
         || w.dims() != [h]
@@ -513,14 +572,14 @@ pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(T
         let both = x.contiguous()?.apply_op3_no_bwd(
             &res.contiguous()?,
             &w.contiguous()?,
-            &cuda::AddRmsNorm { eps },
+            &cuda::AddRmsNorm { eps, gemv_order },
         )?;
         let _ = rows;
         Ok((both.get(0)?, both.get(1)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (rows, eps);
+        let _ = (rows, eps, gemv_order);
         no_cuda("add_rms_norm")
     }
 }

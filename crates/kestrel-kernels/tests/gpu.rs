@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
     gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, paged_attention, qkv_rope_append, swiglu,
-    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
+    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -586,14 +586,27 @@ fn kv_move_moves_rows_in_every_pool_reading_before_writing() {
 fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(29);
-    // Two full chunks of rows and part of a third.
-    let rows = 2 * GEMV_MAX_ROWS + 3;
+    // More rows than a 64-node tree verifies: several chunks of the FMA engine and several
+    // passes of the tensor-core engine (f16/bf16 with K a multiple of 64; K = 72 takes the
+    // FMA engine in every dtype).
+    let rows = 9 * GEMV_MAX_ROWS + 3;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for (n, k) in [(960usize, 576usize), (300, 2048), (7, 64)] {
+        for (n, k) in [
+            (960usize, 576usize),
+            (300, 2048),
+            (7, 64),
+            (33, 72),
+            (40, 11008),
+        ] {
             let w_h = rounded(&randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
             let x_h = rounded(&randn(&mut rng, rows * k, 1.0), dtype);
             let w = to_dev(&w_h, &[n, k], dtype, &dev);
             let x_all = to_dev(&x_h, &[rows, k], dtype, &dev);
+            if k > GEMV_MAX_K && dtype == DType::F32 {
+                // Only the tensor-core engine takes K past the FMA engine's limit.
+                assert!(!gemv_applies(&x_all, &w));
+                continue;
+            }
             let full = host(&gemv(&x_all, &w).unwrap());
             let reference = Tensor::from_slice(&x_h, (rows, k), &Device::Cpu)
                 .unwrap()
@@ -656,15 +669,15 @@ fn gemv_swiglu_equals_swiglu_then_gemv_bit_for_bit() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for (n, k) in [(576usize, 1536usize), (7, 64)] {
+        for (n, k) in [(576usize, 1536usize), (7, 64), (5, 72)] {
             let w = to_dev(
                 &randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()),
                 &[n, k],
                 dtype,
                 &dev,
             );
-            // More than a chunk of rows.
-            let max_rows = GEMV_MAX_ROWS + 3;
+            // More than a chunk of rows: past one, the op runs swiglu and gemv apart.
+            let max_rows = 2 * GEMV_MAX_ROWS + 3;
             let gu = to_dev(
                 &randn(&mut rng, max_rows * 2 * k, 4.0),
                 &[max_rows, 2 * k],
@@ -704,15 +717,16 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
     let mut rng = ChaCha8Rng::seed_from_u64(37);
     let eps = 1e-5f32;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for (n, k) in [(960usize, 576usize), (3072, 576), (9, 2048)] {
+        for (n, k) in [(960usize, 576usize), (3072, 576), (9, 2048), (9, 72)] {
             let w = to_dev(
                 &randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()),
                 &[n, k],
                 dtype,
                 &dev,
             );
-            // More than a chunk of rows.
-            let rows = GEMV_MAX_ROWS + 3;
+            // Two chunks of rows and more: past one chunk, the op runs add_rms_norm in the
+            // fused kernel's order and then gemv, and every prefix must match those rows.
+            let rows = 2 * GEMV_MAX_ROWS + 3;
             let shape = [rows, k];
             let x = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);
             let r = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);

@@ -35,8 +35,8 @@ pub struct CudaKernels {
     /// the attention and `kv_append` kernels only).
     pub qkv_rope: bool,
     /// Projections of decode, draft and verification steps (any row count) through the
-    /// row-invariant `gemv` kernels where the weight is at most `kestrel_kernels::GEMV_MAX_K`
-    /// wide; prompts and wider weights through cuBLAS.
+    /// row-invariant `gemv` kernels where `kestrel_kernels::gemv_applies` (every f16/bf16
+    /// weight with K a multiple of 64; f32 up to `GEMV_MAX_K`); prompts through cuBLAS.
     pub gemv: bool,
 }
 
