@@ -1,6 +1,7 @@
 //! `spec-train calibrate` end to end on the tiny EAGLE engine: the tree it writes is one
-//! `spec-run --eagle_choices` takes, with output identical to plain greedy decoding; bad
-//! flags are refused with one clear line and exit status 1, leaving no file behind.
+//! `spec-run --eagle_choices` takes, with output identical to plain greedy decoding, and so
+//! is the one re-derived from its statistics for step costs; bad flags are refused with one
+//! clear line and exit status 1, leaving no file behind.
 
 mod common;
 
@@ -37,6 +38,21 @@ fn calibrate(engine: &Path, prompts: &Path, output: &Path, extra: &[&str]) -> st
         "--no_chat",
         "--max_output_len",
         "24",
+        "--output",
+        s(output),
+    ];
+    args.extend_from_slice(extra);
+    exec(TRAIN, &args)
+}
+
+/// `calibrate --from_stats stats`: a tree re-derived from earlier statistics, no prompts.
+fn rederive(engine: &Path, stats: &Path, output: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "calibrate",
+        "--engine_dir",
+        s(engine),
+        "--from_stats",
+        s(stats),
         "--output",
         s(output),
     ];
@@ -131,6 +147,40 @@ fn calibrated_tree_runs_in_spec_run_with_plain_greedy_output() {
     let plain = run(&["--no_speculation"], &tmp.path().join("plain.json"));
     assert_eq!(eagle.len(), 3);
     assert_eq!(eagle, plain);
+
+    // Re-derived from those statistics (no prompts, nothing measured) for step costs where a
+    // second draft level costs 5 plain steps: a one-level tree, with its expected speedup.
+    let fast = trees.join("fast.json");
+    let out = rederive(
+        &engine,
+        &trees.join("tiny.stats.json"),
+        &fast,
+        &["--step_costs", "0.3,5,0.01"],
+    );
+    assert!(
+        out.status.success(),
+        "calibrate --from_stats: {}",
+        stderr(&out)
+    );
+    let flat: Vec<Vec<usize>> =
+        serde_json::from_str(&std::fs::read_to_string(&fast).unwrap()).unwrap();
+    assert!(
+        !flat.is_empty() && flat.iter().all(|p| p.len() == 1),
+        "{flat:?}"
+    );
+    let fast_stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trees.join("fast.stats.json")).unwrap())
+            .unwrap();
+    assert_eq!(fast_stats["p"], stats["p"]);
+    assert_eq!(fast_stats["step_costs"]["level"], 5.0);
+    let speedup = fast_stats["tree"]["expected_speedup"].as_f64().unwrap();
+    let e = fast_stats["tree"]["expected_length"].as_f64().unwrap();
+    assert!((speedup - e / (1.3 + 0.01 * flat.len() as f64)).abs() < 1e-9);
+    let eagle = run(
+        &["--eagle_choices", s(&fast)],
+        &tmp.path().join("fast_run.json"),
+    );
+    assert_eq!(eagle, plain);
 }
 
 #[test]
@@ -175,6 +225,23 @@ fn calibrate_refuses_bad_flags_with_one_line() {
             txt.display()
         )
     );
+
+    assert_eq!(
+        error(&tree, &["--step_costs", "0.3,0.3"]),
+        "--step_costs 0.3,0.3: expected FIXED,LEVEL,NODE, three non-negative numbers in plain decode steps (e.g. 0.33,0.32,0.02)"
+    );
+    let not_stats = tmp.path().join("not_stats.json");
+    std::fs::write(&not_stats, "[[0]]").unwrap();
+    let out = rederive(&engine, &not_stats, &tree, &[]);
+    let msg = one_line_error("spec-train", &out);
+    assert!(
+        msg.starts_with(&format!(
+            "{}: not a calibration statistics file",
+            not_stats.display()
+        )),
+        "{msg}"
+    );
+    assert!(!tree.exists());
 
     let plain_dir = tmp.path().join("plain");
     let plain = tiny_engine(&plain_dir, false);

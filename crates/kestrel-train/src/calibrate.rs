@@ -27,6 +27,7 @@
 //! that always adds the frontier node of largest probability picks exactly those nodes.
 
 use crate::error::{file_err, invalid, Result};
+use crate::step_cost::{fastest_tree, StepCosts};
 use candle_core::Tensor;
 use kestrel_core::plan::BuildLimits;
 use kestrel_model::matvec::MAX_ROWS;
@@ -620,12 +621,23 @@ pub struct TreeScore {
     pub expected_length: Option<f64>,
     /// Whether spec-run accepts the tree on this engine.
     pub fits_engine: bool,
+    /// Expected tokens per plain decode step's time under the calibration's step costs
+    /// (`--step_costs`), when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_speedup: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
 
-/// Scores `choices` (named `name`) under `p` and the engine's `limits`.
-pub fn score(name: &str, choices: &[Vec<usize>], p: &[Vec<f64>], limits: &TreeLimits) -> TreeScore {
+/// Scores `choices` (named `name`) under `p`, the engine's `limits` and, when given, the
+/// step `costs`.
+pub fn score(
+    name: &str,
+    choices: &[Vec<usize>],
+    p: &[Vec<f64>],
+    limits: &TreeLimits,
+    costs: Option<&StepCosts>,
+) -> TreeScore {
     let depth = choices.iter().map(Vec::len).max().unwrap_or(0);
     let top = choices.iter().flatten().copied().max().map_or(0, |r| r + 1);
     let expected_length = expected_length(p, choices);
@@ -649,17 +661,24 @@ pub fn score(name: &str, choices: &[Vec<usize>], p: &[Vec<f64>], limits: &TreeLi
         depth,
         expected_length,
         fits_engine: EagleTree::new(choices, limits).is_ok(),
+        expected_speedup: costs
+            .zip(expected_length)
+            .map(|(c, e)| c.speedup(e, depth, choices.len())),
         note,
     }
 }
 
-/// The presets of `configs/eagle_choices`, scored under `p`.
-pub fn score_presets(p: &[Vec<f64>], limits: &TreeLimits) -> Vec<TreeScore> {
+/// The presets of `configs/eagle_choices`, scored under `p` (and `costs`).
+pub fn score_presets(
+    p: &[Vec<f64>],
+    limits: &TreeLimits,
+    costs: Option<&StepCosts>,
+) -> Vec<TreeScore> {
     preset_names()
         .into_iter()
         .filter_map(|name| {
             let choices = parse_choices(preset(name)?).ok()?;
-            Some(score(name, &choices, p, limits))
+            Some(score(name, &choices, p, limits, costs))
         })
         .collect()
 }
@@ -681,6 +700,10 @@ pub struct CalibrationReport {
     pub version: u32,
     pub source: CalibrationSource,
     pub budget: TreeBudget,
+    /// The step costs the tree was chosen for (`--step_costs`); without them, the tree is
+    /// the longest for the budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_costs: Option<StepCosts>,
     pub sequences: usize,
     /// Decoding positions measured.
     pub positions: u64,
@@ -697,13 +720,15 @@ pub struct CalibrationReport {
     pub presets: Vec<TreeScore>,
 }
 
-/// Derives the tree for `budget` from `table` and scores it and the presets.
+/// Derives the tree for `budget` from `table` — the longest, or with `costs` the fastest
+/// ([`fastest_tree`]) — and scores it and the presets.
 pub fn derive(
     table: &RankTable,
     budget: &TreeBudget,
     limits: &TreeLimits,
     source: CalibrationSource,
     tree_name: &str,
+    costs: Option<&StepCosts>,
 ) -> Result<(Vec<Vec<usize>>, CalibrationReport)> {
     if table.positions() == 0 {
         return Err(invalid(
@@ -711,8 +736,12 @@ pub fn derive(
         ));
     }
     let p = table.probs();
-    let presets = score_presets(&p, limits);
-    let nodes = greedy_tree(&p, budget.num_nodes, budget.max_non_leaves_per_layer);
+    let presets = score_presets(&p, limits, costs);
+    let depths = &p[..budget.max_depth.min(p.len())];
+    let nodes = match costs {
+        Some(c) => fastest_tree(depths, budget.num_nodes, budget.max_non_leaves_per_layer, c),
+        None => greedy_tree(depths, budget.num_nodes, budget.max_non_leaves_per_layer),
+    };
     if nodes.is_empty() {
         return Err(invalid(format!(
             "the head never ranked the true next token within its top {} on these prompts: no tree can be derived (train the head further or raise --top_k)",
@@ -726,12 +755,13 @@ pub fn derive(
             "internal error: the derived tree is refused by the engine's limits: {e}"
         ))
     })?;
-    let tree = score(tree_name, &choices, &p, limits);
+    let tree = score(tree_name, &choices, &p, limits, costs);
     let report = CalibrationReport {
         format: CALIBRATION_FORMAT.into(),
         version: CALIBRATION_VERSION,
         source,
         budget: *budget,
+        step_costs: costs.copied(),
         sequences: table.sequences,
         positions: table.positions(),
         samples_per_depth: table.samples.clone(),
@@ -742,6 +772,54 @@ pub fn derive(
         presets,
     };
     Ok((choices, report))
+}
+
+/// Reads a side JSON written by [`save`] (to derive another tree from its statistics).
+pub fn load_report(path: &Path) -> Result<CalibrationReport> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_err(path, e))?;
+    let report: CalibrationReport = serde_json::from_str(&text).map_err(|e| {
+        invalid(format!(
+            "{}: not a calibration statistics file ({e}); give the .stats.json that spec-train calibrate wrote",
+            path.display()
+        ))
+    })?;
+    if report.format != CALIBRATION_FORMAT || report.version != CALIBRATION_VERSION {
+        return Err(invalid(format!(
+            "{}: format {:?} version {}, expected {CALIBRATION_FORMAT:?} version {CALIBRATION_VERSION}",
+            path.display(),
+            report.format,
+            report.version
+        )));
+    }
+    Ok(report)
+}
+
+impl RankTable {
+    /// The counts behind a report's probabilities (each `p · samples` is an integer count
+    /// divided by its samples, so rounding recovers it).
+    pub fn from_report(report: &CalibrationReport) -> Result<Self> {
+        let top_k = report.p.first().map_or(0, Vec::len);
+        let consistent = report.p.len() == report.samples_per_depth.len()
+            && report.p.iter().all(|row| row.len() == top_k);
+        if !consistent || top_k == 0 {
+            return Err(invalid(
+                "the statistics' p and samples_per_depth disagree in shape: regenerate them with spec-train calibrate",
+            ));
+        }
+        let hits = report
+            .p
+            .iter()
+            .zip(&report.samples_per_depth)
+            .map(|(row, &n)| row.iter().map(|&q| (q * n as f64).round() as u64).collect())
+            .collect();
+        Ok(RankTable {
+            top_k,
+            max_depth: report.p.len(),
+            hits,
+            samples: report.samples_per_depth.clone(),
+            sequences: report.sequences,
+        })
+    }
 }
 
 /// The side JSON's default path: `tree.json` → `tree.stats.json`.
@@ -933,15 +1011,31 @@ mod tests {
         assert_eq!(t.miss_rates(), vec![0.25, 0.5]);
         let p = t.probs();
         let limits = TreeLimits::default();
-        let s = score("two", &[vec![0], vec![1], vec![0, 0]], &p, &limits);
+        let s = score("two", &[vec![0], vec![1], vec![0, 0]], &p, &limits, None);
         assert_eq!(s.expected_length, Some(1.0 + 0.5 + 0.25 + 0.25));
-        assert!(s.fits_engine && s.note.is_none());
-        let deep = score("deep", &[vec![0], vec![0, 0], vec![0, 0, 0]], &p, &limits);
+        assert!(s.fits_engine && s.note.is_none() && s.expected_speedup.is_none());
+        // With step costs: 2 tokens a step at 1 + 0.5 + 0.25 (one more level) + 3 · 0.125.
+        let costs = StepCosts::parse("--step_costs", "0.5,0.25,0.125").unwrap();
+        let s = score(
+            "two",
+            &[vec![0], vec![1], vec![0, 0]],
+            &p,
+            &limits,
+            Some(&costs),
+        );
+        assert_eq!(s.expected_speedup, Some(2.0 / 2.125));
+        let deep = score(
+            "deep",
+            &[vec![0], vec![0, 0], vec![0, 0, 0]],
+            &p,
+            &limits,
+            None,
+        );
         assert_eq!(deep.expected_length, None);
         assert!(deep.note.unwrap().contains("deeper"));
-        let wide = score("wide", &[vec![0], vec![5]], &p, &limits);
-        assert!(wide.note.unwrap().contains("rank 5"));
-        let presets = score_presets(&p, &limits);
+        let wide = score("wide", &[vec![0], vec![5]], &p, &limits, Some(&costs));
+        assert!(wide.note.unwrap().contains("rank 5") && wide.expected_speedup.is_none());
+        let presets = score_presets(&p, &limits, None);
         assert_eq!(presets.len(), preset_names().len());
     }
 

@@ -23,6 +23,7 @@ pub mod draft;
 pub mod eagle;
 pub mod error;
 pub mod prompts;
+pub mod step_cost;
 mod train_loop;
 
 pub use dataset::FeatureDataset;

@@ -11,10 +11,11 @@ use kestrel_runtime::{
 };
 use kestrel_spec::{EagleTree, SamplingParams};
 use kestrel_train::calibrate::{
-    derive, engine_tree_limits, expected_length, measure, measure_ranks, BudgetFlags,
-    CalibrationSource, RankTable, TreeBudget,
+    default_stats_path, derive, engine_tree_limits, expected_length, load_report, measure,
+    measure_ranks, save, BudgetFlags, CalibrationReport, CalibrationSource, RankTable, TreeBudget,
 };
 use kestrel_train::distill::{distill, DistillOptions};
+use kestrel_train::step_cost::StepCosts;
 use std::collections::HashSet;
 use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
 
@@ -42,7 +43,16 @@ fn answers(engine: &Engine) -> Vec<(Vec<u32>, usize)> {
     distill(engine, &prompts(), &greedy_opts(), &mut |_, _| {}).unwrap()
 }
 
-fn calibrate(engine: &Engine, num_nodes: usize) -> (RankTable, Vec<Vec<usize>>, f64) {
+/// A calibration's table, derived tree and report (the longest tree for `num_nodes`), and
+/// its budget.
+struct Calibrated {
+    table: RankTable,
+    choices: Vec<Vec<usize>>,
+    report: CalibrationReport,
+    budget: TreeBudget,
+}
+
+fn calibrate(engine: &Engine, num_nodes: usize) -> Calibrated {
     let seqs = answers(engine);
     let limits = engine_tree_limits(&engine.plan.limits);
     let flags = BudgetFlags {
@@ -61,19 +71,36 @@ fn calibrate(engine: &Engine, num_nodes: usize) -> (RankTable, Vec<Vec<usize>>, 
         &mut |_, _| {},
     )
     .unwrap();
-    let (choices, report) =
-        derive(&table, &budget, &limits, CalibrationSource::default(), "t").unwrap();
+    let (choices, report) = derive(
+        &table,
+        &budget,
+        &limits,
+        CalibrationSource::default(),
+        "t",
+        None,
+    )
+    .unwrap();
     assert!(EagleTree::new(&choices, &limits).is_ok());
     assert_eq!(report.tree.nodes, choices.len());
-    let e = report.tree.expected_length.unwrap();
-    (table, choices, e)
+    Calibrated {
+        table,
+        choices,
+        report,
+        budget,
+    }
 }
 
 #[test]
 fn an_agreeing_head_calibrates_to_a_confident_tree_and_beats_a_random_head() {
     let dir = tempfile::tempdir().unwrap();
     let good = engine(&dir.path().join("good"), true);
-    let (table, choices, e_good) = calibrate(&good, 16);
+    let Calibrated {
+        table,
+        choices,
+        report,
+        ..
+    } = calibrate(&good, 16);
+    let e_good = report.tree.expected_length.unwrap();
     let p = table.probs();
     // Every answer position is measured at depth 1; fewer at deeper depths near the end.
     let seqs = answers(&good);
@@ -104,7 +131,8 @@ fn an_agreeing_head_calibrates_to_a_confident_tree_and_beats_a_random_head() {
     );
 
     let bad = engine(&dir.path().join("bad"), false);
-    let (table, _, e_bad) = calibrate(&bad, 16);
+    let Calibrated { table, report, .. } = calibrate(&bad, 16);
+    let e_bad = report.tree.expected_length.unwrap();
     let q = table.probs();
     eprintln!("random: p = {q:.3?}, E = {e_bad:.3}");
     assert!(
@@ -116,6 +144,59 @@ fn an_agreeing_head_calibrates_to_a_confident_tree_and_beats_a_random_head() {
     assert!(
         e_bad < e_good,
         "random head {e_bad:.3} vs agreeing head {e_good:.3}"
+    );
+}
+
+#[test]
+fn saved_statistics_give_back_their_table_and_trees_for_step_costs() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = engine(&dir.path().join("good"), true);
+    let cal = calibrate(&good, 16);
+    let (table, budget) = (&cal.table, &cal.budget);
+    let limits = engine_tree_limits(&good.plan.limits);
+    let out = dir.path().join("tree.json");
+    let stats = default_stats_path(&out);
+    save(&out, &stats, &cal.choices, &cal.report).unwrap();
+    let loaded = load_report(&stats).unwrap();
+    assert_eq!(loaded, cal.report);
+    assert_eq!(&RankTable::from_report(&loaded).unwrap(), table);
+
+    // Levels dearer than any second-level node is likely: a one-level tree, scored.
+    let costs = StepCosts::parse("--step_costs", "0.3,5,0.01").unwrap();
+    let (flat, r) = derive(
+        table,
+        budget,
+        &limits,
+        CalibrationSource::default(),
+        "f",
+        Some(&costs),
+    )
+    .unwrap();
+    assert!(
+        !flat.is_empty() && flat.iter().all(|path| path.len() == 1),
+        "{flat:?}"
+    );
+    assert_eq!(r.step_costs, Some(costs));
+    let e = r.tree.expected_length.unwrap();
+    let speedup = r.tree.expected_speedup.unwrap();
+    assert!((speedup - e / (1.3 + 0.01 * flat.len() as f64)).abs() < 1e-12);
+    // No other tree of the same statistics scores better under these costs.
+    for preset in &r.presets {
+        if let Some(s) = preset.expected_speedup {
+            assert!(s <= speedup, "{} scores {s:.3} > {speedup:.3}", preset.name);
+        }
+    }
+
+    // Not a statistics file: a clear error naming it.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "[[0]]").unwrap();
+    let err = load_report(&bad).unwrap_err().to_string();
+    assert!(
+        err.starts_with(&format!(
+            "{}: not a calibration statistics file",
+            bad.display()
+        )),
+        "{err}"
     );
 }
 

@@ -1,12 +1,13 @@
 //! `spec-train calibrate`: a head's measured acceptance per tree depth and rank, and the best
-//! static tree for a node budget.
+//! static tree for a node budget: the longest, or with `--step_costs` the fastest.
 
 use anyhow::{bail, Result};
 use kestrel_runtime::{Engine, TextCodec};
 use kestrel_spec::SamplingParams;
-use kestrel_train::calibrate;
+use kestrel_train::calibrate::{self, CalibrationSource, RankTable, TreeBudget};
 use kestrel_train::distill::{distill, encode_prompts, DistillOptions};
 use kestrel_train::prompts::read_prompts;
+use kestrel_train::step_cost::StepCosts;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -17,8 +18,18 @@ pub struct CalibrateArgs {
     #[arg(long)]
     engine_dir: PathBuf,
     /// Prompts: ShareGPT JSON, GSM8K JSONL, MT-bench JSONL, or a list of strings.
+    #[arg(long, required_unless_present = "from_stats")]
+    prompts: Option<PathBuf>,
+    /// Derive the tree from the statistics an earlier calibration wrote (its .stats.json)
+    /// instead of measuring again.
+    #[arg(long, conflicts_with = "prompts")]
+    from_stats: Option<PathBuf>,
+    /// FIXED,LEVEL,NODE: what a speculative step costs beyond a plain decode step, in plain
+    /// decode steps (whatever the tree; each draft level after the first; each draft node).
+    /// The tree is then the one with the largest expected speedup, not the longest. Measure
+    /// them with spec-bench (step_latency_ms of a few trees against plain decoding).
     #[arg(long)]
-    prompts: PathBuf,
+    step_costs: Option<String>,
     #[arg(long, default_value_t = 80)]
     num_prompts: usize,
     /// Longest prompt kept (tokens after the chat template); longer ones are skipped.
@@ -68,25 +79,111 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
             stats.display()
         );
     }
+    let costs = args
+        .step_costs
+        .as_deref()
+        .map(|t| StepCosts::parse("--step_costs", t))
+        .transpose()?;
     let engine = Engine::load(
         &args.engine_dir,
         &kestrel_runtime::device::parse(&args.device)?,
     )?;
-    let Some(head) = engine.eagle.as_ref() else {
+    if engine.eagle.is_none() {
         bail!(
             "{} has no EAGLE head: calibrate an engine built with spec-build --speculative_decoding_mode eagle",
             args.engine_dir.display()
         );
-    };
+    }
     let limits = calibrate::engine_tree_limits(&engine.plan.limits);
+    let (table, source, budget) = match &args.from_stats {
+        Some(path) => {
+            let report = calibrate::load_report(path)?;
+            let table = RankTable::from_report(&report)?;
+            if args.max_depth.is_some_and(|d| d > table.max_depth) {
+                bail!(
+                    "--max_depth {}: {} measured {} depths",
+                    args.max_depth.unwrap_or(0),
+                    path.display(),
+                    table.max_depth
+                );
+            }
+            let flags = calibrate::BudgetFlags {
+                top_k: Some(table.top_k),
+                max_depth: Some(args.max_depth.unwrap_or(table.max_depth)),
+                num_nodes: args.num_nodes,
+            };
+            let budget = TreeBudget::resolve(&flags, &limits)?;
+            (table, report.source, budget)
+        }
+        None => measure(args, &engine, &limits)?,
+    };
+    let name = args.output.display().to_string();
+    let (choices, report) =
+        calibrate::derive(&table, &budget, &limits, source, &name, costs.as_ref())?;
+    calibrate::save(&args.output, &stats, &choices, &report)?;
+    println!(
+        "spec-train: {} positions in {} sequences; p(rank 0) per depth: {}",
+        report.positions,
+        report.sequences,
+        report
+            .p
+            .iter()
+            .map(|row| format!("{:.3}", row[0]))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    for s in std::iter::once(&report.tree).chain(&report.presets) {
+        let expected = s
+            .expected_length
+            .map_or_else(|| "n/a".to_string(), |e| format!("{e:.3}"));
+        let speedup = s
+            .expected_speedup
+            .map_or_else(String::new, |x| format!(", expected speedup {x:.3}"));
+        let mut notes: Vec<String> = s.note.iter().cloned().collect();
+        if !s.fits_engine {
+            notes.push("does not fit this engine".into());
+        }
+        println!(
+            "spec-train: expected tokens per step {expected:>6}{speedup} with {} ({} nodes, depth {}){}",
+            s.name,
+            s.nodes,
+            s.depth,
+            if notes.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", notes.join("; "))
+            }
+        );
+    }
+    println!(
+        "spec-train: wrote {} ({} nodes; run it with spec-run --eagle_choices {}) and {}",
+        args.output.display(),
+        choices.len(),
+        args.output.display(),
+        stats.display()
+    );
+    Ok(())
+}
+
+/// Answers the prompts greedily and measures the head's ranks along the answers.
+fn measure(
+    args: &CalibrateArgs,
+    engine: &Engine,
+    limits: &kestrel_spec::tree::TreeLimits,
+) -> Result<(RankTable, CalibrationSource, TreeBudget)> {
+    let head = engine.eagle.as_ref().expect("checked by the caller");
+    let prompts_file = args
+        .prompts
+        .as_ref()
+        .expect("clap requires --prompts without --from_stats");
     let flags = calibrate::BudgetFlags {
         top_k: Some(args.top_k),
         max_depth: args.max_depth,
         num_nodes: args.num_nodes,
     };
-    let budget = calibrate::TreeBudget::resolve(&flags, &limits)?;
+    let budget = TreeBudget::resolve(&flags, limits)?;
     let codec = TextCodec::load(&args.engine_dir, &engine.config)?;
-    let texts = read_prompts(&args.prompts)?;
+    let texts = read_prompts(prompts_file)?;
     let opts = DistillOptions {
         num_prompts: args.num_prompts,
         max_prompt_len: args.max_prompt_len,
@@ -98,13 +195,13 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     eprintln!(
         "spec-train: calibrating on {} prompts from {}: top {} per node, depth {}, {} nodes",
         prompts.len(),
-        args.prompts.display(),
+        prompts_file.display(),
         budget.top_k,
         budget.max_depth,
         budget.num_nodes
     );
     let t0 = Instant::now();
-    let seqs = distill(&engine, &prompts, &opts, &mut |done, total| {
+    let seqs = distill(engine, &prompts, &opts, &mut |done, total| {
         eprintln!(
             "spec-train: answered {done}/{total} [{:.0}s]",
             t0.elapsed().as_secs_f64()
@@ -124,53 +221,12 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
             )
         },
     )?;
-    let source = calibrate::CalibrationSource {
+    let source = CalibrationSource {
         engine_dir: args.engine_dir.display().to_string(),
-        prompts_file: args.prompts.display().to_string(),
+        prompts_file: prompts_file.display().to_string(),
         chat_template: !args.no_chat,
         num_prompts: prompts.len(),
         max_output_len: args.max_output_len,
     };
-    let name = args.output.display().to_string();
-    let (choices, report) = calibrate::derive(&table, &budget, &limits, source, &name)?;
-    calibrate::save(&args.output, &stats, &choices, &report)?;
-    println!(
-        "spec-train: {} positions in {} sequences; p(rank 0) per depth: {}",
-        report.positions,
-        report.sequences,
-        report
-            .p
-            .iter()
-            .map(|row| format!("{:.3}", row[0]))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
-    for s in std::iter::once(&report.tree).chain(&report.presets) {
-        let expected = s
-            .expected_length
-            .map_or_else(|| "n/a".to_string(), |e| format!("{e:.3}"));
-        let mut notes: Vec<String> = s.note.iter().cloned().collect();
-        if !s.fits_engine {
-            notes.push("does not fit this engine".into());
-        }
-        println!(
-            "spec-train: expected tokens per step {expected:>6} with {} ({} nodes, depth {}){}",
-            s.name,
-            s.nodes,
-            s.depth,
-            if notes.is_empty() {
-                String::new()
-            } else {
-                format!(" [{}]", notes.join("; "))
-            }
-        );
-    }
-    println!(
-        "spec-train: wrote {} ({} nodes; run it with spec-run --eagle_choices {}) and {}",
-        args.output.display(),
-        choices.len(),
-        args.output.display(),
-        stats.display()
-    );
-    Ok(())
+    Ok((table, source, budget))
 }
