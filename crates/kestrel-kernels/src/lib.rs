@@ -308,9 +308,10 @@ pub(crate) fn gemv_tensor_cores(elem_bytes: usize, k: usize) -> bool {
 /// staging memory, which is therefore at least this large.
 const GEMV_PART_BYTES: usize = 8 * 16 * 8 * 4;
 
-/// Whether [`gemv`] takes `x · wᵀ`: at least one row, a weight `[N, K]` with
-/// K ≤ [`GEMV_MAX_K`] and the same dtype (f32, f16, bf16), both contiguous, K a multiple of
-/// the 16-byte vector and every row starting 16-byte aligned.
+/// Whether [`gemv`] takes `x · wᵀ`: at least one row, a weight `[N, K]` with K ≤
+/// [`GEMV_MAX_K`] (any K on tensor cores: f16/bf16 with K a multiple of
+/// [`GEMV_MMA_K_BLOCK`]) and the same dtype (f32, f16, bf16), both contiguous, K a multiple
+/// of the 16-byte vector and every row starting 16-byte aligned.
 pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
     x.dims2().is_ok_and(|(_, k)| gemv_fits(x, k, w))
 }
