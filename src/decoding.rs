@@ -17,6 +17,8 @@ pub struct EagleFlags {
     pub eagle_dynamic_tree_max_top_k: Option<usize>,
     /// token_match, typical or exact.
     pub eagle_sampling: Option<String>,
+    /// Draft from the first N token ids only.
+    pub eagle_draft_vocab: Option<usize>,
 }
 
 impl EagleFlags {
@@ -27,6 +29,7 @@ impl EagleFlags {
             || self.eagle_use_dynamic_tree
             || self.eagle_dynamic_tree_max_top_k.is_some()
             || self.eagle_sampling.is_some()
+            || self.eagle_draft_vocab.is_some()
     }
 }
 
@@ -72,7 +75,11 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
         let spec = flags.eagle_choices.as_deref().unwrap_or(DEFAULT_PRESET);
         EagleTreeKind::Static(static_tree(spec, &tree_limits)?)
     };
-    Ok(DecodeMode::Eagle(EagleOptions { tree, acceptance }))
+    Ok(DecodeMode::Eagle(EagleOptions {
+        tree,
+        acceptance,
+        draft_vocab: flags.eagle_draft_vocab,
+    }))
 }
 
 fn acceptance(flags: &EagleFlags) -> Result<Acceptance> {

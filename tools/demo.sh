@@ -5,7 +5,7 @@
 # candidates, the tree `spec-train calibrate --step_costs` derived for this head from the
 # costs of a speculative step on 2 CPU cores), streamed, then the same prompt without
 # speculation as the baseline. The outputs are identical; with this head (τ ≈ 1.5 with that
-# tree) speculation on 2 CPU cores about breaks even (1.03× on MT-bench 1-3).
+# tree) speculation on 2 CPU cores about breaks even (0.95-1.03× on MT-bench 1-3).
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."

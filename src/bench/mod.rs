@@ -91,6 +91,9 @@ pub struct BenchArgs {
     /// Run every step eagerly instead of replaying CUDA graphs, to measure what they save.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// EAGLE modes draft from the first N token ids only (spec-run --eagle_draft_vocab).
+    #[arg(long)]
+    pub eagle_draft_vocab: Option<usize>,
 }
 
 /// One `--modes` entry, checked for syntax before anything is loaded.
@@ -691,11 +694,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     let flags = match mode {
                         ModeSpec::Eagle1(tree) => EagleFlags {
                             eagle_choices: tree.clone(),
+                            eagle_draft_vocab: args.eagle_draft_vocab,
                             ..EagleFlags::default()
                         },
                         ModeSpec::Eagle2(n) => EagleFlags {
                             eagle_use_dynamic_tree: true,
                             eagle_dynamic_tree_max_top_k: Some(*n),
+                            eagle_draft_vocab: args.eagle_draft_vocab,
                             ..EagleFlags::default()
                         },
                         _ => unreachable!(),

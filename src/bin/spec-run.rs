@@ -92,6 +92,10 @@ struct Args {
     /// Acceptance under sampling: token_match (default), typical or exact.
     #[arg(long)]
     eagle_sampling: Option<String>,
+    /// Draft from the first N token ids only: the head's LM head reads N of its rows (BPE ids
+    /// rise roughly with rarity). Verification still scores every token: output unchanged.
+    #[arg(long)]
+    eagle_draft_vocab: Option<usize>,
     /// Draft engine for draft-target decoding (the target is --engine_dir).
     #[arg(long)]
     draft_engine_dir: Option<PathBuf>,
@@ -196,6 +200,7 @@ fn run(args: Args) -> Result<()> {
         eagle_use_dynamic_tree: args.eagle_use_dynamic_tree,
         eagle_dynamic_tree_max_top_k: args.eagle_dynamic_tree_max_top_k,
         eagle_sampling: args.eagle_sampling.clone(),
+        eagle_draft_vocab: args.eagle_draft_vocab,
     };
     let mode = match (&draft, &dtm) {
         (Some(draft), Some(c)) => {

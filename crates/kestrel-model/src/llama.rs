@@ -569,6 +569,17 @@ impl Llama {
         self.norm.forward(&x, true)
     }
 
+    /// The LM head's first `n` logits only, `[rows, n]` f32: a draft vocabulary of the
+    /// lowest token ids (BPE vocabularies number tokens roughly from common to rare), whose
+    /// product reads `n / vocab` of the head's weight. `n` ≤ the vocabulary.
+    pub fn logits_first(&self, hidden: &Tensor, n: usize) -> Result<Tensor> {
+        Ok(self
+            .lm_head
+            .first_outputs(n)?
+            .forward_with(hidden, self.cpu_kernels)?
+            .to_dtype(DType::F32)?)
+    }
+
     /// LM head over hidden states `[rows, hidden]` → f32 logits `[rows, vocab]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self

@@ -42,6 +42,10 @@ pub enum DecodeMode<'a> {
 pub struct EagleOptions {
     pub tree: EagleTreeKind,
     pub acceptance: Acceptance,
+    /// Draft from the first `n` token ids only (the head's LM head reads `n` of its rows).
+    /// Verification still scores the whole vocabulary, so output is unchanged: a token
+    /// outside the draft vocabulary is never proposed, and the target's own choice covers it.
+    pub draft_vocab: Option<usize>,
 }
 
 #[derive(Debug, Clone)]

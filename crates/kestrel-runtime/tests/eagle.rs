@@ -49,6 +49,7 @@ fn static_mode(preset: &str) -> DecodeMode<'static> {
     DecodeMode::Eagle(EagleOptions {
         tree: EagleTreeKind::Static(EagleTree::from_preset(preset, &limits()).unwrap()),
         acceptance: Acceptance::TokenMatch,
+        draft_vocab: None,
     })
 }
 
@@ -56,6 +57,7 @@ fn dynamic_mode(top_k: usize) -> DecodeMode<'static> {
     DecodeMode::Eagle(EagleOptions {
         tree: EagleTreeKind::Dynamic { top_k },
         acceptance: Acceptance::TokenMatch,
+        draft_vocab: None,
     })
 }
 
@@ -103,6 +105,55 @@ fn greedy_eagle_equals_plain_with_an_agreeing_head() {
             "{name}: only {t:.2} tokens per step with an agreeing head"
         );
     }
+}
+
+/// `mode` drafting from the first `n` token ids only.
+fn with_draft_vocab(mode: DecodeMode<'static>, n: usize) -> DecodeMode<'static> {
+    match mode {
+        DecodeMode::Eagle(o) => DecodeMode::Eagle(EagleOptions {
+            draft_vocab: Some(n),
+            ..o
+        }),
+        other => other,
+    }
+}
+
+#[test]
+fn a_draft_vocabulary_keeps_greedy_output_and_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    // Half of the 48-token vocabulary: the target's tokens outside it are never drafted and
+    // still come out, from the target's own choice.
+    let modes = [
+        (
+            "small_8, 24 tokens",
+            with_draft_vocab(static_mode("small_8"), 24),
+        ),
+        (
+            "mc_sim_7b_63, 10 tokens",
+            with_draft_vocab(static_mode("mc_sim_7b_63"), 10),
+        ),
+        (
+            "eagle2 top 4, 24 tokens",
+            with_draft_vocab(dynamic_mode(4), 24),
+        ),
+    ];
+    assert_lossless(&engine, &modes, 48);
+    let refused = |mode: DecodeMode| {
+        generate(&engine, &mode, &prompts(), &greedy(4), &mut NoSink)
+            .unwrap_err()
+            .to_string()
+    };
+    assert_eq!(
+        refused(with_draft_vocab(static_mode("small_8"), 49)),
+        "a draft vocabulary of 49 tokens: it must hold the tree's 3 candidates per node and at most the model's 48 tokens"
+    );
+    assert_eq!(
+        refused(with_draft_vocab(static_mode("mc_sim_7b_63"), 9)),
+        "a draft vocabulary of 9 tokens: it must hold the tree's 10 candidates per node and at most the model's 48 tokens"
+    );
 }
 
 #[test]
@@ -164,6 +215,7 @@ fn greedy_eagle_equals_plain_on_random_trees() {
                 DecodeMode::Eagle(EagleOptions {
                     tree: EagleTreeKind::Static(tree),
                     acceptance: Acceptance::TokenMatch,
+                    draft_vocab: None,
                 }),
             )
         })
@@ -186,6 +238,7 @@ fn typical_acceptance_at_temperature_zero_is_greedy() {
         acceptance: Acceptance::Typical {
             posterior_threshold: 0.09,
         },
+        draft_vocab: None,
     });
     assert_lossless(&engine, &[("typical", typical)], 24);
 }
@@ -256,11 +309,28 @@ fn exact_sampling_follows_the_target_distribution() {
     let prompt = vec![3u32, 17, 9];
     let temperature = 1.5;
     let expected = second_token_distribution(&engine, &prompt, temperature);
-    let mode = DecodeMode::Eagle(EagleOptions {
-        tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
-        acceptance: Acceptance::Exact,
-    });
-    let batch = vec![prompt.clone(); 16];
+    // The whole vocabulary, and a draft vocabulary of its first 20 tokens: the proposal
+    // then gives the other 28 probability 0, and the residual must restore them.
+    for draft_vocab in [None, Some(20)] {
+        let mode = DecodeMode::Eagle(EagleOptions {
+            tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
+            acceptance: Acceptance::Exact,
+            draft_vocab,
+        });
+        assert_second_token_follows(&engine, &mode, &prompt, temperature, &expected);
+    }
+}
+
+/// Over 250 × 16 sampled runs of `mode` from `prompt`, the second token's counts pass a
+/// chi-square test (p = 0.001) against `expected`.
+fn assert_second_token_follows(
+    engine: &Engine,
+    mode: &DecodeMode,
+    prompt: &[u32],
+    temperature: f32,
+    expected: &[f64],
+) {
+    let batch = vec![prompt.to_vec(); 16];
     let mut counts = vec![0u64; expected.len()];
     let rounds = 250;
     for seed in 0..rounds {
@@ -274,14 +344,14 @@ fn exact_sampling_follows_the_target_distribution() {
             },
             end_ids: vec![],
         };
-        for out in run(&engine, &mode, &batch, &params) {
+        for out in run(engine, mode, &batch, &params) {
             counts[out.output_ids[1] as usize] += 1;
         }
     }
     let n = (rounds * 16) as f64;
     // Pool bins with small expectations, then a chi-square test at p = 0.001.
     let (mut stat, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
-    for (c, p) in counts.iter().zip(&expected) {
+    for (c, p) in counts.iter().zip(expected) {
         let e = p * n;
         if e < 5.0 {
             pool_obs += *c as f64;

@@ -230,6 +230,7 @@ fn measured_ranks_predict_spec_runs_steps_exactly() {
             let mode = DecodeMode::Eagle(EagleOptions {
                 tree: EagleTreeKind::Static(tree.clone()),
                 acceptance: Acceptance::TokenMatch,
+                draft_vocab: None,
             });
             let params = GenerationParams {
                 max_output_len: ANSWER,

@@ -46,9 +46,20 @@ pub(crate) struct Drafter<'a> {
     pub head: &'a EagleHead,
     pub base: &'a Llama,
     pub cache: &'a mut PagedKvCache,
+    /// Candidates come from the first `n` token ids only (`EagleOptions::draft_vocab`).
+    pub draft_vocab: Option<usize>,
 }
 
 impl Drafter<'_> {
+    /// The draft logits of head outputs: over the draft vocabulary, whose ids are the
+    /// vocabulary's first ones, so a column index is a token id either way.
+    fn logits(&self, rows: &Tensor) -> Result<Tensor> {
+        Ok(match self.draft_vocab {
+            Some(n) => self.base.logits_first(rows, n)?,
+            None => self.base.logits(rows)?,
+        })
+    }
+
     pub fn draft_static<'t>(
         &mut self,
         tree: &'t EagleTree,
@@ -101,7 +112,7 @@ impl Drafter<'_> {
                 outputs.set(&nodes, &out)?;
                 out
             };
-            let logits = self.base.logits(&rows)?;
+            let logits = self.logits(&rows)?;
             // Children of every expanded node, sequence-major (row = s · expanded + j).
             let width = level.expand.len();
             let children: Vec<Vec<u32>> = match choice {
@@ -117,7 +128,8 @@ impl Drafter<'_> {
                         let q = sampling::probs(logits, params);
                         picked.push(sample_without_replacement(&q, level.top_k, rngs[s]));
                         if let Some(p) = probs[s].as_mut() {
-                            p[node * vocab..(node + 1) * vocab].copy_from_slice(&q);
+                            // Tokens past a draft vocabulary keep probability 0.
+                            p[node * vocab..node * vocab + q.len()].copy_from_slice(&q);
                         }
                     }
                     picked
@@ -152,9 +164,7 @@ impl Drafter<'_> {
         let mut builders = Vec::with_capacity(roots.len());
         // Node id 0 is the root; candidate c has node id c + 1.
         let mut outputs = NodeOutputs::new(roots, cfg.num_candidates() + 1)?;
-        let root_rows = self
-            .base
-            .logits(&outputs.gather(&expanded(roots.len(), &[0]))?)?;
+        let root_rows = self.logits(&outputs.gather(&expanded(roots.len(), &[0]))?)?;
         for (t, lp) in top_k_rows(&root_rows, top)? {
             let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
             b.push_root_layer(&t, &lp).map_err(bad)?;
@@ -195,7 +205,7 @@ impl Drafter<'_> {
                 ids_per_seq.push(ids);
             }
             outputs.set(&frontier_nodes, &out)?;
-            let best = top_k_rows(&self.base.logits(&out)?, top)?;
+            let best = top_k_rows(&self.logits(&out)?, top)?;
             let mut offset = 0;
             for (s, b) in builders.iter_mut().enumerate() {
                 let k = ids_per_seq[s].len();

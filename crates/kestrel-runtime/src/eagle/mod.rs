@@ -76,6 +76,18 @@ impl<'e> EagleDecoder<'e> {
                 Some(cfg)
             }
         };
+        if let Some(n) = options.draft_vocab {
+            let vocab = engine.config.vocab_size;
+            let per_node = match &options.tree {
+                EagleTreeKind::Static(t) => t.buffers().ranks().iter().max().map_or(1, |r| r + 1),
+                EagleTreeKind::Dynamic { top_k } => *top_k,
+            };
+            if n < per_node || n > vocab {
+                return Err(RuntimeError::InvalidRequest(format!(
+                    "a draft vocabulary of {n} tokens: it must hold the tree's {per_node} candidates per node and at most the model's {vocab} tokens"
+                )));
+            }
+        }
         let specs = [
             PoolSpec::for_engine("target", engine),
             PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
@@ -239,6 +251,7 @@ impl Decoder for EagleDecoder<'_> {
                 head: self.head,
                 base: model,
                 cache: &mut self.head_cache,
+                draft_vocab: self.options.draft_vocab,
             };
             let trees = match (&self.options.tree, &self.dynamic) {
                 (EagleTreeKind::Static(tree), _) => {
