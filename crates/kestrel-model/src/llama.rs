@@ -573,17 +573,17 @@ impl Llama {
     /// lowest token ids (BPE vocabularies number tokens roughly from common to rare), whose
     /// product reads `n / vocab` of the head's weight. `n` ≤ the vocabulary.
     pub fn logits_first(&self, hidden: &Tensor, n: usize) -> Result<Tensor> {
-        Ok(self
-            .lm_head
-            .first_outputs(n)?
-            .forward_with(hidden, self.cpu_kernels)?
-            .to_dtype(DType::F32)?)
+        self.logits_through(&self.lm_head.first_outputs(n)?, hidden)
     }
 
     /// LM head over hidden states `[rows, hidden]` → f32 logits `[rows, vocab]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self
-            .lm_head
+        self.logits_through(&self.lm_head, hidden)
+    }
+
+    /// `head(hidden)` as f32 logits.
+    fn logits_through(&self, head: &Linear, hidden: &Tensor) -> Result<Tensor> {
+        Ok(head
             .forward_with(hidden, self.cpu_kernels)?
             .to_dtype(DType::F32)?)
     }
