@@ -26,6 +26,9 @@ pub struct DatasetSource {
     /// The engine whose model answered the prompts and produced the features.
     pub engine_dir: String,
     pub prompts_file: String,
+    /// User prompts the engine wrote itself (`--synthetic_prompts`), answered after the file's.
+    #[serde(default)]
+    pub synthetic_prompts: usize,
     pub chat_template: bool,
     pub max_prompt_len: usize,
     pub max_new_tokens: usize,

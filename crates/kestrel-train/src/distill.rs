@@ -3,7 +3,7 @@
 
 use crate::error::{invalid, Result};
 use kestrel_runtime::{
-    generate, ChatMessage, DecodeMode, Engine, GenerationParams, NoSink, TextCodec,
+    generate, ChatMessage, DecodeMode, Engine, GenerationParams, NoSink, SequenceOutput, TextCodec,
 };
 use kestrel_spec::SamplingParams;
 
@@ -29,7 +29,7 @@ pub fn encode_prompts(
     max_input_len: usize,
 ) -> Result<Vec<Vec<u32>>> {
     let limit = opts.max_prompt_len.min(max_input_len);
-    let mut out = Vec::with_capacity(opts.num_prompts);
+    let mut out = Vec::with_capacity(opts.num_prompts.min(texts.len()));
     for text in texts {
         if out.len() == opts.num_prompts {
             break;
@@ -65,12 +65,39 @@ pub fn distill(
     opts: &DistillOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<(Vec<u32>, usize)>> {
-    if opts.max_new_tokens == 0 {
+    let outputs = generate_in_batches(
+        engine,
+        prompts,
+        opts.max_new_tokens,
+        opts.sampling,
+        progress,
+    )?;
+    Ok(prompts
+        .iter()
+        .zip(outputs)
+        .map(|(p, o)| {
+            let mut seq = p.clone();
+            seq.extend_from_slice(&o.output_ids);
+            (seq, p.len())
+        })
+        .collect())
+}
+
+/// Plain decoding of `prompts` in batches of the engine's max_batch_size, one output per
+/// prompt, calling `progress(done, total)` after each batch.
+pub(crate) fn generate_in_batches(
+    engine: &Engine,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    sampling: SamplingParams,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<SequenceOutput>> {
+    if max_new_tokens == 0 {
         return Err(invalid("--max_new_tokens must be at least 1"));
     }
     let params = GenerationParams {
-        max_output_len: opts.max_new_tokens,
-        sampling: opts.sampling,
+        max_output_len: max_new_tokens,
+        sampling,
         end_ids: engine.config.eos_token_ids(),
     };
     let chunk = engine.plan.limits.max_batch_size.max(1);
@@ -78,13 +105,9 @@ pub fn distill(
     for (c, group) in prompts.chunks(chunk).enumerate() {
         // Seeds differ per chunk so that sampled answers of equal prompts differ too.
         let mut params = params.clone();
-        params.sampling.seed = opts.sampling.seed.wrapping_add(c as u64);
+        params.sampling.seed = sampling.seed.wrapping_add(c as u64);
         let (outputs, _) = generate(engine, &DecodeMode::Plain, group, &params, &mut NoSink)?;
-        for (p, o) in group.iter().zip(outputs) {
-            let mut seq = p.clone();
-            seq.extend_from_slice(&o.output_ids);
-            out.push((seq, p.len()));
-        }
+        out.extend(outputs);
         progress(out.len(), prompts.len());
     }
     Ok(out)

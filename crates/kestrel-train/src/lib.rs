@@ -1,6 +1,7 @@
 //! Training drafts for Kestrel engines.
 //!
 //! * [`distill`]: the base engine answers prompts through Kestrel's runtime (self-distillation).
+//! * [`synthetic`]: user prompts the base model writes itself (Magpie), to answer in turn.
 //! * [`dataset`]: the base model's final-normed hidden states over prompt + answer, cached on
 //!   disk so that data generation and training can run as separate calls.
 //! * [`eagle`]: trains an EAGLE-1 head (one decoder layer over `fc(cat(embed, feature))`) on
@@ -24,6 +25,7 @@ pub mod eagle;
 pub mod error;
 pub mod prompts;
 pub mod step_cost;
+pub mod synthetic;
 mod train_loop;
 
 pub use dataset::FeatureDataset;

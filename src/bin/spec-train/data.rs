@@ -2,13 +2,14 @@
 //! gives its final-normed hidden state at every position.
 
 use crate::parse_dtype;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use kestrel_core::DType;
 use kestrel_runtime::{Engine, TextCodec};
 use kestrel_spec::SamplingParams;
 use kestrel_train::dataset::FeatureDataset;
 use kestrel_train::distill::{distill, encode_prompts, DistillOptions};
 use kestrel_train::prompts::read_prompts;
+use kestrel_train::synthetic::{synthesize_prompts, SyntheticOptions};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -37,6 +38,17 @@ pub struct DataArgs {
     /// Do not wrap prompts in the engine's chat template.
     #[arg(long)]
     pub no_chat: bool,
+    /// Also let the engine write this many user prompts itself (Magpie: it continues its
+    /// chat template's user-turn opener), then answer the distinct ones after --prompts'.
+    /// They are kept in <data_dir>/synthetic_prompts.json.
+    #[arg(long, default_value_t = 0)]
+    pub synthetic_prompts: usize,
+    /// Longest synthetic prompt, in tokens: ones that have not ended by then are dropped.
+    #[arg(long, default_value_t = 128)]
+    pub synthetic_prompt_len: usize,
+    /// Sampling temperature of the synthetic prompts.
+    #[arg(long, default_value_t = 1.0)]
+    pub synthetic_temperature: f32,
     /// Tokens per varlen batch of the feature pass.
     #[arg(long, default_value_t = 2048)]
     pub feature_batch_tokens: usize,
@@ -57,8 +69,11 @@ pub fn generate_data(
     seed: u64,
     engine: &Engine,
 ) -> Result<()> {
-    if args.prompts.is_empty() {
-        bail!("--prompts FILE is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)");
+    if args.prompts.is_empty() && args.synthetic_prompts == 0 {
+        bail!("--prompts FILE or --synthetic_prompts N is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)");
+    }
+    if args.synthetic_prompts > 0 && args.no_chat {
+        bail!("--synthetic_prompts continues the chat template's user turn: drop --no_chat");
     }
     let codec = TextCodec::load(engine_dir, &engine.config)?;
     let mut texts = Vec::new();
@@ -83,13 +98,27 @@ pub fn generate_data(
             seed,
         },
     };
-    let prompts = encode_prompts(&codec, &texts, &opts, engine.plan.limits.max_input_len)?;
+    let max_input_len = engine.plan.limits.max_input_len;
+    let mut prompts = if texts.is_empty() {
+        Vec::new()
+    } else {
+        encode_prompts(&codec, &texts, &opts, max_input_len)?
+    };
+    let synthetic = synthetic_prompts(args, engine, &codec, seed)?;
+    if !synthetic.is_empty() {
+        let all = DistillOptions {
+            num_prompts: usize::MAX,
+            ..opts.clone()
+        };
+        prompts.extend(encode_prompts(&codec, &synthetic, &all, max_input_len)?);
+    }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     eprintln!(
-        "spec-train: {} prompts ({prompt_tokens} tokens) from {} ({} read); answering up to {} tokens each",
+        "spec-train: {} prompts ({prompt_tokens} tokens) of {} read from [{}] and {} synthetic; answering up to {} tokens each",
         prompts.len(),
-        prompts_file,
         texts.len(),
+        prompts_file,
+        synthetic.len(),
         args.max_new_tokens
     );
     let t0 = Instant::now();
@@ -117,6 +146,7 @@ pub fn generate_data(
     data.source = kestrel_train::dataset::DatasetSource {
         engine_dir: engine_dir.display().to_string(),
         prompts_file,
+        synthetic_prompts: synthetic.len(),
         chat_template: !args.no_chat,
         max_prompt_len: args.max_prompt_len,
         max_new_tokens: args.max_new_tokens,
@@ -127,6 +157,11 @@ pub fn generate_data(
         features_s: t1.elapsed().as_secs_f64(),
     };
     data.save(data_dir, kestrel_model::candle_dtype(args.feature_dtype))?;
+    if !synthetic.is_empty() {
+        let path = data_dir.join("synthetic_prompts.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&synthetic)?)
+            .with_context(|| format!("{}: cannot write it", path.display()))?;
+    }
     eprintln!(
         "spec-train: wrote {} sequences ({} tokens, {} answer tokens) to {}",
         data.len(),
@@ -135,4 +170,49 @@ pub fn generate_data(
         data_dir.display()
     );
     Ok(())
+}
+
+/// The --synthetic_prompts the engine writes itself (none unless asked).
+fn synthetic_prompts(
+    args: &DataArgs,
+    engine: &Engine,
+    codec: &TextCodec,
+    seed: u64,
+) -> Result<Vec<String>> {
+    if args.synthetic_prompts == 0 {
+        return Ok(Vec::new());
+    }
+    let opts = SyntheticOptions {
+        count: args.synthetic_prompts,
+        max_len: args.synthetic_prompt_len,
+        sampling: SamplingParams {
+            temperature: args.synthetic_temperature,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        },
+    };
+    let t0 = Instant::now();
+    let made = synthesize_prompts(engine, codec, &opts, &mut |done, total| {
+        eprintln!(
+            "spec-train: sampled {done}/{total} synthetic prompts [{:.0}s]",
+            t0.elapsed().as_secs_f64()
+        )
+    })?;
+    eprintln!(
+        "spec-train: {} synthetic prompts kept of {} ({} unfinished within {} tokens, {} blank or repeated)",
+        made.prompts.len(),
+        args.synthetic_prompts,
+        made.unfinished,
+        args.synthetic_prompt_len,
+        made.repeated_or_blank
+    );
+    if made.prompts.is_empty() {
+        bail!(
+            "none of the {} synthetic prompts ended within --synthetic_prompt_len {}: raise it",
+            args.synthetic_prompts,
+            args.synthetic_prompt_len
+        );
+    }
+    Ok(made.prompts)
 }
