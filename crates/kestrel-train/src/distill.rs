@@ -103,12 +103,21 @@ pub(crate) fn generate_in_batches(
     let chunk = engine.plan.limits.max_batch_size.max(1);
     let mut out = Vec::with_capacity(prompts.len());
     for (c, group) in prompts.chunks(chunk).enumerate() {
-        // Seeds differ per chunk so that sampled answers of equal prompts differ too.
         let mut params = params.clone();
-        params.sampling.seed = sampling.seed.wrapping_add(c as u64);
+        params.sampling.seed = chunk_seed(sampling.seed, c);
         let (outputs, _) = generate(engine, &DecodeMode::Plain, group, &params, &mut NoSink)?;
         out.extend(outputs);
         progress(out.len(), prompts.len());
     }
     Ok(out)
+}
+
+/// The seed of batch `chunk` of a run seeded `seed`. Sequence `i` of a batch samples from
+/// stream `i` of its batch's seed, so batches need seeds of their own for equal prompts to
+/// get different samples; and since a run's seed is often the previous run's plus one, the
+/// batches step by 2^64/φ rather than by 1, or run `s + 1` would resample batch `c + 1` of
+/// run `s` as its batch `c`.
+fn chunk_seed(seed: u64, chunk: usize) -> u64 {
+    const STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+    seed.wrapping_add(STEP.wrapping_mul(chunk as u64))
 }
