@@ -5,7 +5,9 @@
 #   bash tools/gpu/train_eagle_h200.sh data    # base engine + answers + features -> /tmp/data
 #   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
 #   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
-# Knobs (environment): PROMPT_FILES (names in the stage folder), NUM_PROMPTS, MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
+#   bash tools/gpu/train_eagle_h200.sh bench   # bf16, graphs: calibrated trees + spec-bench -> $OUT
+# Knobs (environment): SYNTHETIC=1 (the model writes its prompts; SEED), PROMPT_FILES (names in
+# the stage folder), NUM_PROMPTS (else sized to DATA_S seconds), MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
 # TTT_STEPS (training-time-test unroll passes, default 1) and TTT_DECAY (default 1).
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
@@ -19,24 +21,34 @@ data)
   $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/ckpt --dtype float32 --workers 16
   $B/spec-build --checkpoint_dir /tmp/ckpt --output_dir /tmp/eng --target_device cuda:sm_90 \
     --max_batch_size "${BATCH:-128}" --max_input_len 512 --max_seq_len $((512 + ${MAX_NEW:-256}))
-  # ShareGPT conversations (first human turns) by default: GSM8K's 7.5k formulaic math answers
-  # would be most of a sample of the three files, and a head trained on them drafts chat badly.
-  prompts=()
-  for f in ${PROMPT_FILES:-ShareGPT_V3_filtered_1000.json sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json}; do
-    prompts+=(--prompts "$S/$f")
-  done
+  # Prompts for n answers: with SYNTHETIC=1 the model writes them itself (Magpie,
+  # --synthetic_prompts); otherwise ShareGPT conversations (first human turns) by default:
+  # GSM8K's 7.5k formulaic math answers would be most of a sample of the three files, and a
+  # head trained on them drafts chat badly.
+  prompt_args() {
+    if [ "${SYNTHETIC:-0}" = 1 ]; then
+      echo --synthetic_prompts "$1" --seed "${SEED:-1}"
+    else
+      for f in ${PROMPT_FILES:-ShareGPT_V3_filtered_1000.json sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json}; do
+        echo --prompts "$S/$f"
+      done
+      echo --num_prompts "$1"
+    fi
+  }
   if [ -z "${NUM_PROMPTS:-}" ]; then
     # Size the run to DATA_S seconds from a probe of one batch.
     $B/spec-run --engine_dir /tmp/eng --device cuda:0 --input_text hi --max_output_len 2 >/dev/null  # JIT warm-up
     t0=$(date +%s.%N)
+    # shellcheck disable=SC2046
     $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage data --data_dir /tmp/probe \
-      "${prompts[@]}" --num_prompts "${BATCH:-128}" --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" 2>&1 | tail -3
+      $(prompt_args "${BATCH:-128}") --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" 2>&1 | tail -3
     NUM_PROMPTS=$(python3 -c "import sys; t=$(date +%s.%N)-$t0; print(int(${BATCH:-128}*${DATA_S:-300}/t))")
     echo "probe: one batch in $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s -> $NUM_PROMPTS prompts"
   fi
+  # shellcheck disable=SC2046
   $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage data --data_dir /tmp/data \
-    "${prompts[@]}" --num_prompts "$NUM_PROMPTS" --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" \
-    --feature_batch_tokens 8192 2>&1 | tail -6
+    $(prompt_args "$NUM_PROMPTS") --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" \
+    --feature_batch_tokens 8192 2>&1 | grep -v "answered\|features [0-9]\|sampled [0-9]" | tail -6
   cp /tmp/data/*.json "$OUT/" 2>/dev/null || true
   ;;
 train)
@@ -63,6 +75,24 @@ eval)
   run eagle1_small_8 --eagle_choices small_8
   run eagle2_n10 --eagle_use_dynamic_tree --eagle_dynamic_tree_max_top_k 10
   python3 tools/gpu/compare_modes.py "$OUT"
+  ;;
+bench)
+  # The head in /tmp/head (or HEAD) in bf16 with CUDA graphs: calibrated on MT-bench 41-80
+  # (tree_12 + statistics, then the step-cost tree for the H200), then spec-bench on
+  # MT-bench 1-EVAL_N against plain decoding in one process.
+  H=${HEAD:-/tmp/head}
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir /tmp/ckpt_b \
+    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+  $B/spec-build --checkpoint_dir /tmp/ckpt_b --output_dir /tmp/eng_b --target_device cuda:sm_90 \
+    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  $B/spec-train calibrate --engine_dir /tmp/eng_b --device cuda:0 --prompts tools/gpu/mt_bench_41_80.jsonl \
+    --num_prompts 20 --max_output_len 96 --num_nodes 12 --output "$OUT/tree_12.json" 2>&1 | tail -4
+  $B/spec-train calibrate --engine_dir /tmp/eng_b --device cuda:0 --from_stats "$OUT/tree_12.stats.json" --num_nodes 12 \
+    --step_costs "${STEP_COSTS:-0.30,0.35,0.03}" --output "$OUT/tree_h200.json" 2>&1 | tail -2
+  $B/spec-bench --engine_dir /tmp/eng_b --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
+    --num_prompts "${EVAL_N:-20}" --max_output_len 128 --batch_sizes 1 \
+    --modes "plain,eagle1:$OUT/tree_h200.json,eagle1:[[0],[1],[2],[3]],eagle1:small_8,eagle1,eagle2:10" \
+    --output_json "$OUT/bench_bf16.json" 2>&1 | tail -10
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
