@@ -91,7 +91,7 @@ pub struct BenchArgs {
     /// Run every step eagerly instead of replaying CUDA graphs, to measure what they save.
     #[arg(long)]
     pub no_cuda_graphs: bool,
-    /// EAGLE modes draft from the first N token ids only (spec-run --eagle_draft_vocab).
+    /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
 }
@@ -389,6 +389,7 @@ fn draft_target_view(engine: &Engine, k: usize) -> Engine {
         config: engine.config.clone(),
         model: engine.model.clone(),
         eagle: None,
+        draft_vocab: None,
         device: engine.device.clone(),
     }
 }

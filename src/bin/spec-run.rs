@@ -92,8 +92,10 @@ struct Args {
     /// Acceptance under sampling: token_match (default), typical or exact.
     #[arg(long)]
     eagle_sampling: Option<String>,
-    /// Draft from the first N token ids only: the head's LM head reads N of its rows (BPE ids
-    /// rise roughly with rarity). Verification still scores every token: output unchanged.
+    /// Draft from N tokens only: the head's LM head reads N of its rows. They are the N most
+    /// frequent when the engine carries a draft_vocab.json (spec-train draft-vocab), else the
+    /// first N ids (BPE ids rise roughly with rarity). Verification still scores every token:
+    /// output unchanged.
     #[arg(long)]
     eagle_draft_vocab: Option<usize>,
     /// Draft engine for draft-target decoding (the target is --engine_dir).

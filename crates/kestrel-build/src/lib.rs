@@ -35,7 +35,12 @@ pub fn build_engine(opts: &BuildOptions) -> Result<BuildSummary, BuildError> {
 
     let out = AtomicDir::new(&opts.output_dir).map_err(|e| BuildError::io(&opts.output_dir, e))?;
     let weights = weights::copy_rank_files(&opts.checkpoint_dir, out.path(), &model, &meta)?;
-    for name in [checkpoint::TOKENIZER_FILE, checkpoint::CHAT_TEMPLATE_FILE] {
+    // The tokenizer files, and an EAGLE head's draft vocabulary ranking.
+    for name in [
+        checkpoint::TOKENIZER_FILE,
+        checkpoint::CHAT_TEMPLATE_FILE,
+        kestrel_core::draft_vocab::DRAFT_VOCAB_FILE,
+    ] {
         let src = opts.checkpoint_dir.join(name);
         if src.exists() {
             std::fs::copy(&src, out.path().join(name)).map_err(|e| BuildError::io(&src, e))?;

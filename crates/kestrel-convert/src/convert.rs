@@ -7,6 +7,7 @@ use crate::meta::{
     TOKENIZER_FILE,
 };
 use candle_core::Tensor;
+use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use kestrel_core::{AtomicDir, DType, Mapping, ModelConfig, ShardDim};
 use kestrel_formats::{
     eagle_head_files, load_eagle_head, load_gguf, load_hf_dir, LoadedCheckpoint,
@@ -261,7 +262,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertSummary, ConvertError> {
             mapping.validate(&head_cfg.llama).map_err(|m| {
                 ConvertError::Invalid(format!("--eagle_model_dir {}: {m}", e.dir.display()))
             })?;
-            source_files.extend(source_entries(&eagle_head_files(&e.dir), &e.dir, "eagle/")?);
+            let mut files = eagle_head_files(&e.dir);
+            let ranking_path = e.dir.join(DRAFT_VOCAB_FILE);
+            if ranking_path.is_file() {
+                DraftVocabRanking::load(&ranking_path, base.config.vocab_size).map_err(|m| {
+                    ConvertError::Invalid(format!("--eagle_model_dir {}: {m}", e.dir.display()))
+                })?;
+                files.push(ranking_path);
+            }
+            source_files.extend(source_entries(&files, &e.dir, "eagle/")?);
             let meta = EagleMeta {
                 max_draft_len: e.max_draft_len,
                 num_eagle_layers: e.num_eagle_layers,
@@ -353,6 +362,14 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertSummary, ConvertError> {
     let config_path = out.path().join(CONFIG_FILE);
     std::fs::write(&config_path, config_json).map_err(|e| write_err(&config_path, e))?;
     write_tokenizer_files(&base, out.path())?;
+    if let Some(e) = &opts.eagle {
+        // Checked above: the head's draft vocabulary ranking travels with it.
+        let ranking = e.dir.join(DRAFT_VOCAB_FILE);
+        if ranking.is_file() {
+            let dest = out.path().join(DRAFT_VOCAB_FILE);
+            std::fs::copy(&ranking, &dest).map_err(|err| write_err(&dest, err))?;
+        }
+    }
 
     out.commit().map_err(|e| ConvertError::Io {
         path: opts.output_dir.display().to_string(),

@@ -7,6 +7,7 @@
 pub mod atomic_dir;
 pub mod checkpoint;
 pub mod config;
+pub mod draft_vocab;
 pub mod dtype;
 pub mod error;
 pub mod layout;

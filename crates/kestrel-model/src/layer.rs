@@ -68,15 +68,6 @@ impl Linear {
         }
     }
 
-    /// The layer restricted to its first `n` outputs (a view, no copy: rows of `w`).
-    pub fn first_outputs(&self, n: usize) -> Result<Linear> {
-        Ok(Linear {
-            w: self.w.narrow(0, 0, n)?,
-            b: self.b.as_ref().map(|b| b.narrow(0, 0, n)).transpose()?,
-            gemv: self.gemv,
-        })
-    }
-
     pub fn out_features(&self) -> usize {
         self.w.dim(0).unwrap_or(0)
     }

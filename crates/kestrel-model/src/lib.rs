@@ -34,7 +34,7 @@ pub use cache::{PagedKvCache, SeqId};
 pub use cuda_kernels::CudaKernels;
 pub use eagle::{EagleHead, EagleSeqInput, TrainUnroll};
 pub use error::{ModelError, Result};
-pub use llama::{Llama, OutputRows, SeqInput};
+pub use llama::{Llama, LmHeadRows, OutputRows, SeqInput};
 pub use prefix_cache::PrefixKeys;
 pub use rope::inv_freq;
 pub use step_graph::GraphActivity;

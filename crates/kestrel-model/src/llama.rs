@@ -569,11 +569,25 @@ impl Llama {
         self.norm.forward(&x, true)
     }
 
-    /// The LM head's first `n` logits only, `[rows, n]` f32: a draft vocabulary of the
-    /// lowest token ids (BPE vocabularies number tokens roughly from common to rare), whose
-    /// product reads `n / vocab` of the head's weight. `n` ≤ the vocabulary.
-    pub fn logits_first(&self, hidden: &Tensor, n: usize) -> Result<Tensor> {
-        self.logits_through(&self.lm_head.first_outputs(n)?, hidden)
+    /// The LM head's rows of `ids` (a copy): a draft vocabulary whose products read
+    /// `ids.len() / vocab` of the head's weight. Every id must be below the vocabulary size.
+    pub fn lm_head_rows(&self, ids: &[u32]) -> Result<LmHeadRows> {
+        let index = Tensor::from_slice(ids, ids.len(), self.lm_head.w.device())?;
+        let head = &self.lm_head;
+        Ok(LmHeadRows(Linear {
+            w: head.w.index_select(&index, 0)?.contiguous()?,
+            b: match &head.b {
+                Some(b) => Some(b.index_select(&index, 0)?),
+                None => None,
+            },
+            gemv: head.gemv,
+        }))
+    }
+
+    /// `rows(hidden)` as f32 logits `[rows, ids.len()]`: column j is token `ids[j]` of
+    /// [`Llama::lm_head_rows`].
+    pub fn logits_of(&self, rows: &LmHeadRows, hidden: &Tensor) -> Result<Tensor> {
+        self.logits_through(&rows.0, hidden)
     }
 
     /// LM head over hidden states `[rows, hidden]` → f32 logits `[rows, vocab]`.
@@ -588,6 +602,10 @@ impl Llama {
             .to_dtype(DType::F32)?)
     }
 }
+
+/// Some rows of a model's LM head ([`Llama::lm_head_rows`]).
+#[derive(Debug, Clone)]
+pub struct LmHeadRows(Linear);
 
 /// SplitMix64 (deterministic, dependency-free random numbers for `Llama::random`). It is
 /// counter-based: value `k` of the stream seeded with `seed` is `mix(seed + (k + 1)·γ)`, so

@@ -4,6 +4,7 @@ use crate::chat::ChatTemplate;
 use crate::error::{Result, RuntimeError};
 use candle_core::Device;
 use kestrel_core::checkpoint::{CHAT_TEMPLATE_FILE, EAGLE_PREFIX, TOKENIZER_FILE};
+use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use kestrel_core::{EagleHeadConfig, EnginePlan, ModelConfig, SpeculativeMode};
 use kestrel_model::{CudaKernels, EagleHead, Llama};
 use std::collections::BTreeMap;
@@ -16,6 +17,10 @@ pub struct Engine {
     pub config: ModelConfig,
     pub model: Llama,
     pub eagle: Option<EagleHead>,
+    /// Every token id, most frequent first in the head's training answers, when the engine
+    /// carries a `draft_vocab.json` (`spec-train draft-vocab`): `--eagle_draft_vocab N`
+    /// drafts from the first N of these rather than the first N ids.
+    pub draft_vocab: Option<Vec<u32>>,
     pub device: Device,
 }
 
@@ -57,12 +62,21 @@ impl Engine {
             }
             _ => None,
         };
+        let ranking = dir.join(DRAFT_VOCAB_FILE);
+        let draft_vocab = if ranking.is_file() {
+            let r = DraftVocabRanking::load(&ranking, config.vocab_size)
+                .map_err(|e| RuntimeError::Engine(e.to_string()))?;
+            Some(r.ids)
+        } else {
+            None
+        };
         let mut engine = Engine {
             dir: dir.to_path_buf(),
             plan,
             config,
             model,
             eagle,
+            draft_vocab,
             device: device.clone(),
         };
         engine.set_cuda_graphs(true);
@@ -113,6 +127,7 @@ impl Engine {
             device: model.device().clone(),
             model,
             eagle: None,
+            draft_vocab: None,
         })
     }
 

@@ -42,9 +42,11 @@ pub enum DecodeMode<'a> {
 pub struct EagleOptions {
     pub tree: EagleTreeKind,
     pub acceptance: Acceptance,
-    /// Draft from the first `n` token ids only (the head's LM head reads `n` of its rows).
-    /// Verification still scores the whole vocabulary, so output is unchanged: a token
-    /// outside the draft vocabulary is never proposed, and the target's own choice covers it.
+    /// Draft from `n` tokens only (the head's LM head reads `n` of its rows): the engine's
+    /// `n` most frequent when it carries a ranking ([`Engine::draft_vocab`]), else the first
+    /// `n` ids. Verification still scores the whole vocabulary, so output is unchanged: a
+    /// token outside the draft vocabulary is never proposed, and the target's own choice
+    /// covers it.
     pub draft_vocab: Option<usize>,
 }
 

@@ -5,6 +5,7 @@
 mod support;
 
 use candle_core::Device;
+use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use kestrel_runtime::{
     generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams,
     NoSink, SequenceOutput,
@@ -154,6 +155,47 @@ fn a_draft_vocabulary_keeps_greedy_output_and_is_checked() {
         refused(with_draft_vocab(static_mode("mc_sim_7b_63"), 9)),
         "a draft vocabulary of 9 tokens: it must hold the tree's 10 candidates per node and at most the model's 48 tokens"
     );
+}
+
+/// Writes a ranking into `engine_dir` that puts the tokens `first` says yes to first, then
+/// loads the engine.
+fn with_ranking(engine_dir: &std::path::Path, vocab: usize, first: impl Fn(u32) -> bool) -> Engine {
+    let counts: Vec<u64> = (0..vocab as u32).map(|t| u64::from(first(t))).collect();
+    DraftVocabRanking::from_counts(&counts)
+        .save(&engine_dir.join(DRAFT_VOCAB_FILE))
+        .unwrap();
+    Engine::load(engine_dir, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn a_ranked_draft_vocabulary_drafts_its_first_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    assert!(engine.draft_vocab.is_none());
+    let plain = ids(&run(&engine, &DecodeMode::Plain, &prompts(), &greedy(48)));
+    let said: std::collections::BTreeSet<u32> = plain.iter().flatten().copied().collect();
+    let vocab = cfg.vocab_size;
+    assert!(
+        said.len() + 1 < vocab,
+        "the target says {} tokens",
+        said.len()
+    );
+
+    // Ranked first, the tokens the target says are all the head can draft: they are enough.
+    let engine = with_ranking(&engine_dir, vocab, |t| said.contains(&t));
+    assert_eq!(engine.draft_vocab.as_ref().unwrap().len(), vocab);
+    let mode = with_draft_vocab(static_mode("chain_4"), said.len());
+    let tau = assert_lossless(&engine, &[("said first", mode)], 48);
+    assert!(tau[0] > 2.0, "{:.2} tokens per step", tau[0]);
+
+    // Ranked last, they are out of reach: no drafted token is ever accepted, and the output
+    // is still the target's.
+    let engine = with_ranking(&engine_dir, vocab, |t| !said.contains(&t));
+    let mode = with_draft_vocab(static_mode("chain_4"), vocab - said.len());
+    let tau = assert_lossless(&engine, &[("said last", mode)], 48);
+    assert_eq!(tau[0], 1.0);
 }
 
 #[test]
@@ -311,14 +353,20 @@ fn exact_sampling_follows_the_target_distribution() {
     let expected = second_token_distribution(&engine, &prompt, temperature);
     // The whole vocabulary, and a draft vocabulary of its first 20 tokens: the proposal
     // then gives the other 28 probability 0, and the residual must restore them.
-    for draft_vocab in [None, Some(20)] {
-        let mode = DecodeMode::Eagle(EagleOptions {
+    let mode = |draft_vocab| {
+        DecodeMode::Eagle(EagleOptions {
             tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
             acceptance: Acceptance::Exact,
             draft_vocab,
-        });
-        assert_second_token_follows(&engine, &mode, &prompt, temperature, &expected);
+        })
+    };
+    for draft_vocab in [None, Some(20)] {
+        assert_second_token_follows(&engine, &mode(draft_vocab), &prompt, temperature, &expected);
     }
+    // 20 tokens of a ranking (odd ids first): the proposal's columns are scattered back to
+    // their token ids.
+    let ranked = with_ranking(&engine_dir, cfg.vocab_size, |t| t % 2 == 1);
+    assert_second_token_follows(&ranked, &mode(Some(20)), &prompt, temperature, &expected);
 }
 
 /// Over 250 × 16 sampled runs of `mode` from `prompt`, the second token's counts pass a

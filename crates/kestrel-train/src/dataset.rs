@@ -88,6 +88,23 @@ impl FeatureDataset {
             .sum()
     }
 
+    /// How often each token id occurs among the answer tokens (`vocab_size` counts).
+    pub fn answer_token_counts(&self) -> Result<Vec<u64>> {
+        let mut counts = vec![0u64; self.vocab_size];
+        for i in 0..self.len() {
+            let answer = &self.tokens[self.offsets[i] + self.prompt_lens[i]..self.offsets[i + 1]];
+            for &t in answer {
+                *counts.get_mut(t as usize).ok_or_else(|| {
+                    invalid(format!(
+                        "sequence {i} holds token id {t}, outside the vocabulary of {}",
+                        self.vocab_size
+                    ))
+                })? += 1;
+            }
+        }
+        Ok(counts)
+    }
+
     pub fn meta(&self, feature_dtype: DType) -> DatasetMeta {
         DatasetMeta {
             format: DATASET_FORMAT.into(),

@@ -13,10 +13,14 @@
 //! `spec-train calibrate` measures an EAGLE engine's head per tree depth and rank on a prompt
 //! set and writes the static eagle_choices tree with the best expected accepted length for a
 //! node budget, a file that `spec-run --eagle_choices` takes.
+//!
+//! `spec-train draft-vocab` ranks the vocabulary by the self-distillation answers into a
+//! head folder's `draft_vocab.json`, for `--eagle_draft_vocab N`.
 
 mod calibrate;
 mod data;
 mod draft;
+mod draft_vocab;
 mod eagle;
 mod train_args;
 
@@ -44,6 +48,8 @@ enum Command {
     Draft(Box<draft::DraftArgs>),
     /// Derive the best static eagle_choices tree for an EAGLE engine from measured acceptance.
     Calibrate(Box<calibrate::CalibrateArgs>),
+    /// Rank the vocabulary by the self-distillation answers, for --eagle_draft_vocab N.
+    DraftVocab(Box<draft_vocab::DraftVocabArgs>),
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -56,6 +62,7 @@ fn main() {
         Command::Eagle(args) => eagle::run_eagle(args),
         Command::Draft(args) => draft::run_draft(args),
         Command::Calibrate(args) => calibrate::run_calibrate(args),
+        Command::DraftVocab(args) => draft_vocab::run_draft_vocab(args),
     };
     exit_on_error("spec-train", result);
 }

@@ -6,7 +6,7 @@ use super::node_outputs::{NodeOutputs, NodeRef};
 use crate::error::{Result, RuntimeError};
 use crate::logit_rows::top_k_rows;
 use candle_core::Tensor;
-use kestrel_model::{EagleHead, Llama, PagedKvCache, SeqId};
+use kestrel_model::{EagleHead, Llama, LmHeadRows, PagedKvCache, SeqId};
 use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
 use kestrel_spec::sampling::{self, SamplingParams};
 use kestrel_spec::{EagleTree, SeqRng, TreeBuffers};
@@ -46,18 +46,44 @@ pub(crate) struct Drafter<'a> {
     pub head: &'a EagleHead,
     pub base: &'a Llama,
     pub cache: &'a mut PagedKvCache,
-    /// Candidates come from the first `n` token ids only (`EagleOptions::draft_vocab`).
-    pub draft_vocab: Option<usize>,
+    /// Candidates come from these tokens only (`EagleOptions::draft_vocab`).
+    pub draft_vocab: Option<&'a DraftVocab>,
+}
+
+/// The tokens a head drafts from, and the LM head's rows for them.
+pub(crate) struct DraftVocab {
+    /// Logits column j is token `ids[j]`.
+    pub ids: Vec<u32>,
+    pub rows: LmHeadRows,
 }
 
 impl Drafter<'_> {
-    /// The draft logits of head outputs: over the draft vocabulary, whose ids are the
-    /// vocabulary's first ones, so a column index is a token id either way.
+    /// The draft logits of head outputs: over the whole vocabulary, or the draft vocabulary's
+    /// columns.
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
         Ok(match self.draft_vocab {
-            Some(n) => self.base.logits_first(rows, n)?,
+            Some(v) => self.base.logits_of(&v.rows, rows)?,
             None => self.base.logits(rows)?,
         })
+    }
+
+    /// The token of logits column `c`.
+    fn token(&self, c: u32) -> u32 {
+        self.draft_vocab.map_or(c, |v| v.ids[c as usize])
+    }
+
+    /// The `k` best tokens of each head output with their log-probabilities (over the
+    /// draft vocabulary).
+    fn top_k(&self, rows: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        let mut best = top_k_rows(&self.logits(rows)?, k)?;
+        if self.draft_vocab.is_some() {
+            for (ids, _) in &mut best {
+                for id in ids.iter_mut() {
+                    *id = self.token(*id);
+                }
+            }
+        }
+        Ok(best)
     }
 
     pub fn draft_static<'t>(
@@ -112,24 +138,28 @@ impl Drafter<'_> {
                 outputs.set(&nodes, &out)?;
                 out
             };
-            let logits = self.logits(&rows)?;
             // Children of every expanded node, sequence-major (row = s · expanded + j).
             let width = level.expand.len();
             let children: Vec<Vec<u32>> = match choice {
-                ChildChoice::TopK => top_k_rows(&logits, level.top_k)?
+                ChildChoice::TopK => self
+                    .top_k(&rows, level.top_k)?
                     .into_iter()
                     .map(|(ids, _)| ids)
                     .collect(),
                 ChildChoice::Sample(params) => {
-                    let rows = logits.to_vec2::<f32>()?;
+                    let rows = self.logits(&rows)?.to_vec2::<f32>()?;
                     let mut picked = Vec::with_capacity(rows.len());
                     for (row, logits) in rows.iter().enumerate() {
                         let (s, node) = (row / width, level.expand[row % width]);
                         let q = sampling::probs(logits, params);
-                        picked.push(sample_without_replacement(&q, level.top_k, rngs[s]));
+                        let columns = sample_without_replacement(&q, level.top_k, rngs[s]);
+                        picked.push(columns.into_iter().map(|c| self.token(c)).collect());
                         if let Some(p) = probs[s].as_mut() {
-                            // Tokens past a draft vocabulary keep probability 0.
-                            p[node * vocab..node * vocab + q.len()].copy_from_slice(&q);
+                            // Tokens outside a draft vocabulary keep probability 0.
+                            let p = &mut p[node * vocab..(node + 1) * vocab];
+                            for (c, &qc) in q.iter().enumerate() {
+                                p[self.token(c as u32) as usize] = qc;
+                            }
                         }
                     }
                     picked
@@ -164,8 +194,8 @@ impl Drafter<'_> {
         let mut builders = Vec::with_capacity(roots.len());
         // Node id 0 is the root; candidate c has node id c + 1.
         let mut outputs = NodeOutputs::new(roots, cfg.num_candidates() + 1)?;
-        let root_rows = self.logits(&outputs.gather(&expanded(roots.len(), &[0]))?)?;
-        for (t, lp) in top_k_rows(&root_rows, top)? {
+        let root_rows = outputs.gather(&expanded(roots.len(), &[0]))?;
+        for (t, lp) in self.top_k(&root_rows, top)? {
             let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);
@@ -205,7 +235,7 @@ impl Drafter<'_> {
                 ids_per_seq.push(ids);
             }
             outputs.set(&frontier_nodes, &out)?;
-            let best = top_k_rows(&self.logits(&out)?, top)?;
+            let best = self.top_k(&out, top)?;
             let mut offset = 0;
             for (s, b) in builders.iter_mut().enumerate() {
                 let k = ids_per_seq[s].len();

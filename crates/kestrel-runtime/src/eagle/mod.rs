@@ -24,7 +24,7 @@ use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::{Acceptance, EagleOptions, EagleTreeKind};
 use candle_core::Tensor;
-use draft::{ChildChoice, DraftRoot, Drafter};
+use draft::{ChildChoice, DraftRoot, DraftVocab, Drafter};
 use kestrel_model::{EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::dynamic::DynamicTreeConfig;
 use kestrel_spec::SeqRng;
@@ -38,6 +38,7 @@ pub(crate) struct EagleDecoder<'e> {
     base_cache: PagedKvCache,
     head_cache: PagedKvCache,
     pools: Vec<PoolShape>,
+    draft_vocab: Option<DraftVocab>,
 }
 
 /// Committed (token, feature) pairs the head has not consumed yet.
@@ -76,18 +77,10 @@ impl<'e> EagleDecoder<'e> {
                 Some(cfg)
             }
         };
-        if let Some(n) = options.draft_vocab {
-            let vocab = engine.config.vocab_size;
-            let per_node = match &options.tree {
-                EagleTreeKind::Static(t) => t.buffers().ranks().iter().max().map_or(1, |r| r + 1),
-                EagleTreeKind::Dynamic { top_k } => *top_k,
-            };
-            if n < per_node || n > vocab {
-                return Err(RuntimeError::InvalidRequest(format!(
-                    "a draft vocabulary of {n} tokens: it must hold the tree's {per_node} candidates per node and at most the model's {vocab} tokens"
-                )));
-            }
-        }
+        let draft_vocab = match options.draft_vocab {
+            None => None,
+            Some(n) => Some(draft_vocab(engine, &options.tree, n)?),
+        };
         let specs = [
             PoolSpec::for_engine("target", engine),
             PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
@@ -109,6 +102,7 @@ impl<'e> EagleDecoder<'e> {
             base_cache,
             head_cache,
             pools,
+            draft_vocab,
         })
     }
 
@@ -251,7 +245,7 @@ impl Decoder for EagleDecoder<'_> {
                 head: self.head,
                 base: model,
                 cache: &mut self.head_cache,
-                draft_vocab: self.options.draft_vocab,
+                draft_vocab: self.draft_vocab.as_ref(),
             };
             let trees = match (&self.options.tree, &self.dynamic) {
                 (EagleTreeKind::Static(tree), _) => {
@@ -335,4 +329,25 @@ impl Decoder for EagleDecoder<'_> {
     fn pools(&self) -> Vec<PoolShape> {
         self.pools.clone()
     }
+}
+
+/// The `n` tokens the head drafts from: the engine's `n` most frequent when it carries a
+/// ranking, else the first `n` ids.
+fn draft_vocab(engine: &Engine, tree: &EagleTreeKind, n: usize) -> Result<DraftVocab> {
+    let vocab = engine.config.vocab_size;
+    let per_node = match tree {
+        EagleTreeKind::Static(t) => t.buffers().ranks().iter().max().map_or(1, |r| r + 1),
+        EagleTreeKind::Dynamic { top_k } => *top_k,
+    };
+    if n < per_node || n > vocab {
+        return Err(RuntimeError::InvalidRequest(format!(
+            "a draft vocabulary of {n} tokens: it must hold the tree's {per_node} candidates per node and at most the model's {vocab} tokens"
+        )));
+    }
+    let ids: Vec<u32> = match &engine.draft_vocab {
+        Some(ranked) => ranked[..n].to_vec(),
+        None => (0..n as u32).collect(),
+    };
+    let rows = engine.model.lm_head_rows(&ids)?;
+    Ok(DraftVocab { ids, rows })
 }
