@@ -147,6 +147,42 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
 }
 
 #[test]
+fn the_draft_vocabulary_is_recorded_and_keeps_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let json = tmp.path().join("bench.json");
+    let prompts = prompts(tmp.path());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--prompts",
+            s(&prompts),
+            "--max_output_len",
+            "8",
+            "--batch_sizes",
+            "1",
+            "--modes",
+            "plain,eagle1:[[0],[1]]",
+        ];
+        args.extend_from_slice(extra);
+        let report = bench_ok(&args, &json);
+        assert_eq!(results(&report)[1]["same_output_as_plain"], true);
+        report["eagle_draft_vocab"].clone()
+    };
+    assert!(run(&[]).is_null());
+    assert_eq!(run(&["--eagle_draft_vocab", "4"]), "the first 4 token ids");
+    let counts: Vec<u64> = (0..16).collect();
+    kestrel_core::draft_vocab::DraftVocabRanking::from_counts(&counts)
+        .save(&engine.join(kestrel_core::draft_vocab::DRAFT_VOCAB_FILE))
+        .unwrap();
+    assert_eq!(
+        run(&["--eagle_draft_vocab", "4"]),
+        "the 4 most frequent tokens of the engine's draft_vocab.json"
+    );
+}
+
+#[test]
 fn random_weights_of_a_real_shape_run_plain_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("random.json");

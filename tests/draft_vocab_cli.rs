@@ -120,6 +120,8 @@ fn a_ranking_travels_from_the_data_to_the_engine_and_keeps_output() {
             "4",
         ],
     );
+    assert_eq!(plain_ids.len(), 1);
+    assert_eq!(plain_ids[0].len(), 16, "{plain_ids:?}");
     assert_eq!(drafted, plain_ids);
 }
 
@@ -130,17 +132,17 @@ fn a_ranking_for_another_vocabulary_is_refused() {
     DraftVocabRanking::from_counts(&[1; VOCAB + 1])
         .save(&head.join(DRAFT_VOCAB_FILE))
         .unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    let out = convert(&[
+    let (src, ckpt) = (tiny_llama(), tmp.path().join("ckpt"));
+    let args = [
         "--model_dir",
-        s(&tiny_llama()),
+        s(&src),
         "--eagle_model_dir",
         s(&head),
         "--output_dir",
         s(&ckpt),
-    ]);
+    ];
     assert_eq!(
-        one_line_error("convert-checkpoint", &out),
+        one_line_error("convert-checkpoint", &convert(&args)),
         format!(
             "--eagle_model_dir {}: {}: ranks 17 ids with 17 counts, but the model's vocabulary has 16 tokens: it was made for another model",
             head.display(),
@@ -150,13 +152,6 @@ fn a_ranking_for_another_vocabulary_is_refused() {
     assert!(!ckpt.exists());
     // Without the ranking, the same head converts.
     std::fs::remove_file(head.join(DRAFT_VOCAB_FILE)).unwrap();
-    convert_ok(&[
-        "--model_dir",
-        s(&tiny_llama()),
-        "--eagle_model_dir",
-        s(&head),
-        "--output_dir",
-        s(&ckpt),
-    ]);
+    convert_ok(&args);
     assert!(!ckpt.join(DRAFT_VOCAB_FILE).exists());
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{build_ok, convert_ok, fixture, pipeline, s, smollm2_gguf, spec_run, stderr, stdout};
+use common::{fixture, pipeline, s, smollm2_engine, spec_run, stderr, stdout};
 use kestrel_model::{OutputRows, SeqInput};
 use kestrel_runtime::device::Device;
 use kestrel_runtime::{
@@ -219,31 +219,14 @@ struct SmolGreedy {
 /// greedy ids through the runtime API, then spec-run end to end with --chat.
 #[test]
 fn smollm2_matches_transformers() {
-    let gguf = smollm2_gguf();
     let expected: SmolExpected = read_json(&fixture("smollm2/expected.json"));
     assert_eq!(expected.prompts.len(), 4);
     let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    let engine_dir = tmp.path().join("engine");
-    convert_ok(&[
-        "--gguf",
-        s(&gguf),
-        "--dtype",
-        "float32",
-        "--output_dir",
-        s(&ckpt),
-    ]);
     // Small limits keep the KV pool (and so the run's memory) small.
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine_dir),
-        "--max_input_len",
-        "128",
-        "--max_seq_len",
-        "256",
-    ]);
+    let engine_dir = smollm2_engine(
+        tmp.path(),
+        &["--max_input_len", "128", "--max_seq_len", "256"],
+    );
     assert_eq!(
         std::fs::read_to_string(engine_dir.join("chat_template.jinja")).unwrap(),
         expected.tokenizer.chat_template,

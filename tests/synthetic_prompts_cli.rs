@@ -5,36 +5,10 @@
 mod common;
 
 use candle_core::Device;
-use common::{build_ok, convert_ok, one_line_error, s, smollm2_gguf, spec_train, stderr};
+use common::{one_line_error, s, smollm2_engine, spec_train, stderr};
 use kestrel_runtime::{ChatMessage, Engine, TextCodec};
 use kestrel_train::FeatureDataset;
-use std::path::{Path, PathBuf};
-
-fn smollm2_engine(dir: &Path) -> PathBuf {
-    let (ckpt, engine) = (dir.join("ckpt"), dir.join("engine"));
-    let gguf = smollm2_gguf();
-    convert_ok(&[
-        "--gguf",
-        s(&gguf),
-        "--dtype",
-        "float32",
-        "--output_dir",
-        s(&ckpt),
-    ]);
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--max_batch_size",
-        "4",
-        "--max_input_len",
-        "128",
-        "--max_seq_len",
-        "160",
-    ]);
-    engine
-}
+use std::path::Path;
 
 /// Runs the data stage with `count` synthetic prompts and `seed`; returns the kept prompts.
 fn synthesize(engine: &Path, data: &Path, count: &str, seed: &str) -> Vec<String> {
@@ -63,7 +37,17 @@ fn synthesize(engine: &Path, data: &Path, count: &str, seed: &str) -> Vec<String
 #[test]
 fn smollm2_writes_prompts_that_become_the_data_and_a_seed_repeats_them() {
     let tmp = tempfile::tempdir().unwrap();
-    let engine_dir = smollm2_engine(tmp.path());
+    let engine_dir = smollm2_engine(
+        tmp.path(),
+        &[
+            "--max_batch_size",
+            "4",
+            "--max_input_len",
+            "128",
+            "--max_seq_len",
+            "160",
+        ],
+    );
     let prompts = synthesize(&engine_dir, &tmp.path().join("a"), "6", "3");
     assert!(
         !prompts.is_empty() && prompts.len() <= 6,

@@ -291,6 +291,8 @@ pub struct BenchReport {
     pub cuda_graphs: bool,
     /// Why a graph capture failed and graphs were turned off, if one did.
     pub cuda_graph_failure: Option<String>,
+    /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
+    pub eagle_draft_vocab: Option<String>,
     pub results: Vec<ModeResult>,
 }
 
@@ -843,6 +845,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         cuda_graph_failure: engine
             .cuda_graph_failure()
             .or_else(|| draft.as_ref().and_then(Engine::cuda_graph_failure)),
+        eagle_draft_vocab: args.eagle_draft_vocab.map(|n| {
+            if engine.draft_vocab.is_some() {
+                format!("the {n} most frequent tokens of the engine's draft_vocab.json")
+            } else {
+                format!("the first {n} token ids")
+            }
+        }),
         results,
     })
 }
@@ -873,6 +882,9 @@ impl BenchReport {
         );
         if let Some(why) = &self.cuda_graph_failure {
             println!("CUDA graphs were turned off, steps ran eagerly: {why}");
+        }
+        if let Some(vocab) = &self.eagle_draft_vocab {
+            println!("EAGLE modes draft from {vocab}");
         }
         println!(
             "{:<20} {:>5} {:>7} {:>10} {:>9} {:>9} {:>6} {:>8} {:>8} {:>9} {:>7} {:>5}",

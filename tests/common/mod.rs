@@ -86,9 +86,25 @@ pub fn build_ok(args: &[&str]) {
 /// Converts `--model_dir src` (plus `convert_args`) into `<work>/ckpt` and builds
 /// `<work>/engine` from it (plus `build_args`); returns the engine directory.
 pub fn pipeline(src: &Path, work: &Path, convert_args: &[&str], build_args: &[&str]) -> PathBuf {
+    let mut args = vec!["--model_dir", s(src)];
+    args.extend_from_slice(convert_args);
+    pipeline_args(work, &args, build_args)
+}
+
+/// The SmolLM2 GGUF in float32 through [`pipeline`]'s steps, into `<work>/engine`.
+pub fn smollm2_engine(work: &Path, build_args: &[&str]) -> PathBuf {
+    let gguf = smollm2_gguf();
+    pipeline_args(
+        work,
+        &["--gguf", s(&gguf), "--dtype", "float32"],
+        build_args,
+    )
+}
+
+fn pipeline_args(work: &Path, convert_args: &[&str], build_args: &[&str]) -> PathBuf {
     let ckpt = work.join("ckpt");
     let engine = work.join("engine");
-    let mut args = vec!["--model_dir", s(src), "--output_dir", s(&ckpt)];
+    let mut args = vec!["--output_dir", s(&ckpt)];
     args.extend_from_slice(convert_args);
     convert_ok(&args);
     let mut args = vec!["--checkpoint_dir", s(&ckpt), "--output_dir", s(&engine)];
