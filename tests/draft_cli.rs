@@ -243,6 +243,6 @@ fn bad_layer_flags_are_refused_with_one_line() {
     );
     assert_eq!(
         err(&[]),
-        "--prompts FILE is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)"
+        "--prompts FILE or --synthetic_prompts N is needed to generate data (ShareGPT JSON, GSM8K JSONL, ...)"
     );
 }

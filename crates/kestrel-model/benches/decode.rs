@@ -3,7 +3,8 @@
 //! `cargo bench -p kestrel-model --bench decode`; set `KESTREL_BENCH_DTYPE=bf16|f16` for half
 //! precision. Decode: one token (forward + logits) at batch 1 over a 100-token context, rolled
 //! back after each step so the context stays fixed. Prefill: a 128-token prompt into an empty
-//! sequence (forward + logits of the last row).
+//! sequence (forward + logits of the last row). Verify: 3 or 8 chained tokens after the same
+//! context with every row's logits, the cost of a tree verification step.
 
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -68,6 +69,32 @@ fn bench(c: &mut Criterion) {
             black_box(logits)
         })
     });
+
+    // A tree verification's cost over the decode step above: T chained tokens, every row's
+    // logits (as acceptance needs them), rolled back the same way.
+    for t in [3usize, 8] {
+        let tokens: Vec<u32> = (0..t as u32).map(|i| 42 + i).collect();
+        let positions: Vec<u32> = (100..100 + t as u32).collect();
+        group.bench_function(format!("verify_{t}_ctx100"), |b| {
+            b.iter(|| {
+                let h = model
+                    .forward(
+                        &[SeqInput {
+                            seq,
+                            tokens: &tokens,
+                            positions: &positions,
+                            mask: None,
+                            output_rows: OutputRows::All,
+                        }],
+                        &mut cache,
+                    )
+                    .expect("verify");
+                let logits = model.logits(&h).expect("logits");
+                cache.truncate(seq, 100).expect("rollback");
+                black_box(logits)
+            })
+        });
+    }
 
     let prompt: Vec<u32> = (0..128u32).map(|i| (i * 104729) % 49152).collect();
     let prompt_pos: Vec<u32> = (0..128).collect();
