@@ -125,6 +125,8 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
         }
         // 3 prompts cycled up to a multiple of the batch size.
         assert_eq!(r["requests"], if batch == 1 { 3 } else { 4 });
+        // Each mode ran once untimed first (--warmup_tokens, 8 by default).
+        assert!(r["warmup_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(r["time_to_first_token_ms"].as_f64().unwrap() > 0.0);
         let tau = r["mean_accepted_len"].as_f64().unwrap();
@@ -168,9 +170,12 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
         args.extend_from_slice(extra);
         let report = bench_ok(&args, &json);
         assert_eq!(results(&report)[1]["same_output_as_plain"], true);
+        if extra.contains(&"--warmup_tokens") {
+            assert!(results(&report).iter().all(|r| r["warmup_s"] == 0.0));
+        }
         report["eagle_draft_vocab"].clone()
     };
-    assert!(run(&[]).is_null());
+    assert!(run(&["--warmup_tokens", "0"]).is_null());
     assert_eq!(run(&["--eagle_draft_vocab", "4"]), "the first 4 token ids");
     let counts: Vec<u64> = (0..16).collect();
     kestrel_core::draft_vocab::DraftVocabRanking::from_counts(&counts)

@@ -20,7 +20,7 @@ use kestrel_core::plan::{BuildLimits, EnginePlan};
 use kestrel_core::{DType, Mapping, SpeculativeMode};
 use kestrel_model::GraphActivity;
 use kestrel_runtime::{
-    generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams,
+    generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     SequenceOutput, TextCodec,
 };
 use kestrel_spec::SamplingParams;
@@ -94,6 +94,11 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
+    /// Before timing a mode at a batch size, run it once on the first batch for this many
+    /// tokens, so that one-time costs (a GPU driver compiling kernels on first use) stay out
+    /// of its figures; 0 times the first run cold.
+    #[arg(long, default_value_t = 8)]
+    pub warmup_tokens: usize,
 }
 
 /// One `--modes` entry, checked for syntax before anything is loaded.
@@ -236,6 +241,8 @@ pub struct ModeResult {
     /// Whether greedy output equalled this mode's at the first batch size (same prompts).
     pub same_output_as_first_batch_size: Option<bool>,
     pub verify: Option<VerifyResult>,
+    /// Seconds of the untimed warm-up run (`--warmup_tokens`) before this one.
+    pub warmup_s: f64,
 }
 
 /// [`kestrel_model::GraphActivity`] over one run.
@@ -681,6 +688,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         ratio: v.tree_step_s / v.one_token_step_s.max(f64::EPSILON),
                         one_token_roofline_fraction: roof(v.one_token_step_s),
                     }),
+                    // time_verify warms both step shapes up itself.
+                    warmup_s: 0.0,
                 });
                 continue;
             }
@@ -727,6 +736,23 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     )
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
+            };
+            let warmup_s = if args.warmup_tokens > 0 {
+                let start = Instant::now();
+                let warm = GenerationParams {
+                    max_output_len: args.warmup_tokens.min(args.max_output_len),
+                    ..params.clone()
+                };
+                generate(
+                    target,
+                    &decode_mode,
+                    &batch_prompts[..batch],
+                    &warm,
+                    &mut NoSink,
+                )?;
+                start.elapsed().as_secs_f64()
+            } else {
+                0.0
             };
             let graphs_before = activity(target);
             probe.start_run();
@@ -821,6 +847,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 same_output_as_plain: same,
                 same_output_as_first_batch_size: same_across,
                 verify: None,
+                warmup_s,
             });
         }
     }
