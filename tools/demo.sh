@@ -6,7 +6,7 @@
 # costs of a speculative step on 2 CPU cores; drafting from the head's 4,096 most frequent
 # tokens, draft_vocab.json), streamed, then the same prompt without speculation as the
 # baseline. The outputs are identical; with this head (τ ≈ 1.45 with that tree) speculation
-# on 2 CPU cores gains little (1.06-1.10× on MT-bench 1-5).
+# on 2 CPU cores gains little (1.06-1.13× on MT-bench 1-5).
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
