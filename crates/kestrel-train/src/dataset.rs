@@ -122,6 +122,17 @@ impl FeatureDataset {
     /// Writes `meta.json` and `data.safetensors` into `dir`, replacing it atomically.
     /// `feature_dtype`: F16 halves the file; the training noise dwarfs its rounding.
     pub fn save(&self, dir: &Path, feature_dtype: DType) -> Result<()> {
+        self.save_with(dir, feature_dtype, &[])
+    }
+
+    /// [`FeatureDataset::save`], with `extra` (file name, contents) written into the same
+    /// atomic replacement.
+    pub fn save_with(
+        &self,
+        dir: &Path,
+        feature_dtype: DType,
+        extra: &[(&str, &[u8])],
+    ) -> Result<()> {
         if !matches!(feature_dtype, DType::F16 | DType::F32 | DType::BF16) {
             return Err(invalid(format!(
                 "feature dtype {feature_dtype:?}: use float16, bfloat16 or float32"
@@ -159,6 +170,10 @@ impl FeatureDataset {
             serde_json::to_string_pretty(&self.meta(feature_dtype)).expect("meta serialises");
         let meta_path = out.path().join(DATASET_META_FILE);
         std::fs::write(&meta_path, meta).map_err(|e| file_err(&meta_path, e))?;
+        for (name, contents) in extra {
+            let path = out.path().join(name);
+            std::fs::write(&path, contents).map_err(|e| file_err(&path, e))?;
+        }
         out.commit().map_err(|e| file_err(dir, e))?;
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! gives its final-normed hidden state at every position.
 
 use crate::parse_dtype;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use kestrel_core::DType;
 use kestrel_runtime::{Engine, TextCodec};
 use kestrel_spec::SamplingParams;
@@ -156,12 +156,17 @@ pub fn generate_data(
         generate_s,
         features_s: t1.elapsed().as_secs_f64(),
     };
-    data.save(data_dir, kestrel_model::candle_dtype(args.feature_dtype))?;
-    if !synthetic.is_empty() {
-        let path = data_dir.join("synthetic_prompts.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&synthetic)?)
-            .with_context(|| format!("{}: cannot write it", path.display()))?;
-    }
+    let synthetic_json = serde_json::to_string_pretty(&synthetic)?;
+    let extra: &[(&str, &[u8])] = if synthetic.is_empty() {
+        &[]
+    } else {
+        &[("synthetic_prompts.json", synthetic_json.as_bytes())]
+    };
+    data.save_with(
+        data_dir,
+        kestrel_model::candle_dtype(args.feature_dtype),
+        extra,
+    )?;
     eprintln!(
         "spec-train: wrote {} sequences ({} tokens, {} answer tokens) to {}",
         data.len(),
