@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{exec, one_line_error, output_ids, s, spec_run, stderr, tiny_engine_with, TRAIN};
+use common::{exec, one_line_error, s, spec_run_ids, stderr, tiny_engine_with, TRAIN};
 use std::path::{Path, PathBuf};
 
 /// The tiny Llama (vocab 16, hidden 8, 1 layer) converted with (`eagle`) or without its tiny
@@ -132,13 +132,9 @@ fn calibrated_tree_runs_in_spec_run_with_plain_greedy_output() {
             "e d",
             "--max_output_len",
             "24",
-            "--output_json",
-            s(json),
         ];
         args.extend_from_slice(extra);
-        let out = spec_run(&args);
-        assert!(out.status.success(), "spec-run {extra:?}: {}", stderr(&out));
-        output_ids::<serde_json::Value>(json)
+        spec_run_ids::<serde_json::Value>(&args, json)
     };
     let eagle = run(
         &["--eagle_choices", s(&tree)],

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{one_line_error, output_ids, pipeline, s, spec_run, spec_train, stderr};
+use common::{one_line_error, pipeline, s, spec_run_ids, spec_train, stderr};
 use kestrel_core::ModelConfig;
 use kestrel_formats::candle_core::{self, Tensor};
 use kestrel_model::llama::random_tensors;
@@ -152,13 +152,9 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
             s(&prompts),
             "--max_output_len",
             "40",
-            "--output_json",
-            s(json),
         ];
         args.extend_from_slice(extra);
-        let out = spec_run(&args);
-        assert!(out.status.success(), "spec-run {extra:?}: {}", stderr(&out));
-        output_ids::<Vec<u32>>(json)
+        spec_run_ids::<Vec<u32>>(&args, json)
     };
     let plain = run(&[], &w.join("plain.json"));
     assert!(plain.iter().all(|ids| ids.len() == 40));

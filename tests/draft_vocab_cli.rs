@@ -6,7 +6,7 @@
 mod common;
 
 use common::{
-    build_ok, convert, convert_ok, one_line_error, output_ids, s, spec_run, spec_train, stderr,
+    build_ok, convert, convert_ok, one_line_error, s, spec_run_ids, spec_train, stderr,
     tiny_checkpoint, tiny_eagle, tiny_llama,
 };
 use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
@@ -24,7 +24,7 @@ fn head_copy(dir: &Path) -> PathBuf {
     head
 }
 
-/// spec-run's output ids for "a b c" with `extra` flags.
+/// spec-run's output ids for "a b c hello" with `extra` flags.
 fn run_ids(engine: &Path, json: &Path, extra: &[&str]) -> Vec<Vec<u32>> {
     let mut args = vec![
         "--engine_dir",
@@ -33,13 +33,9 @@ fn run_ids(engine: &Path, json: &Path, extra: &[&str]) -> Vec<Vec<u32>> {
         "a b c hello",
         "--max_output_len",
         "16",
-        "--output_json",
-        s(json),
     ];
     args.extend_from_slice(extra);
-    let out = spec_run(&args);
-    assert!(out.status.success(), "spec-run: {}", stderr(&out));
-    output_ids(json)
+    spec_run_ids(&args, json)
 }
 
 #[test]

@@ -211,6 +211,16 @@ pub fn tiny_engine_with(dir: &Path, eagle: bool, build_args: &[&str]) -> PathBuf
     engine
 }
 
+/// Runs spec-run with `args` plus `--output_json json`, which must succeed; returns the
+/// report's `output_ids`.
+pub fn spec_run_ids<T: serde::de::DeserializeOwned>(args: &[&str], json: &Path) -> Vec<T> {
+    let mut all = args.to_vec();
+    all.extend(["--output_json", s(json)]);
+    let out = spec_run(&all);
+    assert!(out.status.success(), "spec-run {args:?}: {}", stderr(&out));
+    output_ids(json)
+}
+
 /// The `output_ids` of every output in a `--output_json` report.
 pub fn output_ids<T: serde::de::DeserializeOwned>(json: &Path) -> Vec<T> {
     let doc: serde_json::Value =

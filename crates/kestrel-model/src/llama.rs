@@ -576,10 +576,11 @@ impl Llama {
         let head = &self.lm_head;
         Ok(LmHeadRows(Linear {
             w: head.w.index_select(&index, 0)?.contiguous()?,
-            b: match &head.b {
-                Some(b) => Some(b.index_select(&index, 0)?),
-                None => None,
-            },
+            b: head
+                .b
+                .as_ref()
+                .map(|b| b.index_select(&index, 0))
+                .transpose()?,
             gemv: head.gemv,
         }))
     }

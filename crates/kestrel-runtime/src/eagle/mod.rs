@@ -77,10 +77,10 @@ impl<'e> EagleDecoder<'e> {
                 Some(cfg)
             }
         };
-        let draft_vocab = match options.draft_vocab {
-            None => None,
-            Some(n) => Some(draft_vocab(engine, &options.tree, n)?),
-        };
+        let draft_vocab = options
+            .draft_vocab
+            .map(|n| draft_vocab(engine, &options.tree, n))
+            .transpose()?;
         let specs = [
             PoolSpec::for_engine("target", engine),
             PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
