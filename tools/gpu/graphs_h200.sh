@@ -5,8 +5,9 @@
 #   bash tools/gpu/graphs_h200.sh random   # random-weight shapes -> $OUT/{smol,llama2}_{graphs,eager}.json
 #   bash tools/gpu/graphs_h200.sh profile  # after `real`: Nsight Compute kernel times of 3 eager
 #                                          # plain decode steps (tools/gpu/ncu_summary.py)
+#   bash tools/gpu/graphs_h200.sh tiled    # verify:8-64 at batch 1 and 4 -> $OUT/tiled_{shape}.json
 #   bash tools/gpu/graphs_h200.sh profile-random  # Nsight Compute kernel times of graphed steps
-#                                          # (MODES=plain by default), random SmolLM2 bf16
+#                                          # (MODES=plain, SHAPE=smollm2-135m by default), bf16
 #   bash tools/gpu/graphs_h200.sh real     # SmolLM2 + the shipped head (staged GGUF); with
 #                                          # REAL_BF16=1 also a bf16 engine (graphs only)
 #                                          # -> $OUT/real_{graphs,eager}.json, spec-run outputs compared
@@ -89,11 +90,21 @@ for m in ["plain", "eagle1", "eagle2"]:
           f"same as plain: {ids(a) == ids('/tmp/runs_eager/plain.json')}")
 PY
   ;;
+tiled)
+  # Verification cost by row count (the tiled gemv engine takes steps of 65 rows and more).
+  for shape in smollm2-135m llama2-7b; do
+    echo "== $shape"
+    $B/spec-bench --random_weights $shape --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+      --max_output_len 64 --num_prompts 4 --batch_sizes 1,4 \
+      --modes plain,verify:8,verify:16,verify:32,verify:64 \
+      --output_json "$OUT/tiled_${shape}.json" 2>&1 | grep -E "^verify|x \(roofline|^plain|same"
+  done
+  ;;
 profile-random)
   # Graph nodes profiled one by one at the clocks and caches they run with.
   /usr/local/cuda/bin/ncu --csv --metrics gpu__time_duration.sum --clock-control none \
-    --cache-control none --graph-profiling node --launch-skip "${SKIP:-2500}" --launch-count 700 \
-    $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+    --cache-control none --graph-profiling node --launch-skip "${SKIP:-2500}" --launch-count "${COUNT:-700}" \
+    $B/spec-bench --random_weights "${SHAPE:-smollm2-135m}" --dtype bfloat16 --device cuda:0 --prompt_len 128 \
     --max_output_len 64 --num_prompts 1 --batch_sizes 1 --modes "${MODES:-plain}" \
     --copy_bytes 1048576 > /tmp/ncu.csv 2>/tmp/ncu.err || tail -3 /tmp/ncu.err
   python3 tools/gpu/ncu_summary.py /tmp/ncu.csv
@@ -105,5 +116,5 @@ profile)
     --copy_bytes 1048576 > /tmp/ncu.csv 2>/tmp/ncu.err || tail -3 /tmp/ncu.err
   python3 tools/gpu/ncu_summary.py /tmp/ncu.csv
   ;;
-*) echo "usage: graphs_h200.sh test|random|real|profile" >&2; exit 2 ;;
+*) echo "usage: graphs_h200.sh test|random|tiled|real|profile|profile-random" >&2; exit 2 ;;
 esac

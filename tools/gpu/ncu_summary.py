@@ -17,7 +17,7 @@ by = collections.defaultdict(lambda: [0, 0.0])
 total = 0.0
 for r in rows:
     v = float(r["Metric Value"].replace(",", "")) * scale
-    name = r["Kernel Name"].split("(")[0][:60]
+    name = r["Kernel Name"].split("(")[0][:60] + " " + r.get("Grid Size", "")
     by[name][0] += 1
     by[name][1] += v
     total += v

@@ -251,6 +251,9 @@ impl InplaceOp3 for KvAppend {
     }
 }
 
+/// Vectors a thread of `kestrel_add_rmsnorm_*`'s one-pass path holds (`ADD_RMS_VECS`).
+const ADD_RMS_VECS: usize = 4;
+
 pub(crate) struct AddRmsNorm {
     pub eps: f32,
     /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
@@ -289,9 +292,24 @@ impl AddRmsNorm {
             b.arg(&rows_a);
             b.arg(&h_a);
             b.arg(&self.eps);
+            // The one-pass path of kestrel_add_rmsnorm: 16-byte vectors, at most
+            // ADD_RMS_VECS a thread, every row 16-byte aligned.
+            let vec_elems = 16 / std::mem::size_of::<T>();
+            let aligned = [x.1, r.1, w.1]
+                .iter()
+                .all(|l| (l.start_offset() * std::mem::size_of::<T>()).is_multiple_of(16));
+            let vectors = h / vec_elems;
+            let vec = h % vec_elems == 0 && aligned && vectors <= ADD_RMS_VECS * 1024;
+            let vec_arg = i32::from(vec);
+            if !self.gemv_order {
+                b.arg(&vec_arg);
+            }
             let cfg = if self.gemv_order {
                 // A warp per row, 8 a block.
                 launch_cfg((rows.div_ceil(8) as u32, 1), 256)
+            } else if vec {
+                // A vector a thread where 1,024 threads suffice.
+                launch_cfg((rows as u32, 1), threads_for(vectors))
             } else {
                 // block_sum needs a multiple of 32 threads, at most 1024.
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
@@ -633,6 +651,42 @@ fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (La
     (cfg, split as i32)
 }
 
+/// Columns and rows of a `kestrel_gemv_tiled_*` block (`TILED_COLS`, `TILED_ROWS`).
+const TILED_COLS: usize = 32;
+const TILED_ROWS: usize = 64;
+/// Blocks of K in its shared memory (`TILED_STAGES · TILED_KPS`), each the block's weight
+/// rows and input rows of `GEMV_MMA_K_BLOCK` elements padded by 8 (`TILED_LD`).
+const TILED_STAGED_BLOCKS: usize = 8;
+
+/// The launch of the tiled engine over `[m, k] · [n, k]ᵀ`: a block per `TILED_ROWS` rows
+/// (the fastest index, so the blocks that share weight columns run together and the weights
+/// cross from memory about once) and `TILED_COLS` columns. Its shared memory is past the
+/// 48 KiB a launch gets by default, so the function is allowed it first (a cheap attribute
+/// set, not a stream operation: legal inside a graph capture).
+fn gemv_tiled_launch(
+    func: &candle_core::cuda::cudarc::driver::CudaFunction,
+    m: usize,
+    n: usize,
+    elem_bytes: usize,
+) -> Result<LaunchConfig> {
+    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+    let smem = TILED_STAGED_BLOCKS
+        * (TILED_COLS + TILED_ROWS)
+        * (crate::GEMV_MMA_K_BLOCK + 8)
+        * elem_bytes;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    let mut cfg = launch_cfg(
+        (m.div_ceil(TILED_ROWS) as u32, n.div_ceil(TILED_COLS) as u32),
+        (GEMV_WARPS * 32) as u32,
+    );
+    cfg.shared_mem_bytes = smem as u32;
+    Ok(cfg)
+}
+
 /// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`; with `swiglu`,
 /// `kestrel_gemv_swiglu_*`: `x` is a fused gate_up output `[M, 2K]` and the product takes
 /// `silu(gate) · up` of it.
@@ -661,13 +715,29 @@ impl Gemv {
             } else {
                 ("kestrel_gemv", 0)
             };
-            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
-            let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
             let (m_a, n_a, k_a) = (
                 i32_arg(m, "rows")?,
                 i32_arg(n, "columns")?,
                 i32_arg(k, "K")?,
             );
+            if !self.swiglu && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>()) {
+                let func =
+                    dev.get_or_load_custom_func(&format!("kestrel_gemv_tiled_{sfx}"), MODULE, PTX)?;
+                let cfg = gemv_tiled_launch(&func, m, n, std::mem::size_of::<T>())?;
+                let mut b = func.builder();
+                b.arg(&xv);
+                b.arg(&wv);
+                b.arg(&out);
+                b.arg(&m_a);
+                b.arg(&n_a);
+                b.arg(&k_a);
+                // SAFETY: argument types match kestrel_gemv_tiled_*; K is a multiple of the
+                // K block (gemv_tiled_applies) and rows are 16-byte aligned (lib.rs).
+                unsafe { b.launch(cfg) }.w()?;
+                return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+            }
+            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
+            let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
             let mut b = func.builder();
             b.arg(&xv);
             b.arg(&wv);

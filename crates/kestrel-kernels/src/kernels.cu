@@ -202,8 +202,9 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
                 const T *kr = k_base + (size_t)slot * row_stride;
                 float dot = 0.f;
                 if (d % VEC == 0) {
-                    // 16-byte loads: the K row is 16-byte aligned when d is a multiple of VEC.
-#pragma unroll 4
+                    // 16-byte loads: the K row is 16-byte aligned when d is a multiple of VEC;
+                    // 8 in flight at once (a d = 128 row in two rounds of memory latency).
+#pragma unroll 8
                     for (int e = 0; e < d; e += VEC) {
                         float kv[VEC];
                         load16(kr + e, kv);
@@ -226,7 +227,7 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         if (vec_v) {
 #pragma unroll
             for (int k = 0; k < VEC; ++k) accv[k] *= corr;
-#pragma unroll 8
+#pragma unroll 16
             for (int j0 = 0; j0 < cnt; j0 += rows_per_pass) {
                 const int j = j0 + rsub; // < 32: j0 ≤ 32 − rows_per_pass
                 const float pj = __shfl_sync(FULL_MASK, p, j);
@@ -580,6 +581,156 @@ template <typename T, int MT, bool STAGED> struct GemvMma {
     }
 };
 
+// ---------------------------------------------------------------------------------------
+// The tiled tensor-core engine for steps of many rows (kestrel_gemv_tiled_*): GemvMma's
+// per-output chain computed GEMM-style, so each weight byte and each row byte crosses from
+// memory once per block rather than once per 16 columns and 32 rows.
+// GemvMma sums an output as (((0 + P0) + P1) + … + P7), where Pp is warp p's chain of MMAs
+// over K's blocks p, p + 8, … from zero. Here the 8 warps of a block instead share each block
+// of K and split the block's TILED_COLS columns × TILED_ROWS rows between them; K's blocks
+// come in their natural order (contiguous reads), block kb's MMAs go to accumulator kb mod 8,
+// and the 8 accumulators are added into zero in order at the end: the same MMAs with the same
+// operands in the same order per accumulator, then the same additions. A row therefore gets
+// the bits GemvMma gives it (GPU test
+// `gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others`), whichever engine a step's
+// row count picks (`gemv_tiled_applies` in lib.rs).
+// Blocks of K are copied to shared memory with cp.async, TILED_KPS a stage and
+// TILED_STAGES − 1 stages ahead.
+// ---------------------------------------------------------------------------------------
+#define TILED_COL_TILES 2 // 16-column tiles a block: its warps take them in turn
+#define TILED_ROW_TILES 2 // 8-row tiles a warp
+#define TILED_COLS (TILED_COL_TILES * 16)
+#define TILED_ROWS (GEMV_WARPS / TILED_COL_TILES * TILED_ROW_TILES * 8)
+// A staged row of one K block, padded by 16 bytes so that the fragment loads of a warp's
+// 8-lane phases hit distinct banks.
+#define TILED_LD (MMA_KB + 8)
+#define TILED_BLOCK_ELEMS ((TILED_COLS + TILED_ROWS) * TILED_LD)
+#define TILED_KPS 2
+#define TILED_STAGES 4
+// 16-byte vectors a thread copies per block of K: (TILED_COLS + TILED_ROWS) · 8 over 256.
+#define TILED_COPIES ((TILED_COLS + TILED_ROWS) * 8 / (GEMV_WARPS * WARP))
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+template <typename T>
+__device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
+                           const int M, const int N, const int K) {
+    if constexpr (sizeof(T) == 2) {
+        const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+        const int g = lane >> 2, t = lane & 3;
+        const int col_tile = warp % TILED_COL_TILES;
+        const int row0 = (warp / TILED_COL_TILES) * TILED_ROW_TILES * 8; // in the block
+        const int m0 = blockIdx.x * TILED_ROWS, n0 = blockIdx.y * TILED_COLS;
+        const int rows = min(TILED_ROWS, M - m0);
+        const int nkb = K / MMA_KB;
+        T *staged = reinterpret_cast<T *>(gemv_stage);
+
+        // A thread copies the same (up to TILED_COPIES) 16-byte vectors of every block of K:
+        // vector v = threadIdx.x + j·blockDim of the staged rows (weight rows, then input
+        // rows), so its sources and destinations are worked out once. Rows past M are not
+        // loaded: an MMA output depends on its own row only, and theirs are never stored.
+        const int nvec = (TILED_COLS + rows) * 8;
+        const T *src[TILED_COPIES];
+        int dst[TILED_COPIES];
+#pragma unroll
+        for (int j = 0; j < TILED_COPIES; ++j) {
+            const int v = min((int)threadIdx.x + j * (int)blockDim.x, nvec - 1);
+            const int r = v / 8, c = (v % 8) * 8;
+            // Columns past N compute from row N − 1 and are never stored.
+            src[j] = (r < TILED_COLS ? w + (size_t)min(n0 + r, N - 1) * K
+                                     : x + (size_t)(m0 + r - TILED_COLS) * K) + c;
+            dst[j] = r * TILED_LD + c;
+        }
+        // Stage `st` (K's blocks st·KPS …) into its buffers. Every call commits a group (empty
+        // past the end), so that waiting for all but TILED_STAGES − 2 groups always means the
+        // stage in use has arrived.
+        auto load = [&](const int st) {
+#pragma unroll
+            for (int u = 0; u < TILED_KPS; ++u) {
+                const int kb = st * TILED_KPS + u;
+                if (kb < nkb) {
+                    T *s = staged + (kb % (TILED_STAGES * TILED_KPS)) * TILED_BLOCK_ELEMS;
+#pragma unroll
+                    for (int j = 0; j < TILED_COPIES; ++j)
+                        if ((int)threadIdx.x + j * (int)blockDim.x < nvec)
+                            cp_async16(s + dst[j], src[j] + kb * MMA_KB);
+                }
+            }
+            asm volatile("cp.async.commit_group;\n" ::);
+        };
+        for (int st = 0; st < TILED_STAGES - 1; ++st) load(st);
+
+        float acc[GEMV_WARPS][TILED_ROW_TILES][4];
+#pragma unroll
+        for (int p = 0; p < GEMV_WARPS; ++p)
+#pragma unroll
+            for (int mt = 0; mt < TILED_ROW_TILES; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[p][mt][e] = 0.f;
+        for (int kb0 = 0; kb0 < nkb; kb0 += GEMV_WARPS) {
+#pragma unroll
+            for (int p = 0; p < GEMV_WARPS; ++p) {
+                const int kb = kb0 + p;
+                if (kb < nkb) {
+                    if (kb % TILED_KPS == 0) {
+                        asm volatile("cp.async.wait_group %0;\n" ::"n"(TILED_STAGES - 2));
+                        __syncthreads(); // this stage is in; every warp is done with the last
+                        load(kb / TILED_KPS + TILED_STAGES - 1);
+                    }
+                    const T *s = staged + (kb % (TILED_STAGES * TILED_KPS)) * TILED_BLOCK_ELEMS;
+                    // The lane's 32 bytes of weight rows g and g + 8 of its column tile at
+                    // 16t, fed to the MMAs exactly as GemvMma feeds them.
+                    const T *w_lo = s + (col_tile * 16 + g) * TILED_LD + 16 * t;
+                    const T *w_hi = w_lo + 8 * TILED_LD;
+                    uint4 wv[4];
+                    wv[0] = *reinterpret_cast<const uint4 *>(w_lo);
+                    wv[1] = *reinterpret_cast<const uint4 *>(w_lo + 8);
+                    wv[2] = *reinterpret_cast<const uint4 *>(w_hi);
+                    wv[3] = *reinterpret_cast<const uint4 *>(w_hi + 8);
+                    const unsigned *wl = reinterpret_cast<const unsigned *>(&wv[0]);
+                    const unsigned *wh = reinterpret_cast<const unsigned *>(&wv[2]);
+#pragma unroll
+                    for (int mt = 0; mt < TILED_ROW_TILES; ++mt) {
+                        if (row0 + mt * 8 < rows) {
+                            const T *xs =
+                                s + (TILED_COLS + row0 + mt * 8 + g) * TILED_LD + 16 * t;
+                            uint4 xr[2];
+                            xr[0] = *reinterpret_cast<const uint4 *>(xs);
+                            xr[1] = *reinterpret_cast<const uint4 *>(xs + 8);
+                            const unsigned *xw = reinterpret_cast<const unsigned *>(xr);
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1],
+                                                       wh[2 * j + 1]};
+                                const unsigned b[2] = {xw[2 * j], xw[2 * j + 1]};
+                                mma16816<T>(acc[p][mt], a, b);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        // The parts into zero in part order, as GemvMma adds its warps' (an idle warp's
+        // zeros included). An MMA output: e = 0, 1 → (column g, row 2t + e); e = 2, 3 →
+        // (g + 8, 2t + e − 2).
+#pragma unroll
+        for (int mt = 0; mt < TILED_ROW_TILES; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float total = 0.f;
+#pragma unroll
+                for (int p = 0; p < GEMV_WARPS; ++p) total += acc[p][mt][e];
+                const int m = m0 + row0 + mt * 8 + 2 * t + (e & 1);
+                const int n = n0 + col_tile * 16 + g + (e >> 1) * 8;
+                if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(total);
+            }
+    }
+}
+
 
 // Runs `run(engine)` with the engine the host picked through `split`: the tensor-core one
 // (MT tiles of 8 rows a pass; STAGED: the rows are in `gemv_stage`) or the FMA one.
@@ -853,16 +1004,66 @@ __device__ void kv_move(const unsigned int *__restrict__ table, T *__restrict__ 
 // rms_norm; for f16/bf16 it is the model's path (normalise in f32, store, scale in dtype).
 // One block per row.
 // ---------------------------------------------------------------------------------------
+// Vectors a thread of add_rmsnorm holds in registers (ADD_RMS_VECS in cuda.rs).
+#define ADD_RMS_VECS 4
+
 template <typename T>
 __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
                             const T *__restrict__ w, T *__restrict__ out, const int n_rows,
-                            const int h, const float eps) {
+                            const int h, const float eps, const int vec) {
     __shared__ float red[32];
     const int row = blockIdx.x;
     const T *xr = x + (size_t)row * h;
     const T *rr = res + (size_t)row * h;
     T *sum_out = out + (size_t)row * h;
     T *norm_out = out + ((size_t)n_rows + row) * h;
+    if (vec) {
+        // 16-byte vectors, thread t holding vectors t, t + blockDim, … (at most
+        // ADD_RMS_VECS): x, res and w are all requested before any arithmetic, so a row
+        // costs one memory latency, not one per pass and another to read the sums back.
+        constexpr int VEC = 16 / sizeof(T);
+        const int nv = h / VEC;
+        uint4 xv[ADD_RMS_VECS], rv[ADD_RMS_VECS], wv[ADD_RMS_VECS];
+#pragma unroll
+        for (int u = 0; u < ADD_RMS_VECS; ++u) {
+            const int v = threadIdx.x + u * blockDim.x;
+            if (v < nv) {
+                xv[u] = *reinterpret_cast<const uint4 *>(xr + v * VEC);
+                rv[u] = *reinterpret_cast<const uint4 *>(rr + v * VEC);
+                wv[u] = *reinterpret_cast<const uint4 *>(w + v * VEC);
+            }
+        }
+        float sums[ADD_RMS_VECS][VEC];
+        float ss = 0.f;
+#pragma unroll
+        for (int u = 0; u < ADD_RMS_VECS; ++u) {
+            const int v = threadIdx.x + u * blockDim.x;
+            if (v < nv) {
+                float a[VEC], b[VEC];
+                unpack16<T>(xv[u], a);
+                unpack16<T>(rv[u], b);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) {
+                    sums[u][i] = round_t<T>(a[i] + b[i]);
+                    ss += sums[u][i] * sums[u][i];
+                }
+                store16(sum_out + v * VEC, sums[u]);
+            }
+        }
+        const float scale = rsqrtf(block_sum(ss, red) / h + eps);
+#pragma unroll
+        for (int u = 0; u < ADD_RMS_VECS; ++u) {
+            const int v = threadIdx.x + u * blockDim.x;
+            if (v < nv) {
+                float wf[VEC], o[VEC];
+                unpack16<T>(wv[u], wf);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[i] = round_t<T>(scale * sums[u][i]) * wf[i];
+                store16(norm_out + v * VEC, o);
+            }
+        }
+        return;
+    }
     float ss = 0.f;
     for (int e = threadIdx.x; e < h; e += blockDim.x) {
         const T s = from_f<T>(to_f(xr[e]) + to_f(rr[e]));
@@ -1085,11 +1286,10 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
                                                           const int width) {                    \
         kv_append<T>(pool, rows, slots, width);                                                 \
     }                                                                                           \
-    extern "C" __global__ void kestrel_add_rmsnorm_##SUFFIX(const T *x, const T *res,           \
-                                                            const T *w, T *out,                 \
-                                                            const int n_rows, const int h,      \
-                                                            const float eps) {                  \
-        add_rmsnorm<T>(x, res, w, out, n_rows, h, eps);                                         \
+    extern "C" __global__ void __launch_bounds__(1024) kestrel_add_rmsnorm_##SUFFIX(            \
+        const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,            \
+        const float eps, const int vec) {                                                       \
+        add_rmsnorm<T>(x, res, w, out, n_rows, h, eps, vec);                                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_add_rmsnorm_rows_##SUFFIX(                               \
         const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,              \
@@ -1109,6 +1309,10 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_##SUFFIX(                               \
         const T *x, const T *w, T *y, const int M, const int N, const int K, const int split) {  \
         gemv<T>(x, w, y, M, N, K, split);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) kestrel_gemv_tiled_##SUFFIX( \
+        const T *x, const T *w, T *y, const int M, const int N, const int K) {                  \
+        gemv_tiled<T>(x, w, y, M, N, K);                                                        \
     }                                                                                           \
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
         const T *gu, const T *w, T *y, const int M, const int N, const int K, const int split) { \

@@ -303,6 +303,23 @@ pub(crate) fn gemv_tensor_cores(elem_bytes: usize, k: usize) -> bool {
     elem_bytes == 2 && k.is_multiple_of(GEMV_MMA_K_BLOCK)
 }
 
+/// Fewest rows a tensor-core product takes the tiled engine (`kestrel_gemv_tiled_*`) with:
+/// more than the one-row engine takes in one pass (32), past which that engine reads the
+/// weights again for every 32 rows and the rows again for every 16 columns. It computes every
+/// row exactly as the one-row engine does, so the switch changes speed only. Measured on the
+/// H200 (bf16, random weights, `spec-bench verify:T`, docs/gpu-results.md), a step of T rows
+/// against a one-row step, tiled (one-row engine): SmolLM2 T = 64 1.88× (2.25×), 32 1.48×
+/// (1.47×), 16 1.40× (1.25×); Llama-2-7B T = 64 2.98× (4.03×), 32 2.14× (2.14×), 16 1.77×
+/// (1.39×).
+pub const GEMV_TILED_MIN_ROWS: usize = 33;
+
+/// Whether a product of `m` rows over `k` elements of `elem_bytes` bytes runs on the tiled
+/// tensor-core engine.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn gemv_tiled_applies(m: usize, k: usize, elem_bytes: usize) -> bool {
+    gemv_tensor_cores(elem_bytes, k) && m >= GEMV_TILED_MIN_ROWS
+}
+
 /// Bytes of the tensor-core engine's partial sums for one tile of rows (`GEMV_PART_BYTES` in
 /// kernels.cu): 8 warps × 16 columns × 8 rows of f32. The fused variants keep them in their
 /// staging memory, which is therefore at least this large.

@@ -9,6 +9,7 @@ use kestrel_kernels::{
     add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
     gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, paged_attention, qkv_rope_append, swiglu,
     top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
+    GEMV_TILED_MIN_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -295,7 +296,15 @@ fn add_rms_norm_matches_candle_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let eps = 1e-5f32;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for (rows, h) in [(1usize, 576usize), (5, 4096), (3, 20), (2, 1500)] {
+        // The one-pass path takes 1 to 4 vectors a thread (16,384 f32: 4); 20 and 1,500 in
+        // f16/bf16 are not whole vectors.
+        for (rows, h) in [
+            (1usize, 576usize),
+            (5, 4096),
+            (3, 20),
+            (2, 1500),
+            (2, 16384),
+        ] {
             let x = rounded(&randn(&mut rng, rows * h, 2.0), dtype);
             let r = rounded(&randn(&mut rng, rows * h, 2.0), dtype);
             let w = rounded(&randn(&mut rng, h, 0.5), dtype)
@@ -586,10 +595,12 @@ fn kv_move_moves_rows_in_every_pool_reading_before_writing() {
 fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(29);
-    // More rows than a 64-node tree verifies: several chunks of the FMA engine and several
-    // passes of the tensor-core engine (f16/bf16 with K a multiple of 64; K = 72 takes the
-    // FMA engine in every dtype).
+    // More rows than a 64-node tree verifies: several chunks of the FMA engine; on tensor
+    // cores (f16/bf16 with K a multiple of 64; K = 72 takes the FMA engine in every dtype)
+    // the one-row engine's passes up to GEMV_TILED_MIN_ROWS − 1 rows and the tiled engine's
+    // two row blocks past it, so the prefixes compare the two engines row for row.
     let rows = 9 * GEMV_MAX_ROWS + 3;
+    assert!(GEMV_TILED_MIN_ROWS > 1 && rows > GEMV_TILED_MIN_ROWS.max(64));
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for (n, k) in [
             (960usize, 576usize),
