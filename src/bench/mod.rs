@@ -756,23 +756,18 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             };
             let graphs_before = activity(target);
             probe.start_run();
-            let mut timings = kestrel_runtime::RunTimings::default();
-            let mut outputs = Vec::with_capacity(requests);
-            for chunk in batch_prompts.chunks(batch) {
-                let (outs, t) = generate(
-                    target,
-                    &decode_mode,
-                    chunk,
-                    &params,
-                    &mut ProbeSink(&mut probe),
-                )?;
-                timings.generated_tokens += t.generated_tokens;
-                timings.total_s += t.total_s;
-                timings.draft_s += t.draft_s;
-                timings.verify_s += t.verify_s;
-                timings.prefill_s += t.prefill_s;
-                outputs.extend(outs);
-            }
+            // One call, as spec-run makes: the runtime cuts it into batches of `batch` (the
+            // limit set above) over one set of KV pools, so CUDA graphs captured for the first
+            // batch's layouts serve the later ones. A call per batch gave every batch new
+            // pools, and so new graphs: EAGLE-2's dozens of layouts were run eagerly twice and
+            // captured again for every prompt.
+            let (outputs, timings) = generate(
+                target,
+                &decode_mode,
+                &batch_prompts,
+                &params,
+                &mut ProbeSink(&mut probe),
+            )?;
             let peak = probe.peak_above_baseline();
             let shape_of = run_shape(&batch_prompts, &outputs, batch, sizes.kv_bytes_per_token);
             let ids: Vec<Vec<u32>> = outputs.iter().map(|o| o.output_ids.clone()).collect();
