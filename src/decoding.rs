@@ -15,6 +15,10 @@ pub struct EagleFlags {
     pub eagle_posterior_threshold: Option<f32>,
     pub eagle_use_dynamic_tree: bool,
     pub eagle_dynamic_tree_max_top_k: Option<usize>,
+    /// EAGLE-2 at run time: draft nodes kept and layers drafted, at most the engine's
+    /// max_draft_len and num_eagle_layers (the default).
+    pub eagle_dynamic_tree_max_draft_len: Option<usize>,
+    pub eagle_dynamic_tree_num_layers: Option<usize>,
     /// token_match, typical or exact.
     pub eagle_sampling: Option<String>,
     /// Draft from the first N token ids only.
@@ -28,6 +32,8 @@ impl EagleFlags {
             || self.eagle_posterior_threshold.is_some()
             || self.eagle_use_dynamic_tree
             || self.eagle_dynamic_tree_max_top_k.is_some()
+            || self.eagle_dynamic_tree_max_draft_len.is_some()
+            || self.eagle_dynamic_tree_num_layers.is_some()
             || self.eagle_sampling.is_some()
             || self.eagle_draft_vocab.is_some()
     }
@@ -61,10 +67,29 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
         let top_k = flags
             .eagle_dynamic_tree_max_top_k
             .context("--eagle_use_dynamic_tree needs --eagle_dynamic_tree_max_top_k N")?;
-        EagleTreeKind::Dynamic { top_k }
+        EagleTreeKind::Dynamic {
+            top_k,
+            max_draft_len: flags.eagle_dynamic_tree_max_draft_len,
+            num_layers: flags.eagle_dynamic_tree_num_layers,
+        }
     } else {
-        if flags.eagle_dynamic_tree_max_top_k.is_some() {
-            bail!("--eagle_dynamic_tree_max_top_k needs --eagle_use_dynamic_tree");
+        for (flag, given) in [
+            (
+                "--eagle_dynamic_tree_max_top_k",
+                flags.eagle_dynamic_tree_max_top_k,
+            ),
+            (
+                "--eagle_dynamic_tree_max_draft_len",
+                flags.eagle_dynamic_tree_max_draft_len,
+            ),
+            (
+                "--eagle_dynamic_tree_num_layers",
+                flags.eagle_dynamic_tree_num_layers,
+            ),
+        ] {
+            if given.is_some() {
+                bail!("{flag} needs --eagle_use_dynamic_tree");
+            }
         }
         let tree_limits = TreeLimits {
             num_eagle_layers: limits.num_eagle_layers,

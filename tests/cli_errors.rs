@@ -482,6 +482,39 @@ fn run_refuses_static_choices_with_a_dynamic_tree() {
 }
 
 #[test]
+fn run_refuses_dynamic_tree_caps_without_a_dynamic_tree_and_past_the_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_eagle_engine(tmp.path());
+    for flag in [
+        "--eagle_dynamic_tree_max_draft_len",
+        "--eagle_dynamic_tree_num_layers",
+    ] {
+        assert_eq!(
+            run_error(&engine, &["--input_text", "a", flag, "2"]),
+            format!("{flag} needs --eagle_use_dynamic_tree")
+        );
+    }
+    assert_eq!(
+        run_error(
+            &engine,
+            &[
+                "--input_text",
+                "a",
+                "--eagle_use_dynamic_tree",
+                "--eagle_dynamic_tree_max_top_k",
+                "2",
+                "--eagle_dynamic_tree_num_layers",
+                "9"
+            ]
+        ),
+        format!(
+            "--eagle_dynamic_tree_num_layers 9 exceeds 4, the limit {} was built with; more needs convert-checkpoint --num_eagle_layers 9",
+            engine.display()
+        )
+    );
+}
+
+#[test]
 fn run_names_the_offending_eagle_choices_path() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = tiny_eagle_engine(tmp.path());

@@ -65,8 +65,9 @@ pub struct BenchArgs {
     /// above the engine's max_batch_size.
     #[arg(long, visible_alias = "batch_size")]
     pub batch_sizes: Option<String>,
-    /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file), eagle2:N,
-    /// draft_target:K (needs --draft_engine_dir), verify:T (T-token verification step vs a
+    /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file), eagle2:N[:T[:L]]
+    /// (top-k N, at most T draft nodes and L layers: spec-run's
+    /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers), draft_target:K (needs --draft_engine_dir), verify:T (T-token verification step vs a
     /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
     /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
     #[arg(long)]
@@ -106,13 +107,17 @@ pub struct BenchArgs {
 enum ModeSpec {
     Plain,
     Eagle1(Option<String>),
-    Eagle2(usize),
+    Eagle2 {
+        top_k: usize,
+        max_draft_len: Option<usize>,
+        num_layers: Option<usize>,
+    },
     DraftTarget(usize),
     Verify(usize),
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N, draft_target:K or verify:T, comma-separated";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K or verify:T, comma-separated";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -131,7 +136,20 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
         let mode = match name {
             "plain" if arg.is_empty() => ModeSpec::Plain,
             "eagle1" => ModeSpec::Eagle1((!arg.is_empty()).then(|| arg.to_string())),
-            "eagle2" => ModeSpec::Eagle2(count(name, arg, spec)?),
+            "eagle2" => {
+                let mut parts = arg.split(':');
+                let top_k = count(name, parts.next().unwrap_or(""), spec)?;
+                let max_draft_len = parts.next().map(|a| count(name, a, spec)).transpose()?;
+                let num_layers = parts.next().map(|a| count(name, a, spec)).transpose()?;
+                if parts.next().is_some() {
+                    bail!("--modes {spec}: eagle2 takes at most N:T:L");
+                }
+                ModeSpec::Eagle2 {
+                    top_k,
+                    max_draft_len,
+                    num_layers,
+                }
+            }
             "draft_target" => ModeSpec::DraftTarget(count(name, arg, spec)?),
             "verify" => ModeSpec::Verify(count(name, arg, spec)?),
             _ => bail!("unknown mode '{spec}' in --modes: {MODES_HELP}"),
@@ -696,7 +714,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             let dt_view;
             let (target, decode_mode): (&Engine, DecodeMode) = match mode {
                 ModeSpec::Plain => (&engine, DecodeMode::Plain),
-                ModeSpec::Eagle1(_) | ModeSpec::Eagle2(_) => {
+                ModeSpec::Eagle1(_) | ModeSpec::Eagle2 { .. } => {
                     if engine.eagle.is_none() {
                         bail!(
                             "--modes {spec}: {} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle",
@@ -709,9 +727,15 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             eagle_draft_vocab: args.eagle_draft_vocab,
                             ..EagleFlags::default()
                         },
-                        ModeSpec::Eagle2(n) => EagleFlags {
+                        ModeSpec::Eagle2 {
+                            top_k,
+                            max_draft_len,
+                            num_layers,
+                        } => EagleFlags {
                             eagle_use_dynamic_tree: true,
-                            eagle_dynamic_tree_max_top_k: Some(*n),
+                            eagle_dynamic_tree_max_top_k: Some(*top_k),
+                            eagle_dynamic_tree_max_draft_len: *max_draft_len,
+                            eagle_dynamic_tree_num_layers: *num_layers,
                             eagle_draft_vocab: args.eagle_draft_vocab,
                             ..EagleFlags::default()
                         },
@@ -1001,14 +1025,26 @@ mod tests {
 
     #[test]
     fn modes_parse() {
-        let m = parse_modes("plain, eagle1:[[0],[0,0]],eagle2:8,draft_target:3,verify:64").unwrap();
+        let m = parse_modes(
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,verify:64",
+        )
+        .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
         assert_eq!(
             kinds,
             vec![
                 ModeSpec::Plain,
                 ModeSpec::Eagle1(Some("[[0],[0,0]]".into())),
-                ModeSpec::Eagle2(8),
+                ModeSpec::Eagle2 {
+                    top_k: 8,
+                    max_draft_len: None,
+                    num_layers: None
+                },
+                ModeSpec::Eagle2 {
+                    top_k: 10,
+                    max_draft_len: Some(16),
+                    num_layers: Some(3)
+                },
                 ModeSpec::DraftTarget(3),
                 ModeSpec::Verify(64)
             ]
@@ -1016,6 +1052,14 @@ mod tests {
         assert_eq!(
             parse_modes("verify:0").unwrap_err().to_string(),
             "--modes verify:0: verify needs a positive integer after ':'"
+        );
+        assert_eq!(
+            parse_modes("eagle2:8:0").unwrap_err().to_string(),
+            "--modes eagle2:8:0: eagle2 needs a positive integer after ':'"
+        );
+        assert_eq!(
+            parse_modes("eagle2:8:16:3:2").unwrap_err().to_string(),
+            "--modes eagle2:8:16:3:2: eagle2 takes at most N:T:L"
         );
         assert!(parse_modes("beam").is_err());
     }

@@ -89,6 +89,14 @@ struct Args {
     /// EAGLE-2: nodes expanded per layer and children per node.
     #[arg(long)]
     eagle_dynamic_tree_max_top_k: Option<usize>,
+    /// EAGLE-2: draft nodes kept per step (default and most: the engine's max_draft_len).
+    /// Fewer cost less to verify and accept less.
+    #[arg(long)]
+    eagle_dynamic_tree_max_draft_len: Option<usize>,
+    /// EAGLE-2: layers drafted per step (default and most: the engine's num_eagle_layers).
+    /// Each is a head step.
+    #[arg(long)]
+    eagle_dynamic_tree_num_layers: Option<usize>,
     /// Acceptance under sampling: token_match (default), typical or exact.
     #[arg(long)]
     eagle_sampling: Option<String>,
@@ -201,6 +209,8 @@ fn run(args: Args) -> Result<()> {
         eagle_posterior_threshold: args.eagle_posterior_threshold,
         eagle_use_dynamic_tree: args.eagle_use_dynamic_tree,
         eagle_dynamic_tree_max_top_k: args.eagle_dynamic_tree_max_top_k,
+        eagle_dynamic_tree_max_draft_len: args.eagle_dynamic_tree_max_draft_len,
+        eagle_dynamic_tree_num_layers: args.eagle_dynamic_tree_num_layers,
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_draft_vocab: args.eagle_draft_vocab,
     };

@@ -54,8 +54,15 @@ pub struct EagleOptions {
 pub enum EagleTreeKind {
     /// EAGLE-1: a validated `eagle_choices` tree.
     Static(kestrel_spec::EagleTree),
-    /// EAGLE-2: expand the best `top_k` nodes per layer, keep the best `max_draft_len` nodes.
-    Dynamic { top_k: usize },
+    /// EAGLE-2: expand the best `top_k` nodes per layer for `num_layers` layers, keep the
+    /// best `max_draft_len` nodes. `None` takes the engine's limit (`num_eagle_layers`,
+    /// `max_draft_len`); a smaller value trades acceptance for cheaper steps (fewer head
+    /// steps, fewer rows to verify), as TensorRT-LLM's EagleDecodingConfig allows at run time.
+    Dynamic {
+        top_k: usize,
+        max_draft_len: Option<usize>,
+        num_layers: Option<usize>,
+    },
 }
 
 /// How drafted tokens are accepted. Under greedy sampling every rule is argmax matching.

@@ -55,8 +55,21 @@ fn static_mode(preset: &str) -> DecodeMode<'static> {
 }
 
 fn dynamic_mode(top_k: usize) -> DecodeMode<'static> {
+    capped_dynamic_mode(top_k, None, None)
+}
+
+/// EAGLE-2 with run-time caps on its draft nodes and layers.
+fn capped_dynamic_mode(
+    top_k: usize,
+    max_draft_len: Option<usize>,
+    num_layers: Option<usize>,
+) -> DecodeMode<'static> {
     DecodeMode::Eagle(EagleOptions {
-        tree: EagleTreeKind::Dynamic { top_k },
+        tree: EagleTreeKind::Dynamic {
+            top_k,
+            max_draft_len,
+            num_layers,
+        },
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
     })
@@ -454,6 +467,60 @@ fn eagle2_refuses_top_k_beyond_the_engine_limits() {
         .unwrap_err()
         .to_string()
     );
+}
+
+#[test]
+fn eagle2_caps_its_draft_nodes_and_layers_at_run_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    let longest_step = |outputs: &[SequenceOutput]| {
+        outputs
+            .iter()
+            .map(|o| o.stats.accepted_len_histogram.len())
+            .max()
+            .unwrap()
+    };
+    // Uncapped, the agreeing head commits more than 3 tokens in some step (4 layers + bonus).
+    let full = run(&engine, &dynamic_mode(4), &prompts, &greedy(48));
+    assert!(longest_step(&full) > 3);
+    let plain = run(&engine, &DecodeMode::Plain, &prompts, &greedy(48));
+    let out = run(
+        &engine,
+        &capped_dynamic_mode(3, Some(3), Some(2)),
+        &prompts,
+        &greedy(48),
+    );
+    assert_eq!(ids(&out), ids(&plain), "capped EAGLE-2 differs from plain");
+    // 2 layers: at most 2 drafts and the bonus token a step; at most 3 nodes drafted a step.
+    assert!(longest_step(&out) <= 3);
+    for o in &out {
+        assert!(o.stats.draft_tokens <= 3 * o.stats.steps, "{:?}", o.stats);
+    }
+    let dir_text = engine_dir.display();
+    for (mode, want) in [
+        (
+            capped_dynamic_mode(4, Some(64), None),
+            format!("--eagle_dynamic_tree_max_draft_len 64 exceeds 63, the limit {dir_text} was built with; more needs spec-build --max_draft_len 64"),
+        ),
+        (
+            capped_dynamic_mode(4, None, Some(5)),
+            format!("--eagle_dynamic_tree_num_layers 5 exceeds 4, the limit {dir_text} was built with; more needs convert-checkpoint --num_eagle_layers 5"),
+        ),
+        (
+            capped_dynamic_mode(4, None, Some(0)),
+            "--eagle_dynamic_tree_num_layers 0: EAGLE-2 needs at least 1".to_string(),
+        ),
+        (
+            capped_dynamic_mode(4, Some(3), None),
+            "--eagle_dynamic_tree_max_top_k 4 exceeds --eagle_dynamic_tree_max_draft_len 3: the first layer alone drafts 4 nodes".to_string(),
+        ),
+    ] {
+        let err = generate(&engine, &mode, &prompts, &greedy(4), &mut NoSink).unwrap_err();
+        assert_eq!(err.to_string(), want);
+    }
 }
 
 #[test]

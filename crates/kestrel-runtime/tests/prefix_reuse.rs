@@ -251,7 +251,11 @@ fn eagle_reuses_base_and_head_caches_and_keeps_the_output() {
     )
     .0);
     for tree in [
-        EagleTreeKind::Dynamic { top_k: 4 },
+        EagleTreeKind::Dynamic {
+            top_k: 4,
+            max_draft_len: None,
+            num_layers: None,
+        },
         EagleTreeKind::Static(
             kestrel_spec::EagleTree::from_json(
                 "[[0], [1], [0, 0], [0, 1], [0, 0, 0]]",

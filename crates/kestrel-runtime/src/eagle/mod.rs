@@ -62,20 +62,13 @@ impl<'e> EagleDecoder<'e> {
                 engine.dir.display()
             ))
         })?;
-        let limits = &engine.plan.limits;
         let dynamic = match &options.tree {
             EagleTreeKind::Static(_) => None,
-            EagleTreeKind::Dynamic { top_k } => {
-                let cfg = DynamicTreeConfig {
-                    top_k: *top_k,
-                    num_layers: limits.num_eagle_layers,
-                    max_draft_len: limits.max_draft_len,
-                    max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
-                };
-                cfg.validate()
-                    .map_err(|e| RuntimeError::InvalidRequest(e.to_string()))?;
-                Some(cfg)
-            }
+            EagleTreeKind::Dynamic {
+                top_k,
+                max_draft_len,
+                num_layers,
+            } => Some(dynamic_config(engine, *top_k, *max_draft_len, *num_layers)?),
         };
         let draft_vocab = options
             .draft_vocab
@@ -331,13 +324,59 @@ impl Decoder for EagleDecoder<'_> {
     }
 }
 
+/// EAGLE-2's tree limits: the engine's, or run-time caps within them.
+fn dynamic_config(
+    engine: &Engine,
+    top_k: usize,
+    max_draft_len: Option<usize>,
+    num_layers: Option<usize>,
+) -> Result<DynamicTreeConfig> {
+    let limits = &engine.plan.limits;
+    // A cap within the engine's limit; `rebuild` says how to raise the limit.
+    let within = |asked: Option<usize>, limit: usize, flag: &str, rebuild: &str| match asked {
+        Some(0) => Err(RuntimeError::InvalidRequest(format!(
+            "{flag} 0: EAGLE-2 needs at least 1"
+        ))),
+        Some(n) if n > limit => Err(RuntimeError::InvalidRequest(format!(
+            "{flag} {n} exceeds {limit}, the limit {} was built with; more needs {rebuild} {n}",
+            engine.dir.display()
+        ))),
+        _ => Ok(asked.unwrap_or(limit)),
+    };
+    let cfg = DynamicTreeConfig {
+        top_k,
+        num_layers: within(
+            num_layers,
+            limits.num_eagle_layers,
+            "--eagle_dynamic_tree_num_layers",
+            "convert-checkpoint --num_eagle_layers",
+        )?,
+        max_draft_len: within(
+            max_draft_len,
+            limits.max_draft_len,
+            "--eagle_dynamic_tree_max_draft_len",
+            "spec-build --max_draft_len",
+        )?,
+        max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
+    };
+    if let Some(cap) = max_draft_len.filter(|&cap| top_k > cap) {
+        // Otherwise the check below would blame the engine's max_draft_len.
+        return Err(RuntimeError::InvalidRequest(format!(
+            "--eagle_dynamic_tree_max_top_k {top_k} exceeds --eagle_dynamic_tree_max_draft_len {cap}: the first layer alone drafts {top_k} nodes"
+        )));
+    }
+    cfg.validate()
+        .map_err(|e| RuntimeError::InvalidRequest(e.to_string()))?;
+    Ok(cfg)
+}
+
 /// The `n` tokens the head drafts from: the engine's `n` most frequent when it carries a
 /// ranking, else the first `n` ids.
 fn draft_vocab(engine: &Engine, tree: &EagleTreeKind, n: usize) -> Result<DraftVocab> {
     let vocab = engine.config.vocab_size;
     let per_node = match tree {
         EagleTreeKind::Static(t) => t.buffers().ranks().iter().max().map_or(1, |r| r + 1),
-        EagleTreeKind::Dynamic { top_k } => *top_k,
+        EagleTreeKind::Dynamic { top_k, .. } => *top_k,
     };
     if n < per_node || n > vocab {
         return Err(RuntimeError::InvalidRequest(format!(
