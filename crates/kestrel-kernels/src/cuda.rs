@@ -720,24 +720,19 @@ impl Gemv {
                 i32_arg(n, "columns")?,
                 i32_arg(k, "K")?,
             );
-            if !self.swiglu && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>()) {
+            // The tiled engine (many rows, tensor cores) takes no split.
+            let (func, cfg, split) = if !self.swiglu
+                && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>())
+            {
                 let func =
                     dev.get_or_load_custom_func(&format!("kestrel_gemv_tiled_{sfx}"), MODULE, PTX)?;
                 let cfg = gemv_tiled_launch(&func, m, n, std::mem::size_of::<T>())?;
-                let mut b = func.builder();
-                b.arg(&xv);
-                b.arg(&wv);
-                b.arg(&out);
-                b.arg(&m_a);
-                b.arg(&n_a);
-                b.arg(&k_a);
-                // SAFETY: argument types match kestrel_gemv_tiled_*; K is a multiple of the
-                // K block (gemv_tiled_applies) and rows are 16-byte aligned (lib.rs).
-                unsafe { b.launch(cfg) }.w()?;
-                return Ok(CudaStorage::wrap_cuda_slice(out, dev));
-            }
-            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
-            let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                (func, cfg, None)
+            } else {
+                let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
+                let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                (func, cfg, Some(split))
+            };
             let mut b = func.builder();
             b.arg(&xv);
             b.arg(&wv);
@@ -745,9 +740,12 @@ impl Gemv {
             b.arg(&m_a);
             b.arg(&n_a);
             b.arg(&k_a);
-            b.arg(&split);
-            // SAFETY: argument types match kestrel_gemv_* / kestrel_gemv_swiglu_*; shapes,
-            // alignment and the staging size were checked by the launcher in lib.rs.
+            if let Some(split) = &split {
+                b.arg(split);
+            }
+            // SAFETY: argument types match kestrel_gemv_tiled_* (no split) / kestrel_gemv_* /
+            // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked by
+            // the launcher in lib.rs (K a multiple of the K block for the tiled engine).
             unsafe { b.launch(cfg) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
