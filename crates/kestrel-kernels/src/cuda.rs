@@ -437,6 +437,56 @@ impl CustomOp1 for ArgMax {
     }
 }
 
+/// `kestrel_sample_f32`: one token id a row of f32 logits, drawn at `1 / inv_t` temperature
+/// with the row's uniform (the second input, f32 `[rows]`).
+pub(crate) struct Sample {
+    pub inv_t: f32,
+}
+
+impl candle_core::CustomOp2 for Sample {
+    fn name(&self) -> &'static str {
+        "kestrel-sample"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel sample runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let sv = view::<f32>(s, l, "logits")?;
+        let uv = view::<f32>(u, ul, "uniforms")?;
+        // SAFETY: one block per row writes its id.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        if rows > 0 && vocab > 0 {
+            let func = dev.get_or_load_custom_func("kestrel_sample_f32", MODULE, PTX)?;
+            let v_a = i32_arg(vocab, "vocabulary")?;
+            let mut b = func.builder();
+            b.arg(&sv);
+            b.arg(&uv);
+            b.arg(&out);
+            b.arg(&v_a);
+            b.arg(&self.inv_t);
+            // SAFETY: argument types match kestrel_sample_f32; one uniform a row (lib.rs).
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
 /// `kestrel_topk_logp_f32`: `[rows, 2k]` u32, ids then log-probability bits.
 pub(crate) struct TopKLogp {
     pub k: usize,

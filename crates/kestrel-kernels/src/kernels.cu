@@ -1172,6 +1172,91 @@ __device__ __forceinline__ void block_best(float &best, unsigned int &idx, float
     warp_best(best, idx);
 }
 
+// Temperature sampling by inverse CDF: row r's token is the first i whose cumulative weight
+// exceeds u_r · Σ w, w_i = exp((x_i − max) / T) (NaN: 0), which is what the host's
+// `sampling::sample(probs(row))` computes (in f64 there) from the same uniform u_r, drawn by
+// the host from the sequence's own stream: the device consumes a sequence's randomness
+// exactly as the host path does, and only one id per row crosses to the host instead of the
+// row. One block of 1,024 threads per row: the maximum (as kestrel_argmax_f32; a row without
+// a finite one takes its argmax, like the host's one-hot), then warp w sums its contiguous
+// chunk of the row in 32-wide tiles, in order; the warp whose chunk holds the target walks it
+// again with an inclusive scan per tile. Where rounding leaves the target past the chunk's
+// last prefix, the chunk's last positive weight is taken, as the host takes the row's.
+__device__ __forceinline__ float tile_inclusive_scan(float s) {
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const float n = __shfl_up_sync(FULL_MASK, s, o);
+        if (lane >= o) s += n;
+    }
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    kestrel_sample_f32(const float *__restrict__ x, const float *__restrict__ uniforms,
+                       unsigned int *__restrict__ out, const int v, const float inv_t) {
+    __shared__ float sv[32];
+    __shared__ unsigned int si[32];
+    __shared__ float chunk_sum[32];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nwarps = blockDim.x / WARP;
+    const float *xr = x + (size_t)blockIdx.x * v;
+    float best = -INFINITY;
+    unsigned int idx = NO_INDEX;
+    for (int e = threadIdx.x; e < v; e += blockDim.x) {
+        const float val = xr[e];
+        if (!isnan(val) && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
+        }
+    }
+    block_best(best, idx, sv, si);
+    if (!isfinite(best)) {
+        if (threadIdx.x == 0) out[blockIdx.x] = idx == NO_INDEX ? 0u : idx;
+        return;
+    }
+    auto weight = [&](const int e, const int end) {
+        const float val = e < end ? xr[e] : NAN;
+        return isnan(val) ? 0.f : expf((val - best) * inv_t);
+    };
+    const int chunk = (v + nwarps - 1) / nwarps;
+    const int c0 = min(v, warp * chunk), c1 = min(v, c0 + chunk);
+    float sum = 0.f;
+    for (int t0 = c0; t0 < c1; t0 += WARP)
+        sum += __shfl_sync(FULL_MASK, tile_inclusive_scan(weight(t0 + lane, c1)), WARP - 1);
+    if (lane == 0) chunk_sum[warp] = sum;
+    __syncthreads();
+    // Every thread finds the same owner: the first chunk whose end passes the target.
+    float total = 0.f;
+    for (int w = 0; w < nwarps; ++w) total += chunk_sum[w];
+    const float target = uniforms[blockIdx.x] * total;
+    float before = 0.f;
+    int owner = -1, last_nonzero = 0;
+    for (int w = 0; w < nwarps; ++w) {
+        if (chunk_sum[w] > 0.f) last_nonzero = w;
+        if (owner < 0 && target < before + chunk_sum[w] && chunk_sum[w] > 0.f) owner = w;
+        else if (owner < 0) before += chunk_sum[w];
+    }
+    if (owner < 0) { // the target at or past the total: the last positive weight
+        owner = last_nonzero;
+        before = -INFINITY; // nothing in the chunk passes it; its last positive is taken
+    }
+    if (warp != owner) return;
+    const int o0 = min(v, owner * chunk), o1 = min(v, o0 + chunk);
+    float running = before;
+    unsigned int found = NO_INDEX, last_pos = NO_INDEX;
+    for (int t0 = o0; t0 < o1 && found == NO_INDEX; t0 += WARP) {
+        const float w = weight(t0 + lane, o1);
+        const float s = tile_inclusive_scan(w);
+        const unsigned int hit = __ballot_sync(FULL_MASK, w > 0.f && target < running + s);
+        const unsigned int pos = __ballot_sync(FULL_MASK, w > 0.f);
+        if (hit) found = t0 + __ffs(hit) - 1;
+        if (pos) last_pos = t0 + 31 - __clz(pos);
+        running += __shfl_sync(FULL_MASK, s, WARP - 1);
+    }
+    if (lane == 0) out[blockIdx.x] = found != NO_INDEX ? found : last_pos != NO_INDEX ? last_pos : idx;
+}
+
 // One block per row. A row is read with 16-byte loads, four in flight per thread: a single
 // block streaming a 49,152-entry row one float at a time took ~28 µs, most of the step's
 // sampling. The order is total, so the result does not depend on which thread saw what.

@@ -11,6 +11,8 @@
 //! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
 //!   written into the pools, in one launch.
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
+//! - [`sample_rows`]: temperature-sampled token ids of f32 logits rows from host-drawn
+//!   uniforms, on the device.
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
@@ -718,6 +720,43 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
     }
     #[cfg(not(feature = "cuda"))]
     no_cuda("argmax_rows")
+}
+
+/// A token id for every row of f32 `logits: [rows, vocab]` drawn from
+/// `softmax(row / temperature)` by inverse CDF with the row's uniform in `[0, 1)`
+/// (`uniforms`: f32 `[rows]`) → u32 `[rows]`: the first id whose cumulative probability
+/// exceeds it, as `kestrel_spec::sampling::sample` picks from the same draw. NaN logits weigh
+/// nothing; a row without a finite maximum gives [`argmax_rows`]'s id.
+pub fn sample_rows(logits: &Tensor, uniforms: &Tensor, temperature: f32) -> Result<Tensor> {
+    let (rows, _) = logits.dims2()?;
+    if logits.dtype() != DType::F32 || uniforms.dtype() != DType::F32 {
+        candle_core::bail!(
+            "sample_rows: f32 logits and uniforms expected, got {:?} and {:?}",
+            logits.dtype(),
+            uniforms.dtype()
+        );
+    }
+    if uniforms.dims() != [rows] {
+        candle_core::bail!(
+            "sample_rows: one uniform a row expected: logits {:?}, uniforms {:?}",
+            logits.dims(),
+            uniforms.dims()
+        );
+    }
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        candle_core::bail!("sample_rows: temperature {temperature} must be finite and > 0");
+    }
+    #[cfg(feature = "cuda")]
+    {
+        logits.contiguous()?.apply_op2_no_bwd(
+            &uniforms.contiguous()?,
+            &cuda::Sample {
+                inv_t: 1.0 / temperature,
+            },
+        )
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("sample_rows")
 }
 
 #[cfg(test)]

@@ -497,6 +497,130 @@ fn argmax_case(vocab: usize) {
     assert_eq!(got[4], 0);
 }
 
+#[test]
+fn sample_rows_picks_the_hosts_token_from_the_same_draw() {
+    use kestrel_spec::sampling::{sample_token, SamplingParams, SeqRng};
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let params = SamplingParams {
+        temperature: 0.7,
+        ..SamplingParams::default()
+    };
+    // 49,152: SmolLM2's rows; 1,003: chunks and tiles that do not divide it.
+    for vocab in [49_152usize, 1_003] {
+        let rows = 96;
+        let mut x = randn(&mut rng, rows * vocab, 3.0);
+        // Row 0: NaNs; row 1: all -inf (the argmax, 0); row 2: one finite entry.
+        x[5] = f32::NAN;
+        x[vocab - 1] = f32::NAN;
+        x[vocab..2 * vocab].fill(f32::NEG_INFINITY);
+        x[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
+        x[2 * vocab + vocab / 2] = -3.0;
+        let mut stream = SeqRng::new(7, vocab as u64);
+        let mut uniforms = Vec::with_capacity(rows);
+        let mut want = Vec::with_capacity(rows);
+        for r in 0..rows {
+            uniforms.push(stream.clone().uniform() as f32);
+            want.push(sample_token(
+                &x[r * vocab..(r + 1) * vocab],
+                &params,
+                &mut stream,
+            ));
+        }
+        let got = kestrel_kernels::sample_rows(
+            &Tensor::from_slice(&x, (rows, vocab), &Device::Cpu)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap(),
+            &Tensor::from_slice(&uniforms, rows, &Device::Cpu)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap(),
+            params.temperature,
+        )
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+        assert_eq!(
+            got[1], 0,
+            "vocabulary {vocab}: a row without a finite logit"
+        );
+        assert_eq!(
+            got[2] as usize,
+            vocab / 2,
+            "vocabulary {vocab}: one finite logit"
+        );
+        // f32 weights on the device against f64 on the host: a draw within rounding of a
+        // token's cumulative boundary may land on its neighbour, nowhere else.
+        let mut near_boundary = 0;
+        for r in 0..rows {
+            if got[r] == want[r] {
+                continue;
+            }
+            let probs = kestrel_spec::sampling::softmax(&x[r * vocab..(r + 1) * vocab], 0.7);
+            let edge: f64 = probs[..=got[r].min(want[r]) as usize]
+                .iter()
+                .map(|&p| p as f64)
+                .sum();
+            assert!(
+                (edge - uniforms[r] as f64).abs() < 1e-5,
+                "vocabulary {vocab}, row {r}: device {} host {} for u = {}",
+                got[r],
+                want[r],
+                uniforms[r]
+            );
+            near_boundary += 1;
+        }
+        assert!(
+            near_boundary <= 2,
+            "vocabulary {vocab}: {near_boundary} rows differ"
+        );
+    }
+}
+
+#[test]
+fn sample_rows_follows_softmax_at_the_temperature() {
+    let dev = gpu();
+    let logits = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5];
+    let temperature = 0.9;
+    let draws = 20_000;
+    let mut rng = ChaCha8Rng::seed_from_u64(43);
+    let x: Vec<f32> = logits.iter().copied().cycle().take(draws * 8).collect();
+    let uniforms: Vec<f32> = (0..draws).map(|_| rng.random::<f32>()).collect();
+    let got = kestrel_kernels::sample_rows(
+        &Tensor::from_slice(&x, (draws, 8), &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap(),
+        &Tensor::from_slice(&uniforms, draws, &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap(),
+        temperature,
+    )
+    .unwrap()
+    .to_vec1::<u32>()
+    .unwrap();
+    let mut counts = [0f64; 8];
+    for &t in &got {
+        counts[t as usize] += 1.0;
+    }
+    let probs = kestrel_spec::sampling::softmax(&logits, temperature);
+    let chi2: f64 = counts
+        .iter()
+        .zip(&probs)
+        .map(|(&c, &p)| {
+            let e = p as f64 * draws as f64;
+            (c - e) * (c - e) / e
+        })
+        .sum();
+    // χ² with 7 degrees of freedom: 24.32 at p = 0.001.
+    assert!(
+        chi2 < 24.32,
+        "chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
+    );
+}
+
 /// The host's selection: larger first, lower index on equal values, NaN left out; log-probs
 /// under softmax over the non-NaN entries, summed in f64.
 fn host_top_k_logp(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
