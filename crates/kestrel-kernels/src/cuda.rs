@@ -406,6 +406,48 @@ impl CustomOp1 for SwiGlu {
     }
 }
 
+/// What a kernel writing one u32 id a row of f32 logits `[rows, vocab]` (one block of 1,024
+/// threads a row) is launched with.
+struct RowIds<'a> {
+    dev: CudaDevice,
+    rows: usize,
+    logits: candle_core::cuda::cudarc::driver::CudaView<'a, f32>,
+    out: candle_core::cuda::cudarc::driver::CudaSlice<u32>,
+    vocab: i32,
+}
+
+impl<'a> RowIds<'a> {
+    fn new(s: &'a CudaStorage, l: &Layout) -> Result<Self> {
+        let dev = s.device().clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let logits = view::<f32>(s, l, "logits")?;
+        // SAFETY: one block per row writes its id.
+        let out = unsafe { dev.alloc::<u32>(rows)? };
+        Ok(Self {
+            dev,
+            rows,
+            logits,
+            out,
+            vocab: i32_arg(vocab, "vocabulary")?,
+        })
+    }
+
+    fn any(&self) -> bool {
+        self.rows > 0 && self.vocab > 0
+    }
+
+    fn cfg(&self) -> LaunchConfig {
+        launch_cfg((self.rows as u32, 1), 1024)
+    }
+
+    fn finish(self) -> (CudaStorage, Shape) {
+        (
+            CudaStorage::wrap_cuda_slice(self.out, self.dev),
+            Shape::from(self.rows),
+        )
+    }
+}
+
 pub(crate) struct ArgMax;
 
 impl CustomOp1 for ArgMax {
@@ -418,22 +460,19 @@ impl CustomOp1 for ArgMax {
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        let dev = s.device().clone();
-        let (rows, vocab) = l.shape().dims2()?;
-        let sv = view::<f32>(s, l, "logits")?;
-        // SAFETY: one block per row writes its id.
-        let out = unsafe { dev.alloc::<u32>(rows)? };
-        if rows > 0 && vocab > 0 {
-            let func = dev.get_or_load_custom_func("kestrel_argmax_f32", MODULE, PTX)?;
-            let v_a = i32_arg(vocab, "vocabulary")?;
+        let r = RowIds::new(s, l)?;
+        if r.any() {
+            let func = r
+                .dev
+                .get_or_load_custom_func("kestrel_argmax_f32", MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&sv);
-            b.arg(&out);
-            b.arg(&v_a);
+            b.arg(&r.logits);
+            b.arg(&r.out);
+            b.arg(&r.vocab);
             // SAFETY: argument types match kestrel_argmax_f32.
-            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+            unsafe { b.launch(r.cfg()) }.w()?;
         }
-        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+        Ok(r.finish())
     }
 }
 
@@ -465,25 +504,22 @@ impl candle_core::CustomOp2 for Sample {
         u: &CudaStorage,
         ul: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let dev = s.device().clone();
-        let (rows, vocab) = l.shape().dims2()?;
-        let sv = view::<f32>(s, l, "logits")?;
-        let uv = view::<f32>(u, ul, "uniforms")?;
-        // SAFETY: one block per row writes its id.
-        let out = unsafe { dev.alloc::<u32>(rows)? };
-        if rows > 0 && vocab > 0 {
-            let func = dev.get_or_load_custom_func("kestrel_sample_f32", MODULE, PTX)?;
-            let v_a = i32_arg(vocab, "vocabulary")?;
+        let r = RowIds::new(s, l)?;
+        let uniforms = view::<f32>(u, ul, "uniforms")?;
+        if r.any() {
+            let func = r
+                .dev
+                .get_or_load_custom_func("kestrel_sample_f32", MODULE, PTX)?;
             let mut b = func.builder();
-            b.arg(&sv);
-            b.arg(&uv);
-            b.arg(&out);
-            b.arg(&v_a);
+            b.arg(&r.logits);
+            b.arg(&uniforms);
+            b.arg(&r.out);
+            b.arg(&r.vocab);
             b.arg(&self.inv_t);
             // SAFETY: argument types match kestrel_sample_f32; one uniform a row (lib.rs).
-            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }.w()?;
+            unsafe { b.launch(r.cfg()) }.w()?;
         }
-        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+        Ok(r.finish())
     }
 }
 
