@@ -1055,11 +1055,10 @@ __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
         for (int u = 0; u < ADD_RMS_VECS; ++u) {
             const int v = threadIdx.x + u * blockDim.x;
             if (v < nv) {
-                float wf[VEC], o[VEC];
+                float wf[VEC];
                 unpack16<T>(wv[u], wf);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) o[i] = round_t<T>(scale * sums[u][i]) * wf[i];
-                store16(norm_out + v * VEC, o);
+                normed_vec<T>(sums[u], wf, scale);
+                store16(norm_out + v * VEC, sums[u]);
             }
         }
         return;
