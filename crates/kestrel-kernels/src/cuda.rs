@@ -747,8 +747,9 @@ const TILED_STAGED_BLOCKS: usize = 8;
 /// The launch of the tiled engine over `[m, k] · [n, k]ᵀ`: a block per `TILED_ROWS` rows
 /// (the fastest index, so the blocks that share weight columns run together and the weights
 /// cross from memory about once) and `TILED_COLS` columns. Its shared memory is past the
-/// 48 KiB a launch gets by default, so the function is allowed it first (a cheap attribute
-/// set, not a stream operation: legal inside a graph capture).
+/// 48 KiB a launch gets by default, so each loaded function (one per dtype and device) is
+/// allowed it once, before its first launch: a driver call, not a stream operation (legal
+/// inside a graph capture), kept out of every later eager launch.
 fn gemv_tiled_launch(
     func: &candle_core::cuda::cudarc::driver::CudaFunction,
     m: usize,
@@ -756,15 +757,27 @@ fn gemv_tiled_launch(
     elem_bytes: usize,
 ) -> Result<LaunchConfig> {
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static ALLOWED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
     let smem = TILED_STAGED_BLOCKS
         * (TILED_COLS + TILED_ROWS)
         * (crate::GEMV_MMA_K_BLOCK + 8)
         * elem_bytes;
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .w()?;
+    let key = func.cu_function() as usize;
+    let mut allowed = ALLOWED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if !allowed.contains(&key) {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        allowed.insert(key);
+    }
+    drop(allowed);
     let mut cfg = launch_cfg(
         (m.div_ceil(TILED_ROWS) as u32, n.div_ceil(TILED_COLS) as u32),
         (GEMV_WARPS * 32) as u32,
