@@ -198,6 +198,13 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         unsigned int slot = 0;
         if (i < seen) {
             slot = slots[causal || i < past ? i : past + vis[i - past]];
+            // The V row's way into L2 starts now, with the K row's: V is read after the
+            // scores, and its round trip from DRAM was one more link in a chain of dependent
+            // latencies (H200 bf16 decode: 0.87 → 0.82 ms a SmolLM2 step, 4.27 → 4.18 ms
+            // Llama-2-7B). Prefetching touches no value, so no result changes.
+            const char *vr = reinterpret_cast<const char *>(v_base + (size_t)slot * row_stride);
+            for (int b = 0; b < d * (int)sizeof(T); b += 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
             {
                 const T *kr = k_base + (size_t)slot * row_stride;
                 float dot = 0.f;
@@ -327,9 +334,14 @@ __device__ void kv_append(T *__restrict__ pool, const T *__restrict__ rows,
 // Vectors a thread loads at once when staging a chunk of rows.
 #define STAGE_BATCH 4
 
-// At least three blocks of 8 warps per multiprocessor (85 registers a thread: the batched
-// loads of a chunk of rows fit with at most a few bytes spilled).
-#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, 3)
+// Blocks of 8 warps a multiprocessor must hold at once, hence each thread's registers.
+// The plain gemv keeps 3 (85 registers): Llama-2-7B's projections, grids of 768 and 1,376
+// blocks, lost 10% at 2. The fused variants (SmolLM2's grids of 36 to 192 blocks, fewer than
+// two a multiprocessor) take 2 (128 registers): at 3 (85) they ran 14-17% slower.
+#define GEMV_MIN_BLOCKS 3
+#define GEMV_FUSED_MIN_BLOCKS 2
+#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, GEMV_MIN_BLOCKS)
+#define GEMV_FUSED_BOUNDS __launch_bounds__(GEMV_WARPS * WARP, GEMV_FUSED_MIN_BLOCKS)
 
 // 16 bytes of T values into `p` (16-byte aligned).
 template <typename T> __device__ __forceinline__ void store16(T *p, const float *v) {
@@ -453,6 +465,12 @@ template <typename T> struct GemvWarp {
 // Tiles of 8 rows a pass of the tensor-core engine takes when the rows come from global
 // memory (the fused variants take one tile: GEMV_MAX_ROWS rows).
 #define MMA_PASS_TILES 4
+// Blocks of K whose weights a warp of the tensor-core engine has in flight: in the plain
+// gemv (85 registers, GEMV_MIN_BLOCKS) and in the fused variants (128). Three in the plain
+// gemv (at 2 blocks' registers: 2 spill at 3) gained nothing on Llama-2-7B's 256-block
+// o_proj and down_proj.
+#define MMA_DEPTH_PLAIN 1
+#define MMA_DEPTH_FUSED 3
 
 // The fused variants stage their input rows [M, K] in dynamic shared memory, as T: exact,
 // since the kernels they replace store T. Each block computes them once for all of its
@@ -484,11 +502,14 @@ __device__ __forceinline__ void mma16816<__half>(float *d, const unsigned *a, co
 // past the 48 KiB a block may use.
 template <typename T, int MT, bool STAGED> struct GemvMma {
     static constexpr int CHUNK = 8 * MT; // rows a `finish` takes
-    // A lane's 32 bytes of weight row n0 + g ([0], [1]) and n0 + g + 8 ([2], [3]) for its
-    // first block of K, loaded by `prefetch`.
-    uint4 first[4];
+    static constexpr int MMA_DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN;
+    // A lane's 32 bytes of weight row n0 + g ([0], [1]) and n0 + g + 8 ([2], [3]) for the
+    // warp's next MMA_DEPTH blocks of K (`prefetch` loads the first ones, so that they travel
+    // while a fused variant stages its rows): a warp keeps MMA_DEPTH × 2 KiB in flight.
+    uint4 ring[MMA_DEPTH][4];
     const T *w_lo, *w_hi;
     int n0, g, t, warp, nkb;
+    bool fresh; // `ring` holds the warp's first blocks (a later chunk of rows reloads them)
 
     __device__ __forceinline__ void load_w(const int kb, uint4 *v) const {
         const int k0 = kb * MMA_KB + 16 * t;
@@ -509,7 +530,14 @@ template <typename T, int MT, bool STAGED> struct GemvMma {
         // Columns past N compute from row N − 1 and are never stored.
         w_lo = w + (size_t)min(n0 + g, N - 1) * K;
         w_hi = w + (size_t)min(n0 + g + 8, N - 1) * K;
-        if (warp < nkb) load_w(warp, first);
+        load_ring();
+    }
+
+    __device__ __forceinline__ void load_ring() {
+#pragma unroll
+        for (int s = 0; s < MMA_DEPTH; ++s)
+            if (warp + s * GEMV_WARPS < nkb) load_w(warp + s * GEMV_WARPS, ring[s]);
+        fresh = true;
     }
 
     // y[m, n] for m < M ≤ 8·MT from the rows x [M, K] (global or shared memory).
@@ -520,37 +548,41 @@ template <typename T, int MT, bool STAGED> struct GemvMma {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-        uint4 cur[4];
+        if (!fresh) load_ring();
+        fresh = false;
+        constexpr int AHEAD = MMA_DEPTH * GEMV_WARPS;
+        for (int kb0 = warp; kb0 < nkb; kb0 += AHEAD) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cur[i] = first[i];
-        for (int kb = warp; kb < nkb; kb += GEMV_WARPS) {
-            // The next block's weights are on their way while this one's MMAs run.
-            uint4 next[4];
-            if (kb + GEMV_WARPS < nkb) load_w(kb + GEMV_WARPS, next);
-            const int k0 = kb * MMA_KB + 16 * t;
-            const unsigned *wl = reinterpret_cast<const unsigned *>(&cur[0]);
-            const unsigned *wh = reinterpret_cast<const unsigned *>(&cur[2]);
+            for (int s = 0; s < MMA_DEPTH; ++s) {
+                const int kb = kb0 + s * GEMV_WARPS;
+                if (kb >= nkb) break;
+                const int k0 = kb * MMA_KB + 16 * t;
+                const unsigned *wl = reinterpret_cast<const unsigned *>(&ring[s][0]);
+                const unsigned *wh = reinterpret_cast<const unsigned *>(&ring[s][2]);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (mt * 8 < M) {
-                    const int row = mt * 8 + g;
-                    uint4 xr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-                    if (row < M) {
-                        xr[0] = *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0);
-                        xr[1] = *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0 + 8);
-                    }
-                    const unsigned *xw = reinterpret_cast<const unsigned *>(xr);
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (mt * 8 < M) {
+                        const int row = mt * 8 + g;
+                        uint4 xr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+                        if (row < M) {
+                            xr[0] = *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0);
+                            xr[1] =
+                                *reinterpret_cast<const uint4 *>(x + (size_t)row * K + k0 + 8);
+                        }
+                        const unsigned *xw = reinterpret_cast<const unsigned *>(xr);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        // k slots (2t, 2t+1) ↔ k0 + 4j + (0, 1); (2t+8, 2t+9) ↔ k0 + 4j + (2, 3).
-                        const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
-                        const unsigned b[2] = {xw[2 * j], xw[2 * j + 1]};
-                        mma16816<T>(acc[mt], a, b);
+                        for (int j = 0; j < 4; ++j) {
+                            // k slots (2t, 2t+1) ↔ k0 + 4j + (0, 1); (2t+8, 2t+9) ↔ k0 + 4j + (2, 3).
+                            const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1],
+                                                   wh[2 * j + 1]};
+                            const unsigned b[2] = {xw[2 * j], xw[2 * j + 1]};
+                            mma16816<T>(acc[mt], a, b);
+                        }
                     }
                 }
+                // The slot's next block goes on its way once its MMAs have read it.
+                if (kb + AHEAD < nkb) load_w(kb + AHEAD, ring[s]);
             }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) cur[i] = next[i];
         }
         float(*part)[MT][16][8];
         if constexpr (STAGED) {
@@ -1398,11 +1430,11 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
         const T *x, const T *w, T *y, const int M, const int N, const int K) {                  \
         gemv_tiled<T>(x, w, y, M, N, K);                                                        \
     }                                                                                           \
-    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
+    extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
         const T *gu, const T *w, T *y, const int M, const int N, const int K, const int split) { \
         gemv_swiglu<T>(gu, w, y, M, N, K, split);                                               \
     }                                                                                           \
-    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_add_rmsnorm_##SUFFIX(                   \
+    extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_add_rmsnorm_##SUFFIX(                   \
         const T *x, const T *res, const T *nw, const T *w, T *y, T *sum_out, const int M,       \
         const int N, const int K, const float eps, const int split) {                           \
         gemv_add_rmsnorm<T>(x, res, nw, w, y, sum_out, M, N, K, eps, split);                    \
