@@ -117,6 +117,9 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 // Most new tokens of a sequence under an explicit (tree) mask (MAX_MASKED_NEW in lib.rs).
 #define PA_MAX_MASKED_NEW 1024
 #define PA_PER_LANE (PA_MAX_D / WARP)
+// 16-byte loads a lane issues at once: of its slot's K row, and of V rows (one a pass).
+#define PA_K_BATCH 8
+#define PA_V_BATCH 8
 
 template <typename T>
 __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k_pool,
@@ -209,14 +212,26 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
                 const T *kr = k_base + (size_t)slot * row_stride;
                 float dot = 0.f;
                 if (d % VEC == 0) {
-                    // 16-byte loads: the K row is 16-byte aligned when d is a multiple of VEC;
-                    // 8 in flight at once (a d = 128 row in two rounds of memory latency).
-#pragma unroll 8
-                    for (int e = 0; e < d; e += VEC) {
-                        float kv[VEC];
-                        load16(kr + e, kv);
+                    // 16-byte loads (the K row is 16-byte aligned when d is a multiple of
+                    // VEC), PA_K_BATCH issued before any product: a d = 128 row in two rounds
+                    // of memory latency (one round, 16 at once, took 168 registers and
+                    // slowed 64-row verifications by 9-15%).
+                    for (int e0 = 0; e0 < d; e0 += PA_K_BATCH * VEC) {
+                        uint4 raw[PA_K_BATCH];
 #pragma unroll
-                        for (int u = 0; u < VEC; ++u) dot += qs[e + u] * kv[u];
+                        for (int u = 0; u < PA_K_BATCH; ++u)
+                            if (e0 + u * VEC < d)
+                                raw[u] = *reinterpret_cast<const uint4 *>(kr + e0 + u * VEC);
+#pragma unroll
+                        for (int u = 0; u < PA_K_BATCH; ++u) {
+                            if (e0 + u * VEC < d) {
+                                float kv[VEC];
+                                unpack16<T>(raw[u], kv);
+                                const int e = e0 + u * VEC;
+#pragma unroll
+                                for (int v = 0; v < VEC; ++v) dot += qs[e + v] * kv[v];
+                            }
+                        }
                     }
                 } else {
                     for (int e = 0; e < d; ++e) dot += qs[e] * to_f(kr[e]);
@@ -234,18 +249,33 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
         if (vec_v) {
 #pragma unroll
             for (int k = 0; k < VEC; ++k) accv[k] *= corr;
-#pragma unroll 16
-            for (int j0 = 0; j0 < cnt; j0 += rows_per_pass) {
-                const int j = j0 + rsub; // < 32: j0 ≤ 32 − rows_per_pass
-                const float pj = __shfl_sync(FULL_MASK, p, j);
-                const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
-                // Every slot id is a pool row (0 past the end), so the load is always in
-                // bounds; a masked slot (pj = 0) still adds nothing, whatever it holds.
-                float vv[VEC];
-                load16(v_base + (size_t)sj * row_stride + vsub * VEC, vv);
-                const bool use = j < cnt && pj != 0.f;
+            // PA_V_BATCH passes' loads are issued before any of their products: written as
+            // load-then-use per pass, each pass waited out its own round trip (Nsight: 16
+            // stalls in a row on a Llama-2-7B row of d = 128). Same products, same order.
+            for (int jb = 0; jb < cnt; jb += PA_V_BATCH * rows_per_pass) {
+                uint4 raw[PA_V_BATCH];
+                float pjs[PA_V_BATCH];
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) accv[k] = use ? fmaf(pj, vv[k], accv[k]) : accv[k];
+                for (int u = 0; u < PA_V_BATCH; ++u) {
+                    const int j = jb + u * rows_per_pass + rsub;
+                    // Lanes past the chunk read lane j mod 32 and are not used. Every slot id
+                    // is a pool row (0 past the end), so each load is in bounds; a masked
+                    // slot (pj = 0) still adds nothing, whatever it holds.
+                    const float pj = __shfl_sync(FULL_MASK, p, j & (WARP - 1));
+                    const unsigned int sj = __shfl_sync(FULL_MASK, slot, j & (WARP - 1));
+                    raw[u] = *reinterpret_cast<const uint4 *>(v_base + (size_t)sj * row_stride +
+                                                              vsub * VEC);
+                    pjs[u] = j < cnt ? pj : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < PA_V_BATCH; ++u) {
+                    float vv[VEC];
+                    unpack16<T>(raw[u], vv);
+                    const bool use = pjs[u] != 0.f;
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k)
+                        accv[k] = use ? fmaf(pjs[u], vv[k], accv[k]) : accv[k];
+                }
             }
         } else {
 #pragma unroll
