@@ -7,15 +7,20 @@
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
-    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, paged_attention, qkv_rope_append, swiglu,
-    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
-    GEMV_TILED_MIN_ROWS,
+    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack, paged_attention,
+    qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS,
+    GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// The device as the runtime opens it: with the per-thread stack cut to Kestrel's need, so
+/// every kernel here (`top_k_logp`'s 256-byte frame the largest) runs under that limit.
 fn gpu() -> Device {
-    Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)")
+    let dev =
+        Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)");
+    limit_thread_stack(&dev).unwrap();
+    dev
 }
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -968,4 +973,47 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
             "{dtype:?}: the last tree row differs from the same row decoded alone"
         );
     }
+}
+
+/// The context keeps `stack limit × resident threads` of device memory; the default 1 KiB a
+/// thread costs an H200 264 MiB. Cutting the limit to Kestrel's 256 bytes must give back
+/// three quarters of it.
+#[test]
+fn limit_thread_stack_gives_back_the_default_reservation() {
+    use candle_core::cuda::cudarc::driver::sys;
+    let dev = gpu();
+    let cuda = dev.as_cuda_device().unwrap();
+    let ctx = cuda.cuda_stream().context().clone();
+    let attr = |a| ctx.attribute(a).unwrap() as usize;
+    let threads = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        * attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR);
+    let used = || {
+        let (free, total) = ctx.mem_get_info().unwrap();
+        total - free
+    };
+    let stack_limit = || {
+        let mut v = 0usize;
+        // SAFETY: reads a limit of the current context into a local.
+        let status = unsafe { sys::cuCtxGetLimit(&mut v, sys::CUlimit::CU_LIMIT_STACK_SIZE) };
+        assert_eq!(status, sys::cudaError_enum::CUDA_SUCCESS);
+        v
+    };
+    // Back to the driver's default first: other tests in this process have cut it already.
+    // SAFETY: sets a limit of the current context (made current by `gpu`).
+    let status = unsafe { sys::cuCtxSetLimit(sys::CUlimit::CU_LIMIT_STACK_SIZE, 1024) };
+    assert_eq!(status, sys::cudaError_enum::CUDA_SUCCESS);
+    assert_eq!(stack_limit(), 1024);
+    let before = used();
+    limit_thread_stack(&dev).unwrap();
+    assert_eq!(stack_limit(), kestrel_kernels::THREAD_STACK_BYTES);
+    let freed = before.saturating_sub(used());
+    let expected = (1024 - kestrel_kernels::THREAD_STACK_BYTES) * threads;
+    assert!(
+        freed * 10 >= expected * 9,
+        "cutting the stack freed {freed} bytes, expected about {expected} ({threads} threads)"
+    );
+    // The largest frame among the kernels still launches under the limit.
+    let logits = Tensor::new(&[[0.5f32, 3.0, -1.0, 2.0]], &dev).unwrap();
+    let got = top_k_logp(&logits, 2).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(got[0][..2], [1, 3], "the 2 best ids of the row");
 }

@@ -12,8 +12,12 @@ use kestrel_model::{CudaKernels, Llama, OutputRows, PagedKvCache, SeqId, SeqInpu
 
 const SEED: u64 = 23;
 
+/// The device as the runtime opens it (the per-thread stack cut to Kestrel's need).
 fn gpu() -> Device {
-    Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)")
+    let dev =
+        Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)");
+    kestrel_kernels::limit_thread_stack(&dev).unwrap();
+    dev
 }
 
 fn argmax(row: &[f32]) -> u32 {

@@ -24,7 +24,10 @@ pub fn parse(spec: &str) -> Result<Device> {
             "--device {spec}: this binary was built without CUDA support; rebuild with --features cuda"
         )));
     }
-    Device::new_cuda(ordinal).map_err(|e| {
+    let open_failed = |e: candle_core::Error| {
         RuntimeError::InvalidRequest(format!("--device {spec}: cannot open the CUDA device: {e}"))
-    })
+    };
+    let device = Device::new_cuda(ordinal).map_err(open_failed)?;
+    kestrel_kernels::limit_thread_stack(&device).map_err(open_failed)?;
+    Ok(device)
 }
