@@ -235,6 +235,20 @@ fn paged_attention_matches_cpu_reference() {
             d: 8,
             seqs: vec![(12, 4, true), (3, 1, false)],
         },
+        // Long rows (4,100 slots: 16 chunks a warp), in one step with a short row and a
+        // masked tree.
+        Case {
+            nh: 9,
+            nkv: 3,
+            d: 64,
+            seqs: vec![(4100, 1, false), (700, 9, true), (5, 1, false)],
+        },
+        Case {
+            nh: 4,
+            nkv: 4,
+            d: 128,
+            seqs: vec![(1030, 4, false), (257, 1, false)],
+        },
     ];
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for (i, case) in cases.iter().enumerate() {
@@ -937,8 +951,13 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
 fn paged_attention_rows_do_not_depend_on_the_step() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
-    for dtype in [DType::F32, DType::BF16] {
-        let (l, n, nh, nkv, d) = (300usize, 64usize, 9usize, 3usize, 64usize);
+    // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17.
+    for (dtype, l) in [
+        (DType::F32, 300usize),
+        (DType::BF16, 300),
+        (DType::BF16, 4100),
+    ] {
+        let (n, nh, nkv, d) = (64usize, 9usize, 3usize, 64usize);
         let pool =
             |rng: &mut ChaCha8Rng| to_dev(&randn(rng, l * nkv * d, 1.0), &[l, nkv, d], dtype, &dev);
         let (kp, vp) = (pool(&mut rng), pool(&mut rng));
