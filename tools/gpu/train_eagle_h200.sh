@@ -9,7 +9,8 @@
 #   bash tools/gpu/train_eagle_h200.sh vocab   # draft_vocab.json from /tmp/data; spec-bench with/without
 # Knobs (environment): SYNTHETIC=1 (the model writes its prompts; SEED), PROMPT_FILES (names in
 # the stage folder), NUM_PROMPTS (else sized to DATA_S seconds), MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
-# TTT_STEPS (training-time-test unroll passes, default 1) and TTT_DECAY (default 1).
+# TTT_STEPS (training-time-test unroll passes, default 1), TTT_DECAY (default 1) and
+# FEATURE_LAYERS (e.g. 2,15: the data keeps those base layers' states and the head reads them).
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
 source tools/gpu/device-env.sh
@@ -49,6 +50,7 @@ data)
   # shellcheck disable=SC2046
   $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage data --data_dir /tmp/data \
     $(prompt_args "$NUM_PROMPTS") --max_prompt_len 512 --max_new_tokens "${MAX_NEW:-256}" \
+    ${FEATURE_LAYERS:+--feature_layers "$FEATURE_LAYERS"} \
     --feature_batch_tokens 8192 2>&1 | grep -v "answered\|features [0-9]\|sampled [0-9]" | tail -6
   cp /tmp/data/*.json "$OUT/" 2>/dev/null || true
   ;;

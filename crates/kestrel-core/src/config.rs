@@ -341,13 +341,21 @@ mod tests {
 }
 
 /// An EAGLE-1/EAGLE-2 draft head's `config.json` as published: a one-layer Llama config plus
-/// the optional `bias` key of its `fc` projection (EAGLE's code defaults it to true).
+/// the optional `bias` key of its `fc` projection (EAGLE's code defaults it to true), and
+/// Kestrel's optional `feature_layers`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EagleHeadConfig {
     #[serde(flatten)]
     pub llama: ModelConfig,
     #[serde(default = "default_fc_bias")]
     pub bias: bool,
+    /// Base decoder layers (0-based) whose output residual states, RMS-normalised without a
+    /// weight, the head reads next to the base's final feature (EAGLE-3's low/mid-layer
+    /// features): a `fuse` projection maps `cat(final, layer states…)` to the feature the
+    /// head is fed for committed tokens. Empty (the published EAGLE-1 layout): the final
+    /// feature alone, no `fuse`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub feature_layers: Vec<usize>,
 }
 
 fn default_fc_bias() -> bool {
@@ -372,8 +380,31 @@ impl EagleHeadConfig {
         Ok(cfg)
     }
 
+    /// Width of the base features the head reads per token: the final feature plus one
+    /// state per entry of `feature_layers`.
+    pub fn feature_width(&self) -> usize {
+        (1 + self.feature_layers.len()) * self.llama.hidden_size
+    }
+
     /// Checks that the head fits the base model it drafts for.
     pub fn check_compatible(&self, base: &ModelConfig) -> std::result::Result<(), String> {
+        if let Some(&l) = self
+            .feature_layers
+            .iter()
+            .find(|&&l| l + 1 >= base.num_hidden_layers)
+        {
+            return Err(format!(
+                "EAGLE head feature layer {l} is not below the base model's last layer {} \
+                 (its output is the final feature, which the head always reads)",
+                base.num_hidden_layers - 1
+            ));
+        }
+        if let Some(w) = self.feature_layers.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(format!(
+                "EAGLE head feature_layers must be strictly increasing, found {} then {}",
+                w[0], w[1]
+            ));
+        }
         if self.llama.hidden_size != base.hidden_size {
             return Err(format!(
                 "EAGLE head hidden_size {} differs from the base model's {}",
@@ -403,5 +434,32 @@ mod eagle_tests {
         let off: EagleHeadConfig =
             serde_json::from_str(&format!("{{{base}, \"bias\": false}}")).unwrap();
         assert!(!off.bias);
+        assert!(off.feature_layers.is_empty());
+        assert!(!serde_json::to_string(&off)
+            .unwrap()
+            .contains("feature_layers"));
+    }
+
+    #[test]
+    fn feature_layers_must_lie_below_the_last_base_layer_in_order() {
+        let text = r#"{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "feature_layers": [0, 2]}"#;
+        let mut head: EagleHeadConfig = serde_json::from_str(text).unwrap();
+        assert_eq!(head.feature_width(), 48);
+        let mut base = head.llama.clone();
+        base.num_hidden_layers = 4;
+        assert_eq!(head.check_compatible(&base), Ok(()));
+        base.num_hidden_layers = 3;
+        assert_eq!(
+            head.check_compatible(&base).unwrap_err(),
+            "EAGLE head feature layer 2 is not below the base model's last layer 2 (its output \
+             is the final feature, which the head always reads)"
+        );
+        base.num_hidden_layers = 4;
+        head.feature_layers = vec![1, 1];
+        assert_eq!(
+            head.check_compatible(&base).unwrap_err(),
+            "EAGLE head feature_layers must be strictly increasing, found 1 then 1"
+        );
     }
 }

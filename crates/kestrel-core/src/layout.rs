@@ -76,7 +76,7 @@ pub fn llama_tensors(cfg: &ModelConfig, mapping: Mapping) -> Vec<TensorSpec> {
     out
 }
 
-/// Every tensor of an EAGLE-1 head on one rank, under `prefix` ("" in published heads,
+/// Every tensor of an EAGLE-1 head (with `fuse` when it reads `feature_layers`) on one rank, under `prefix` ("" in published heads,
 /// [`crate::checkpoint::EAGLE_PREFIX`] inside Kestrel checkpoints). The optional
 /// `embed_tokens.weight` is not listed: a head may bring its own or use the base model's.
 pub fn eagle_head_tensors(
@@ -88,6 +88,14 @@ pub fn eagle_head_tensors(
     let mut out = vec![spec(format!("{prefix}fc.weight"), vec![h, 2 * h])];
     if head.bias {
         out.push(spec(format!("{prefix}fc.bias"), vec![h]));
+    }
+    if !head.feature_layers.is_empty() {
+        // Small ([hidden, (1 + layers) · hidden]) and applied before the head's layer: whole
+        // on every rank, like fc.
+        out.push(spec(
+            format!("{prefix}fuse.weight"),
+            vec![h, head.feature_width()],
+        ));
     }
     out.extend(decoder_layer(
         &head.llama,

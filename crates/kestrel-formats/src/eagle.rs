@@ -25,6 +25,9 @@ pub fn eagle_expected_shapes(
     } else {
         optional.insert("fc.bias".to_string(), vec![h]);
     }
+    if !cfg.feature_layers.is_empty() {
+        required.insert("fuse.weight".to_string(), vec![h, cfg.feature_width()]);
+    }
     layer_shapes(llama, "layers.0.", false, &mut required);
     optional.insert("embed_tokens.weight".to_string(), vec![llama.vocab_size, h]);
     optional.insert("layers.0.input_layernorm.weight".to_string(), vec![h]);

@@ -1,5 +1,11 @@
 //! The EAGLE-1 draft head: `fc(cat(embed(token), feature))` → one decoder layer without an
 //! input norm → predicted feature (no final norm); logits through the base model's LM head.
+//!
+//! A head with `feature_layers` (EAGLE-3's multi-layer features) reads more of the base for
+//! committed tokens: `fuse(cat(final feature, tapped layer states))` is the feature it is fed
+//! there ([`EagleHead::fuse_features`]); draft nodes deeper in a tree are fed their parent's
+//! prediction as before. Without `feature_layers` there is no `fuse` and the base's final
+//! feature goes in unchanged.
 
 use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
@@ -33,6 +39,8 @@ pub struct EagleSeqInput<'a> {
 #[derive(Debug, Clone)]
 pub struct EagleHead {
     cfg: EagleHeadConfig,
+    /// `[hidden, feature_width]`, present with `feature_layers`.
+    fuse: Option<Linear>,
     fc: Linear,
     layer: DecoderLayer,
     embed: Tensor,
@@ -54,6 +62,9 @@ impl EagleHead {
         let q = c.num_attention_heads * c.head_dim();
         let kv = c.num_kv_heads() * c.head_dim();
         let mut out = vec![("fc.weight".to_string(), vec![h, 2 * h])];
+        if !head_cfg.feature_layers.is_empty() {
+            out.push(("fuse.weight".to_string(), vec![h, head_cfg.feature_width()]));
+        }
         if head_cfg.bias {
             out.push(("fc.bias".to_string(), vec![h]));
         }
@@ -131,6 +142,9 @@ impl EagleHead {
             .map_err(ModelError::Config)?;
         let h = c.hidden_size;
         let fc = Linear::load(src, "fc", h, 2 * h, head_cfg.bias)?;
+        let fuse = (!head_cfg.feature_layers.is_empty())
+            .then(|| Linear::load(src, "fuse", h, head_cfg.feature_width(), false))
+            .transpose()?;
         let layer = DecoderLayer::load(src, "layers.0", layer_dims(c), false)?;
         let (embed, own_embed) = match src.get_opt("embed_tokens.weight", &[c.vocab_size, h])? {
             Some(e) => (e, true),
@@ -143,6 +157,7 @@ impl EagleHead {
         };
         let mut head = EagleHead {
             cfg: head_cfg.clone(),
+            fuse,
             fc,
             layer,
             embed,
@@ -183,6 +198,33 @@ impl EagleHead {
             .into_iter()
             .for_each(|l| l.gemv = kernels.gemv);
         self.fc.gemv = kernels.gemv;
+        if let Some(f) = &mut self.fuse {
+            f.gemv = kernels.gemv;
+        }
+    }
+
+    /// The feature the head is fed for committed tokens, from the base's features
+    /// `[.., feature_width]` (rows of [`Llama::forward_tapped`] over `feature_layers`):
+    /// `fuse(base_features)` with `feature_layers`, else the base's final feature itself.
+    /// Differentiable, so training calls it too.
+    pub fn fuse_features(&self, base_features: &Tensor) -> Result<Tensor> {
+        let width = self.cfg.feature_width();
+        if base_features.dim(D::Minus1)? != width {
+            return Err(invalid(format!(
+                "base features have shape {:?}, expected {width} per token",
+                base_features.dims()
+            )));
+        }
+        match &self.fuse {
+            None => Ok(base_features.clone()),
+            Some(fuse) => {
+                let x = base_features.to_dtype(self.dtype)?;
+                match x.rank() {
+                    2 => fuse.forward_with(&x, self.cpu_kernels),
+                    _ => fuse.forward(&x),
+                }
+            }
+        }
     }
 
     /// See [`Llama::set_cuda_graphs`].

@@ -401,14 +401,42 @@ impl Llama {
     /// matrix-vector kernel on CPU, so a row's result does not depend on the step's other
     /// rows: decode and tree-verification steps must use this.
     pub fn forward(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
-        self.forward_with(batch, cache, true)
+        self.forward_with(batch, cache, true, &[])
     }
 
     /// [`Llama::forward`] for prompts: projections take GEMM, which prefills much faster.
     /// Every decoding mode must run a prompt through this same call, so that the cached K/V
     /// and the first token agree across modes.
     pub fn forward_prompt(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
-        self.forward_with(batch, cache, false)
+        self.forward_with(batch, cache, false, &[])
+    }
+
+    /// [`Llama::forward`] (`prompt = false`) or [`Llama::forward_prompt`] whose rows also
+    /// carry the residual state after each decoder layer in `taps` (strictly increasing),
+    /// RMS-normalised without a weight: `[rows, (1 + taps.len()) · hidden]` =
+    /// `cat(final-normed hidden, state(taps[0]), …)`, the base features an EAGLE head with
+    /// `feature_layers` reads. The first `hidden` columns are exactly what the untapped
+    /// call returns; [`Llama::final_hidden`] gives them back for [`Llama::logits`].
+    pub fn forward_tapped(
+        &self,
+        batch: &[SeqInput],
+        cache: &mut PagedKvCache,
+        taps: &[usize],
+        prompt: bool,
+    ) -> Result<Tensor> {
+        if let Some(w) = taps.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(invalid(format!(
+                "feature taps must be strictly increasing, found {} then {}",
+                w[0], w[1]
+            )));
+        }
+        if let Some(&l) = taps.iter().find(|&&l| l >= self.layers.len().min(128)) {
+            return Err(invalid(format!(
+                "feature tap {l} is not a decoder layer of this {}-layer model",
+                self.layers.len()
+            )));
+        }
+        self.forward_with(batch, cache, !prompt, taps)
     }
 
     fn forward_with(
@@ -416,13 +444,14 @@ impl Llama {
         batch: &[SeqInput],
         cache: &mut PagedKvCache,
         matvec: bool,
+        taps: &[usize],
     ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
             // One hop into rayon's pool per step, so the kernels' parallel loops join on
             // worker threads instead of blocking the caller on a lock per operation.
-            return rayon::scope(|_| self.forward_impl(batch, cache, matvec));
+            return rayon::scope(|_| self.forward_impl(batch, cache, matvec, taps));
         }
-        self.forward_impl(batch, cache, matvec)
+        self.forward_impl(batch, cache, matvec, taps)
     }
 
     fn forward_impl(
@@ -430,6 +459,7 @@ impl Llama {
         batch: &[SeqInput],
         cache: &mut PagedKvCache,
         matvec: bool,
+        taps: &[usize],
     ) -> Result<Tensor> {
         check_cache(
             cache,
@@ -468,7 +498,8 @@ impl Llama {
         let commit = std::mem::take(&mut plan.commit);
         let kv: &PagedKvCache = cache;
         let out = if matvec && plan.graphable() && self.graphs.active() {
-            let inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            let mut inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            inputs.layout.taps = taps.iter().fold(0u128, |m, &l| m | (1 << l));
             let cache_id = kv.pools(0).0.id();
             self.graphs.run(
                 cache_id,
@@ -476,12 +507,12 @@ impl Llama {
                 None,
                 self.dtype,
                 &self.device,
-                |ids, step, _| self.run_layers(ids, step, kv, matvec),
+                |ids, step, _| self.run_layers(ids, step, kv, matvec, taps),
             )?
         } else {
             let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
             let ids = Tensor::from_slice(&tokens, tokens.len(), &self.device)?;
-            self.run_layers(&ids, &step, kv, matvec)?
+            self.run_layers(&ids, &step, kv, matvec, taps)?
         };
         for (seq, len) in commit {
             cache.set_len(seq, len)?;
@@ -489,13 +520,25 @@ impl Llama {
         Ok(out)
     }
 
-    /// The device work of a step: embedding, the layers, the requested rows, the final norm.
+    /// The final-normed hidden states (the first `hidden` columns) of rows returned by
+    /// [`Llama::forward_tapped`]: what [`Llama::logits`] takes. Untapped rows pass through.
+    pub fn final_hidden(&self, rows: &Tensor) -> Result<Tensor> {
+        let h = self.cfg.hidden_size;
+        if rows.dim(1)? == h {
+            return Ok(rows.clone());
+        }
+        Ok(rows.narrow(1, 0, h)?.contiguous()?)
+    }
+
+    /// The device work of a step: embedding, the layers, the requested rows, the final norm
+    /// (and the tapped layer states after it, see [`Llama::forward_tapped`]).
     fn run_layers(
         &self,
         ids: &Tensor,
         step: &Step,
         kv: &PagedKvCache,
         matvec: bool,
+        taps: &[usize],
     ) -> Result<Tensor> {
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
         let mut x = self.embed.index_select(ids, 0)?;
@@ -511,32 +554,59 @@ impl Llama {
             cpu_kernels: self.cpu_kernels,
             matvec,
         };
-        if cuda.is_some_and(|k| k.add_rmsnorm) {
+        let select = |t: Tensor| -> Result<Tensor> {
+            Ok(match &step.out_rows {
+                Some(rows) => t.index_select(rows, 0)?,
+                None => t,
+            })
+        };
+        let mut tapped = Vec::with_capacity(taps.len());
+        let mut tap = |l: usize, state: &dyn Fn() -> Result<Tensor>| -> Result<()> {
+            if taps.contains(&l) {
+                tapped.push(self.tap_state(&select(state()?)?)?);
+            }
+            Ok(())
+        };
+        let normed = if cuda.is_some_and(|k| k.add_rmsnorm) {
             // Each layer's last residual add is fused into the next layer's input norm.
             let mut pending: Option<Tensor> = None;
             for (l, layer) in self.layers.iter().enumerate() {
                 let (r, delta) = layer.forward_deferred(&x, pending.as_ref(), &ctx(l))?;
                 x = r;
+                tap(l, &|| Ok((&x + &delta)?))?;
                 pending = Some(delta);
             }
-            if let Some(p) = pending {
+            match pending {
                 // The last add fused into the final norm; the norm is per row, so selecting
                 // the requested rows after it gives the same values.
-                let normed = self.norm.forward_add(&x, &p)?.1;
-                return Ok(match &step.out_rows {
-                    Some(rows) => normed.index_select(rows, 0)?,
-                    None => normed,
-                });
+                Some(p) => select(self.norm.forward_add(&x, &p)?.1)?,
+                None => self.norm.forward(&select(x)?, false)?,
             }
         } else {
             for (l, layer) in self.layers.iter().enumerate() {
                 x = layer.forward(&x, &ctx(l))?;
+                tap(l, &|| Ok(x.clone()))?;
             }
+            self.norm.forward(&select(x)?, false)?
+        };
+        if tapped.is_empty() {
+            return Ok(normed);
         }
-        if let Some(rows) = &step.out_rows {
-            x = x.index_select(rows, 0)?;
-        }
-        self.norm.forward(&x, false)
+        tapped.insert(0, normed);
+        Ok(Tensor::cat(&tapped, 1)?)
+    }
+
+    /// A tapped layer state as the head reads it: RMS-normalised in f32 without a weight
+    /// (residual states grow with depth; the norm puts every tap on the final feature's
+    /// scale), in the model's dtype.
+    fn tap_state(&self, x: &Tensor) -> Result<Tensor> {
+        let ones = Tensor::ones(self.cfg.hidden_size, DType::F32, &self.device)?;
+        let normed = candle_nn::ops::rms_norm(
+            &x.to_dtype(DType::F32)?.contiguous()?,
+            &ones,
+            self.cfg.rms_norm_eps as f32,
+        )?;
+        Ok(normed.to_dtype(self.dtype)?)
     }
 
     /// Training forward without a cache: `tokens: [B, T]` (u32, each row a sequence from

@@ -187,6 +187,9 @@ pub(crate) struct GraphLayout {
     pub out_rows: Option<usize>,
     /// Values per RoPE table (`n_tok × head_dim / 2`).
     pub rope_len: usize,
+    /// Bit `l` set: the step also returns the state after decoder layer `l`
+    /// ([`crate::Llama::forward_tapped`]), so its output is wider than a plain step's.
+    pub taps: u128,
 }
 
 /// A graphed step's host inputs: `u32 = ids | new_slots | table | out_rows` and
@@ -289,6 +292,7 @@ impl<'a> StepPlan<'a> {
                 table_len: meta.len() - n_tok,
                 out_rows: self.out_rows.as_ref().map(Vec::len),
                 rope_len,
+                taps: 0,
             },
             u32s,
             f32s,

@@ -628,3 +628,83 @@ fn training_forward_equals_the_inference_forward() {
         );
     }
 }
+
+fn one_sequence<'a>(
+    seq: SeqId,
+    tokens: &'a [u32],
+    positions: &'a [u32],
+    output_rows: OutputRows,
+) -> [SeqInput<'a>; 1] {
+    [SeqInput {
+        seq,
+        tokens,
+        positions,
+        mask: None,
+        output_rows,
+    }]
+}
+
+/// A tapped forward returns the untapped rows, then each tapped layer's state: checked
+/// against models cut after that layer, whose final norm (weight 1) is what a tap applies,
+/// on the decode and the prompt path, for all rows and for the last row only.
+#[test]
+fn tapped_rows_are_the_final_rows_then_each_layer_state() {
+    for (name, cfg) in all_cfgs() {
+        let h = cfg.hidden_size;
+        let mut tensors = random_tensors(&cfg, SEED).unwrap();
+        let ones = candle_core::Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).unwrap();
+        tensors.insert("model.norm.weight".into(), ones);
+        let cut = |layers: usize| {
+            let mut c = cfg.clone();
+            c.num_hidden_layers = layers;
+            let kept = tensors
+                .iter()
+                .filter(|(n, _)| {
+                    n.strip_prefix("model.layers.")
+                        .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+                        .is_none_or(|l| l < layers)
+                })
+                .map(|(n, t)| (n.clone(), t.clone()))
+                .collect();
+            Llama::from_tensors(&c, kept, DType::F32, &Device::Cpu).unwrap()
+        };
+        let full = cut(cfg.num_hidden_layers);
+        let first = cut(1);
+        let t = toks(9, 2);
+        let pos = positions(0, t.len());
+        for prompt in [false, true] {
+            for output_rows in [OutputRows::All, OutputRows::Last] {
+                let run = |m: &Llama, taps: &[usize]| {
+                    let mut cache = m.new_cache(8, 4).unwrap();
+                    let seq = cache.add_sequence();
+                    let batch = one_sequence(seq, &t, &pos, output_rows.clone());
+                    rows(&m.forward_tapped(&batch, &mut cache, taps, prompt).unwrap())
+                };
+                let tapped = run(&full, &[0, 1]);
+                let (plain, layer0) = (run(&full, &[]), run(&first, &[]));
+                assert_eq!(tapped.len(), plain.len());
+                for (r, row) in tapped.iter().enumerate() {
+                    let what = format!("{name}, prompt {prompt}, {output_rows:?}, row {r}");
+                    assert_eq!(row.len(), 3 * h, "{what}");
+                    assert!(row[..h] == plain[r][..], "{what}: final columns differ");
+                    assert!(row[h..2 * h] == layer0[r][..], "{what}: layer 0 differs");
+                    // The last layer's state normed without a weight is the final row here.
+                    assert!(row[2 * h..] == plain[r][..], "{what}: layer 1 differs");
+                }
+            }
+        }
+        let mut cache = full.new_cache(8, 4).unwrap();
+        let seq = cache.add_sequence();
+        let batch = one_sequence(seq, &t, &pos, OutputRows::All);
+        let err = full.forward_tapped(&batch, &mut cache, &[1, 0], false);
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "invalid input: feature taps must be strictly increasing, found 1 then 0"
+        );
+        let err = full.forward_tapped(&batch, &mut cache, &[2], false);
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "invalid input: feature tap 2 is not a decoder layer of this 2-layer model"
+        );
+    }
+}

@@ -4,7 +4,7 @@
 
 mod support;
 
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
 use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use kestrel_runtime::{
     generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams,
@@ -12,7 +12,8 @@ use kestrel_runtime::{
 };
 use kestrel_spec::tree::TreeLimits;
 use kestrel_spec::{EagleTree, SamplingParams};
-use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
+use std::collections::BTreeMap;
+use support::{agreeing_pair, build, prompts, random_head, seeded_uniform, EngineSpec};
 
 fn greedy(max_output_len: usize) -> GenerationParams {
     GenerationParams {
@@ -225,6 +226,60 @@ fn greedy_eagle_equals_plain_with_a_random_head() {
         ("eagle2 top 3", dynamic_mode(3)),
     ];
     assert_lossless(&engine, &modes, 40);
+}
+
+/// A head reading several base layers (EAGLE-3's features) is lossless; with
+/// `fuse = [I | 0]` it drafts exactly what the same head without `fuse` drafts (same outputs,
+/// same accepted drafts), so the runtime feeds it the final feature where an EAGLE-1 head
+/// reads it and the fused feature comes from the base's tapped rows.
+#[test]
+fn a_head_reading_several_base_layers_is_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::tiny_config(3);
+    let h = cfg.hidden_size;
+    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let head = random_head(&cfg, 6);
+    let modes = [
+        ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
+        ("small_8", static_mode("small_8")),
+        ("eagle2 top 3", dynamic_mode(3)),
+    ];
+    let fused_spec = EngineSpec {
+        feature_layers: vec![0, 1],
+        ..EngineSpec::default()
+    };
+    let engine_at = |name: &str, head: &BTreeMap<String, Tensor>, spec: &EngineSpec| {
+        let engine_dir = build(&dir.path().join(name), &cfg, &base, Some(head), spec);
+        Engine::load(&engine_dir, &Device::Cpu).unwrap()
+    };
+    let mut fused = head.clone();
+    fused.insert("fuse.weight".into(), seeded_uniform(7, (h, 3 * h), 0.2));
+    assert_lossless(&engine_at("fused", &fused, &fused_spec), &modes, 40);
+
+    let eye = Tensor::eye(h, DType::F32, &Device::Cpu).unwrap();
+    let rest = Tensor::zeros((h, 2 * h), DType::F32, &Device::Cpu).unwrap();
+    let mut passthrough = head.clone();
+    passthrough.insert(
+        "fuse.weight".into(),
+        Tensor::cat(&[&eye, &rest], 1).unwrap(),
+    );
+    let passthrough = engine_at("passthrough", &passthrough, &fused_spec);
+    let unfused = engine_at("unfused", &head, &EngineSpec::default());
+    let prompts = prompts();
+    let mut accepted = 0;
+    for (name, mode) in &modes {
+        let a = run(&passthrough, mode, &prompts, &greedy(40));
+        let b = run(&unfused, mode, &prompts, &greedy(40));
+        assert_eq!(ids(&a), ids(&b), "{name}: outputs differ");
+        let drafts = |o: &[SequenceOutput]| -> Vec<(usize, usize)> {
+            o.iter()
+                .map(|o| (o.stats.draft_tokens, o.stats.accepted_draft_tokens))
+                .collect()
+        };
+        assert_eq!(drafts(&a), drafts(&b), "{name}: drafts differ");
+        accepted += drafts(&a).iter().map(|d| d.1).sum::<usize>();
+    }
+    assert!(accepted > 0, "the random head never drafted a right token");
 }
 
 /// Random valid trees: every prefix present, ranks below 4, depth ≤ 4, ≤ 24 nodes.

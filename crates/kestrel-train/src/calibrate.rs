@@ -354,7 +354,13 @@ fn measure_group(
         let (tokens, prompt_len) = &group[i];
         walks.push(Walk {
             tokens,
-            features: features(base, &mut base_cache, tokens, *prompt_len)?,
+            features: head.fuse_features(&features(
+                base,
+                &mut base_cache,
+                tokens,
+                *prompt_len,
+                &head.config().feature_layers,
+            )?)?,
             head_seq: head_cache.add_sequence(),
             root: *prompt_len,
             fed: 0,
@@ -449,19 +455,21 @@ fn measure_group(
     Ok(ranks)
 }
 
-/// The base model's features `F_0..F_{len-2}` of one sequence, computed as spec-run computes
-/// them: the prompt through the prompt (GEMM) path, the answer through the batch-invariant
-/// decode path (row for row what one-token decode or tree verification steps give).
+/// The base model's features `F_0..F_{len-2}` of one sequence (with the states of `taps`,
+/// see [`Llama::forward_tapped`]), computed as spec-run computes them: the prompt through the
+/// prompt (GEMM) path, the answer through the batch-invariant decode path (row for row what
+/// one-token decode or tree verification steps give).
 fn features(
     base: &Llama,
     cache: &mut PagedKvCache,
     tokens: &[u32],
     prompt_len: usize,
+    taps: &[usize],
 ) -> Result<Tensor> {
     let n = tokens.len() - 1;
     let seq = cache.add_sequence();
     let pos: Vec<u32> = (0..n as u32).collect();
-    let mut parts = vec![base.forward_prompt(
+    let mut parts = vec![base.forward_tapped(
         &[SeqInput {
             seq,
             tokens: &tokens[..prompt_len],
@@ -470,11 +478,13 @@ fn features(
             output_rows: OutputRows::All,
         }],
         cache,
+        taps,
+        true,
     )?];
     let mut start = prompt_len;
     while start < n {
         let end = (start + MAX_ROWS).min(n);
-        parts.push(base.forward(
+        parts.push(base.forward_tapped(
             &[SeqInput {
                 seq,
                 tokens: &tokens[start..end],
@@ -483,6 +493,8 @@ fn features(
                 output_rows: OutputRows::All,
             }],
             cache,
+            taps,
+            false,
         )?);
         start = end;
     }

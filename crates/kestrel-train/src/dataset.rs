@@ -5,7 +5,8 @@
 //! On disk (`--data_dir`): `meta.json` ([`DatasetMeta`]) and `data.safetensors` holding
 //! `tokens` (u32 `[total]`, all sequences concatenated), `offsets` (u32 `[n + 1]`: sequence `i`
 //! is `offsets[i]..offsets[i + 1]`), `prompt_lens` (u32 `[n]`) and `features`
-//! (`[total, hidden]`, f16 or f32).
+//! (`[total, (1 + feature_layers) · hidden]`, f16 or f32: the final feature, then the tapped
+//! layer states of [`kestrel_model::Llama::forward_tapped`] when `feature_layers` is set).
 
 use crate::error::{file_err, invalid, Result, TrainError};
 use candle_core::{DType, Device, Tensor};
@@ -50,6 +51,9 @@ pub struct DatasetMeta {
     /// Tokens after the prompts (the answers), summed over sequences.
     pub answer_tokens: usize,
     pub feature_dtype: String,
+    /// Base layers whose states follow the final feature in `features` (empty: none).
+    #[serde(default)]
+    pub feature_layers: Vec<usize>,
     pub source: DatasetSource,
 }
 
@@ -60,8 +64,10 @@ pub struct FeatureDataset {
     pub vocab_size: usize,
     /// All sequences' tokens, concatenated.
     pub tokens: Vec<u32>,
-    /// `[tokens.len(), hidden]` f32: the final-normed hidden state at every position.
+    /// `[tokens.len(), feature_width()]` f32: the final-normed hidden state at every
+    /// position, then the states of `feature_layers` (see [`Llama::forward_tapped`]).
     pub features: Tensor,
+    pub feature_layers: Vec<usize>,
     /// Sequence `i` is `offsets[i]..offsets[i + 1]`.
     pub offsets: Vec<usize>,
     pub prompt_lens: Vec<usize>,
@@ -81,6 +87,38 @@ impl FeatureDataset {
     }
     pub fn seq_len(&self, i: usize) -> usize {
         self.offsets[i + 1] - self.offsets[i]
+    }
+    /// The same sequences with only the states of `layers` (a subset of `feature_layers`, in
+    /// order) after the final feature: one cache serves heads that read fewer layers.
+    pub fn select_layers(&self, layers: &[usize]) -> Result<Self> {
+        let h = self.hidden_size;
+        let mut columns = vec![self.features.narrow(1, 0, h)?];
+        for &l in layers {
+            let Some(i) = self.feature_layers.iter().position(|&x| x == l) else {
+                return Err(invalid(format!(
+                    "the feature cache holds base layers {:?}, not layer {l}: regenerate it with --feature_layers",
+                    self.feature_layers
+                )));
+            };
+            columns.push(self.features.narrow(1, (1 + i) * h, h)?);
+        }
+        if let Some(w) = layers.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(invalid(format!(
+                "feature layers must be strictly increasing, found {} then {}",
+                w[0], w[1]
+            )));
+        }
+        Ok(FeatureDataset {
+            // Batches gather rows with index_select, which wants contiguous storage.
+            features: Tensor::cat(&columns, 1)?.contiguous()?,
+            feature_layers: layers.to_vec(),
+            ..self.clone()
+        })
+    }
+
+    /// Feature columns per token: the final feature and one state per feature layer.
+    pub fn feature_width(&self) -> usize {
+        (1 + self.feature_layers.len()) * self.hidden_size
     }
     pub fn answer_tokens(&self) -> usize {
         (0..self.len())
@@ -115,6 +153,7 @@ impl FeatureDataset {
             num_tokens: self.tokens.len(),
             answer_tokens: self.answer_tokens(),
             feature_dtype: format!("{feature_dtype:?}").to_lowercase(),
+            feature_layers: self.feature_layers.clone(),
             source: self.source.clone(),
         }
     }
@@ -227,12 +266,12 @@ impl FeatureDataset {
             .collect();
         let features = take("features")?.to_dtype(DType::F32)?;
         let bad = |what: String| file_err(&data_path, format!("{what}: regenerate the data"));
-        if features.dims() != [tokens.len(), meta.hidden_size] {
+        let width = (1 + meta.feature_layers.len()) * meta.hidden_size;
+        if features.dims() != [tokens.len(), width] {
             return Err(bad(format!(
-                "features have shape {:?}, expected [{}, {}]",
+                "features have shape {:?}, expected [{}, {width}]",
                 features.dims(),
                 tokens.len(),
-                meta.hidden_size
             )));
         }
         if offsets.len() != prompt_lens.len() + 1
@@ -253,6 +292,7 @@ impl FeatureDataset {
             vocab_size: meta.vocab_size,
             tokens,
             features,
+            feature_layers: meta.feature_layers,
             offsets,
             prompt_lens,
             source: meta.source,
@@ -261,10 +301,12 @@ impl FeatureDataset {
 
     /// Features of `seqs` = `(tokens, prompt_len)`: the frozen base model runs over each
     /// whole sequence (varlen batches of about `batch_tokens` tokens, a fresh KV cache per
-    /// batch) and keeps the final-normed hidden state of every position.
+    /// batch) and keeps the final-normed hidden state of every position, followed by the
+    /// states of `feature_layers`.
     pub fn extract(
         model: &Llama,
         seqs: Vec<(Vec<u32>, usize)>,
+        feature_layers: &[usize],
         batch_tokens: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -325,13 +367,14 @@ impl FeatureDataset {
                     output_rows: OutputRows::All,
                 })
                 .collect();
-            let hidden = model.forward(&batch, &mut cache)?;
+            let hidden = model.forward_tapped(&batch, &mut cache, feature_layers, false)?;
             parts.push(hidden.to_dtype(DType::F32)?.to_device(&Device::Cpu)?);
             start = end;
             progress(end, seqs.len());
         }
+        let width = (1 + feature_layers.len()) * h;
         let features = if parts.is_empty() {
-            Tensor::zeros((0, h), DType::F32, &Device::Cpu)?
+            Tensor::zeros((0, width), DType::F32, &Device::Cpu)?
         } else {
             Tensor::cat(&parts, 0)?
         };
@@ -340,6 +383,7 @@ impl FeatureDataset {
             vocab_size: cfg.vocab_size,
             tokens,
             features,
+            feature_layers: feature_layers.to_vec(),
             offsets,
             prompt_lens,
             source: DatasetSource::default(),

@@ -341,9 +341,12 @@ pub fn make_draft_batch(
         }
     }
     let n_rows = loss_rows.len();
+    // The final feature only: a cache made for a multi-layer EAGLE head carries more.
     let targets = data
         .features
-        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?;
+        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?
+        .narrow(1, 0, data.hidden_size)?
+        .contiguous()?;
     Ok(Some(DraftBatch {
         tokens: Tensor::from_vec(tokens, (b, t), device)?,
         loss_rows: Tensor::from_vec(loss_rows, n_rows, device)?,
@@ -734,6 +737,7 @@ pub fn check_features(model: &Llama, data: &FeatureDataset) -> Result<f64> {
     let fresh = FeatureDataset::extract(
         model,
         vec![(data.seq_tokens(s).to_vec(), data.prompt_lens[s])],
+        &data.feature_layers,
         usize::MAX,
         &mut |_, _| {},
     )?;

@@ -142,7 +142,11 @@ pub fn head_config(base: &ModelConfig, bias: bool) -> EagleHeadConfig {
     llama.num_hidden_layers = 1;
     llama.tie_word_embeddings = false;
     llama.rope_parameters = None;
-    EagleHeadConfig { llama, bias }
+    EagleHeadConfig {
+        llama,
+        bias,
+        feature_layers: Vec::new(),
+    }
 }
 
 /// Where the head's first weights come from.
@@ -269,11 +273,12 @@ impl TrainConfig {
 pub struct Batch {
     /// `[B, T]` u32: `t[i+1]`.
     pub tokens: Tensor,
-    /// `[B, T, H]` f32: `f[i]` (+ noise).
+    /// `[B, T, W]` f32: `f[i]` (+ noise), the dataset's `W = feature_width()` columns (the
+    /// final feature, then any tapped layer states).
     pub features: Tensor,
     /// Rows of the flattened `[B·T]` predictions that carry loss.
     pub loss_rows: Tensor,
-    /// `[N, H]`: `f[i+1]` of those rows.
+    /// `[N, H]`: the final feature `f[i+1]` of those rows.
     pub targets: Tensor,
     pub n_rows: usize,
     /// Per loss row, its distance from its sequence's first loss position (host): pass `k`
@@ -341,6 +346,7 @@ pub fn make_batch(
         return Ok(None);
     }
     let h = data.hidden_size;
+    let w = data.feature_width();
     let t = wins.iter().map(|(_, (a, b, _))| b - a).max().unwrap_or(1);
     let b = wins.len();
     let mut tokens = vec![0u32; b * t];
@@ -356,7 +362,7 @@ pub fn make_batch(
         let f = data.features.narrow(0, off + start, len)?;
         let f = if len < t {
             Tensor::cat(
-                &[&f, &Tensor::zeros((t - len, h), DType::F32, &Device::Cpu)?],
+                &[&f, &Tensor::zeros((t - len, w), DType::F32, &Device::Cpu)?],
                 0,
             )?
         } else {
@@ -371,15 +377,17 @@ pub fn make_batch(
     }
     let mut features = Tensor::stack(&feats, 0)?;
     if noise > 0.0 {
-        let data_noise: Vec<f32> = (0..b * t * h)
+        let data_noise: Vec<f32> = (0..b * t * w)
             .map(|_| rng.random_range(-noise..noise))
             .collect();
-        features = (features + Tensor::from_vec(data_noise, (b, t, h), &Device::Cpu)?)?;
+        features = (features + Tensor::from_vec(data_noise, (b, t, w), &Device::Cpu)?)?;
     }
     let n_rows = loss_rows.len();
     let targets = data
         .features
-        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?;
+        .index_select(&Tensor::from_vec(target_rows, n_rows, &Device::Cpu)?, 0)?
+        .narrow(1, 0, h)?
+        .contiguous()?;
     Ok(Some(Batch {
         tokens: Tensor::from_vec(tokens, (b, t), &Device::Cpu)?,
         features,
@@ -524,6 +532,15 @@ fn random_head(expected: &[(String, Vec<usize>)], seed: u64) -> Result<BTreeMap<
     Ok(out)
 }
 
+/// `fuse = [I | 0 …]`: the fused feature is the base's final feature, the tapped layers
+/// weighted zero until training finds a use for them.
+fn final_feature_fuse(head_cfg: &EagleHeadConfig) -> Result<Tensor> {
+    let h = head_cfg.llama.hidden_size;
+    let eye = Tensor::eye(h, DType::F32, &Device::Cpu)?;
+    let rest = Tensor::zeros((h, head_cfg.feature_width() - h), DType::F32, &Device::Cpu)?;
+    Ok(Tensor::cat(&[&eye, &rest], 1)?)
+}
+
 /// A head being trained: its variables, the head built over them and the optimiser.
 pub struct EagleTrainer<'b, 'a> {
     base: &'b FrozenBase<'a>,
@@ -549,7 +566,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         let varmap = VarMap::new();
         let device = base.model.device().clone();
         let expected = EagleHead::expected_tensors(&head_cfg);
-        let initial: Option<BTreeMap<String, Tensor>> = match init {
+        let mut initial: Option<BTreeMap<String, Tensor>> = match init {
             HeadInit::CopyLastLayer { out_scale } => {
                 let h = head_cfg.llama.hidden_size;
                 let mut m = BTreeMap::new();
@@ -576,6 +593,13 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
             HeadInit::Random { seed } => Some(random_head(&expected, seed)?),
             HeadInit::Tensors(m) => Some(m),
         };
+        if let Some(m) = initial.as_mut() {
+            if !head_cfg.feature_layers.is_empty() && !m.contains_key("fuse.weight") {
+                // A head without `fuse` (copied, or an EAGLE-1 head resumed) starts reading
+                // the final feature alone, so it begins exactly where it was.
+                m.insert("fuse.weight".to_string(), final_feature_fuse(&head_cfg)?);
+            }
+        }
         if let Some(initial) = initial {
             let mut data = varmap
                 .data()
@@ -628,16 +652,15 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
     /// the gradient stays closed-form per pass, and HASS detaches the fed-back features too.
     pub fn unrolled_predictions(&self, batch: &Batch, passes: usize) -> Result<Vec<Tensor>> {
         debug_assert!(batch.tokens.device().same_device(self.base.model.device()));
+        let fed = self.head.fuse_features(&batch.features)?;
         if passes == 1 {
-            return Ok(vec![self
-                .head
-                .forward_train(&batch.tokens, &batch.features)?]);
+            return Ok(vec![self.head.forward_train(&batch.tokens, &fed)?]);
         }
         let mut unroll = TrainUnroll::default();
         let mut preds: Vec<Tensor> = Vec::with_capacity(passes);
         for _ in 0..passes {
             let features = match preds.last() {
-                None => batch.features.clone(),
+                None => fed.clone(),
                 Some(p) => parent_outputs(&p.detach())?,
             };
             preds.push(

@@ -35,7 +35,7 @@ fn tiny(tied: bool) -> Tiny {
 /// Greedy continuations of random prompts (what self-distillation produces at temperature 0).
 fn greedy_data(model: &Llama, n: usize, prompt_len: usize, answer_len: usize) -> FeatureDataset {
     let seqs = greedy_sequences(model, n, prompt_len, answer_len, 5);
-    FeatureDataset::extract(model, seqs, 256, &mut |_, _| {}).unwrap()
+    FeatureDataset::extract(model, seqs, &[], 256, &mut |_, _| {}).unwrap()
 }
 
 fn cfg(epochs: usize) -> DraftTrainConfig {

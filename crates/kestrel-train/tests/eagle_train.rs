@@ -37,6 +37,7 @@ fn dataset(t: &Tiny, n: usize) -> FeatureDataset {
     FeatureDataset::extract(
         &t.model,
         greedy_data(&t.model, n, 6, 20),
+        &[],
         64,
         &mut |_, _| {},
     )
@@ -292,9 +293,9 @@ fn written_heads_reload_with_the_published_keys() {
 fn feature_cache_round_trips_and_batching_does_not_change_features() {
     let t = tiny(true);
     let seqs = greedy_data(&t.model, 5, 4, 9);
-    let one = FeatureDataset::extract(&t.model, seqs.clone(), 1, &mut |_, _| {}).unwrap();
+    let one = FeatureDataset::extract(&t.model, seqs.clone(), &[], 1, &mut |_, _| {}).unwrap();
     let mut calls = 0;
-    let many = FeatureDataset::extract(&t.model, seqs, 1000, &mut |_, _| calls += 1).unwrap();
+    let many = FeatureDataset::extract(&t.model, seqs, &[], 1000, &mut |_, _| calls += 1).unwrap();
     assert_eq!(calls, 1);
     assert_eq!(one.tokens, many.tokens);
     assert_eq!(one.offsets, vec![0, 13, 26, 39, 52, 65]);
@@ -326,7 +327,7 @@ fn bad_inputs_are_errors_not_panics() {
         "{err}"
     );
 
-    let err = FeatureDataset::extract(&t.model, vec![(vec![1, 999], 1)], 64, &mut |_, _| {})
+    let err = FeatureDataset::extract(&t.model, vec![(vec![1, 999], 1)], &[], 64, &mut |_, _| {})
         .unwrap_err()
         .to_string();
     assert!(err.contains("999"), "{err}");
@@ -499,4 +500,83 @@ fn unroll_with_zero_weight_trains_exactly_like_no_unroll() {
     for (name, w) in &wa {
         assert_eq!(max_diff(w, &wb[name]), 0.0, "{name}");
     }
+}
+
+/// A head that also reads base layer 0 (EAGLE-3's multi-layer features): the cache keeps the
+/// final feature first, a plain head's weights plus `fuse = [I | 0]` start exactly where the
+/// plain head is, training lowers the loss and puts weight on layer 0, and the written head
+/// and cache read back with their layers.
+#[test]
+fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
+    let t = tiny(true);
+    let h = t.model.config().hidden_size;
+    let seqs = greedy_data(&t.model, 16, 6, 20);
+    let plain_data =
+        FeatureDataset::extract(&t.model, seqs.clone(), &[], 64, &mut |_, _| {}).unwrap();
+    let data = FeatureDataset::extract(&t.model, seqs, &[0], 64, &mut |_, _| {}).unwrap();
+    assert_eq!(data.feature_width(), 2 * h);
+    assert_eq!(
+        max_diff(
+            &data.features.narrow(1, 0, h).unwrap(),
+            &plain_data.features
+        ),
+        0.0
+    );
+    let dir = tempfile::tempdir().unwrap();
+    data.save(&dir.path().join("data"), DType::F32).unwrap();
+    let back = FeatureDataset::load(&dir.path().join("data")).unwrap();
+    assert_eq!(back.feature_layers, vec![0]);
+    assert_eq!(max_diff(&back.features, &data.features), 0.0);
+
+    // One cache serves a head that reads fewer layers.
+    let fewer = data.select_layers(&[]).unwrap();
+    assert!(fewer.feature_layers.is_empty());
+    assert_eq!(max_diff(&fewer.features, &plain_data.features), 0.0);
+    assert_eq!(
+        plain_data.select_layers(&[0]).unwrap_err().to_string(),
+        "the feature cache holds base layers [], not layer 0: regenerate it with --feature_layers"
+    );
+
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let plain = EagleTrainer::new(
+        &base,
+        head_config(t.model.config(), true),
+        HeadInit::Random { seed: 3 },
+        train_cfg(6),
+    )
+    .unwrap();
+    let mut hc = head_config(t.model.config(), true);
+    hc.feature_layers = vec![0];
+    let mut fused = EagleTrainer::new(
+        &base,
+        hc,
+        HeadInit::Tensors(plain.tensors().unwrap()),
+        train_cfg(6),
+    )
+    .unwrap();
+    let before = fused.evaluate_unrolled(&data, &all, 2).unwrap();
+    let reference = plain.evaluate_unrolled(&fewer, &all, 2).unwrap();
+    for (k, (f, p)) in before.iter().zip(&reference).enumerate() {
+        let (f, p) = (f.mean(0.1), p.mean(0.1));
+        assert_eq!((f.loss, f.top1), (p.loss, p.top1), "pass {}", k + 1);
+    }
+    train(&mut fused, &data, &all, &[], "resume", None, &mut |_| {}).unwrap();
+    let after = fused.evaluate(&data, &all).unwrap().mean(0.1);
+    assert!(
+        after.loss < 0.8 * before[0].mean(0.1).loss,
+        "loss {} -> {}",
+        before[0].mean(0.1).loss,
+        after.loss
+    );
+    let w = fused.tensors().unwrap();
+    let on_layer0 = w["fuse.weight"].narrow(1, h, h).unwrap().abs().unwrap();
+    assert!(on_layer0.max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+
+    fused
+        .save(&dir.path().join("head"), DType::F32, &[])
+        .unwrap();
+    let (cfg, tensors) = load_head(&dir.path().join("head")).unwrap();
+    assert_eq!(cfg.feature_layers, vec![0]);
+    assert_eq!(max_diff(&tensors["fuse.weight"], &w["fuse.weight"]), 0.0);
 }

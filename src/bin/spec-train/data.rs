@@ -49,6 +49,12 @@ pub struct DataArgs {
     /// Sampling temperature of the synthetic prompts.
     #[arg(long, default_value_t = 1.0)]
     pub synthetic_temperature: f32,
+    /// Base decoder layers (0-based, comma-separated, increasing) whose states the cache
+    /// keeps next to the final feature, for an EAGLE head that reads several layers
+    /// (EAGLE-3's low/mid features; e.g. 2,15 on a 30-layer model). The head trained on the
+    /// cache reads the same layers.
+    #[arg(long, value_delimiter = ',')]
+    pub feature_layers: Vec<usize>,
     /// Tokens per varlen batch of the feature pass.
     #[arg(long, default_value_t = 2048)]
     pub feature_batch_tokens: usize,
@@ -135,6 +141,7 @@ pub fn generate_data(
     let mut data = FeatureDataset::extract(
         &engine.model,
         seqs,
+        &args.feature_layers,
         args.feature_batch_tokens,
         &mut |done, total| {
             eprintln!(

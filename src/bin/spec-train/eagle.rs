@@ -1,4 +1,5 @@
-//! `spec-train eagle`: data, then an EAGLE-1 head trained on the frozen base's features.
+//! `spec-train eagle`: data, then an EAGLE-1 head (optionally reading several base layers)
+//! trained on the frozen base's features.
 
 use crate::data::{generate_data, DataArgs};
 use crate::parse_dtype;
@@ -90,6 +91,12 @@ pub struct EagleArgs {
     /// Loss weight of unroll pass k is ttt_decay^(k-1).
     #[arg(long, default_value_t = 1.0)]
     ttt_decay: f64,
+    /// Base layers the head reads besides the final feature (EAGLE-3's multi-layer
+    /// features): a subset of the cache's --feature_layers, comma-separated; the flag alone
+    /// means none (the final feature only). Default: a resumed head's layers, else every
+    /// layer the cache holds.
+    #[arg(long, value_delimiter = ',', num_args = 0..)]
+    head_feature_layers: Option<Vec<usize>>,
     /// Draft depths whose held-out top-1 is logged (at least --ttt_steps).
     #[arg(long, default_value_t = 3)]
     eval_steps: usize,
@@ -113,10 +120,29 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
         .iter()
         .map(|w| args.engine_dir.join(&w.file))
         .collect();
+    if !args.data.feature_layers.is_empty() && args.data.feature_layers != data.feature_layers {
+        bail!(
+            "{}: the feature cache holds base layers {:?} but --feature_layers asks for {:?}: regenerate the data (--regenerate)",
+            args.data_dir.display(),
+            data.feature_layers,
+            args.data.feature_layers
+        );
+    }
     let base = FrozenBase::from_rank_files(&engine.model, engine.plan.mapping, &rank_files)?;
-    let (head_cfg, init, init_name) = match &args.resume {
+    let (mut head_cfg, init, init_name) = match &args.resume {
         Some(dir) => {
             let (hc, tensors) = load_head(dir)?;
+            if let Some(asked) = args
+                .head_feature_layers
+                .as_ref()
+                .filter(|l| !hc.feature_layers.is_empty() && **l != hc.feature_layers)
+            {
+                bail!(
+                    "{}: the head reads base layers {:?}, --head_feature_layers asks for {asked:?}",
+                    dir.display(),
+                    hc.feature_layers,
+                );
+            }
             (
                 hc,
                 HeadInit::Tensors(tensors),
@@ -143,6 +169,21 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
             }
         }
     };
+    // The layers the head reads: as asked, else a resumed head's own, else all the cache
+    // holds. A head without them before (EAGLE-1, or copied) gains a `fuse` that starts on
+    // the final feature alone.
+    let layers = match &args.head_feature_layers {
+        Some(asked) => asked.clone(),
+        None if !head_cfg.feature_layers.is_empty() => head_cfg.feature_layers.clone(),
+        None => data.feature_layers.clone(),
+    };
+    let data = if layers == data.feature_layers {
+        data
+    } else {
+        data.select_layers(&layers)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.data_dir.display()))?
+    };
+    head_cfg.feature_layers = layers;
     let tcfg = TrainConfig {
         epochs: args.train.epochs,
         lr: args.lr,

@@ -41,7 +41,11 @@ pub fn head_cfg(base: &ModelConfig) -> EagleHeadConfig {
     llama.intermediate_size = 24;
     llama.rope_theta = 10000.0;
     llama.rope_scaling = None;
-    EagleHeadConfig { llama, bias: true }
+    EagleHeadConfig {
+        llama,
+        bias: true,
+        feature_layers: Vec::new(),
+    }
 }
 
 pub fn to_vec(t: &Tensor) -> Vec<f32> {

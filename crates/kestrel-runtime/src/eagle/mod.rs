@@ -4,8 +4,9 @@
 //! predicts the next feature; a tree is drafted from it; the target verifies the whole tree
 //! in one forward with the tree's ancestor mask and depth positions; the accepted path's KV
 //! slots are compacted into place and the rest dropped; the accepted tokens and the target's
-//! bonus token are committed. The features are the target's final-normed hidden states, so
-//! the next step's pairs come straight out of the verification forward.
+//! bonus token are committed. The features are the target's final-normed hidden states (with
+//! the states of the head's `feature_layers`, fused by the head), so the next step's pairs
+//! come straight out of the verification forward.
 
 mod accept;
 mod draft;
@@ -189,14 +190,16 @@ impl Decoder for EagleDecoder<'_> {
         // logits give the first token.
         let pos = prompt_positions(seqs, &reused);
         let batch = prompt_batch(seqs, &base_ids, &reused, &pos, OutputRows::All);
-        let hidden = model.forward_prompt(&batch, &mut self.base_cache)?;
+        let taps = &self.head.config().feature_layers;
+        let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, true)?;
+        let hidden = self.head.fuse_features(&tapped)?;
         let mut lasts = Vec::with_capacity(seqs.len());
         let mut offset = 0;
         for (s, &r) in seqs.iter().zip(&reused) {
             offset += s.tokens.len() - r;
-            lasts.push(hidden.narrow(0, offset - 1, 1)?);
+            lasts.push(tapped.narrow(0, offset - 1, 1)?);
         }
-        let logits = model.logits(&Tensor::cat(&lasts, 0)?)?;
+        let logits = model.logits(&model.final_hidden(&Tensor::cat(&lasts, 0)?)?)?;
         let mut pending: Vec<Option<Pending>> = Vec::with_capacity(seqs.len());
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;
@@ -282,8 +285,9 @@ impl Decoder for EagleDecoder<'_> {
                     output_rows: OutputRows::All,
                 })
                 .collect();
-            let hidden = model.forward(&batch, &mut self.base_cache)?;
-            let target = LogitRows::fetch(&model.logits(&hidden)?, params.sampling.is_greedy())?;
+            let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, false)?;
+            let logits = model.logits(&model.final_hidden(&tapped)?)?;
+            let target = LogitRows::fetch(&logits, params.sampling.is_greedy())?;
             let mut offset = 0;
             for ((&i, tree), &base_len) in live.iter().zip(&trees).zip(&bases) {
                 let n = tree.tokens.len();
@@ -302,14 +306,14 @@ impl Decoder for EagleDecoder<'_> {
                     .iter()
                     .map(|&r| (offset + r) as u32)
                     .collect();
-                let rows = Tensor::new(kept_rows.as_slice(), hidden.device())?;
+                let rows = Tensor::new(kept_rows.as_slice(), tapped.device())?;
                 s.stats.draft_tokens += n - 1;
                 s.stats.accepted_draft_tokens += acc.accepted_len;
                 s.stats.record_step(acc.tokens.len());
                 s.commit(&acc.tokens, params, sink);
                 pending[i] = Some(Pending {
                     tokens: acc.tokens,
-                    features: hidden.index_select(&rows, 0)?,
+                    features: self.head.fuse_features(&tapped.index_select(&rows, 0)?)?,
                     start: base_len,
                 });
                 offset += n;

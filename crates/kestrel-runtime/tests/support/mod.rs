@@ -25,7 +25,11 @@ pub fn tiny_config(layers: usize) -> ModelConfig {
 pub fn head_config(cfg: &ModelConfig) -> EagleHeadConfig {
     let mut llama = cfg.clone();
     llama.num_hidden_layers = 1;
-    EagleHeadConfig { llama, bias: true }
+    EagleHeadConfig {
+        llama,
+        bias: true,
+        feature_layers: Vec::new(),
+    }
 }
 
 /// A head that predicts the base model well: fc passes the token embedding through, and its
@@ -105,7 +109,7 @@ pub fn random_head(cfg: &ModelConfig, seed: u64) -> BTreeMap<String, Tensor> {
 /// `shape` values uniform in ±std·√3 (standard deviation `std`) from a xorshift stream seeded
 /// by `seed`: tests that compare heads need the same head in every run (`Tensor::randn` draws
 /// from an unseeded generator, which made calibrate.rs's random-head test flaky).
-fn seeded_uniform(seed: u64, shape: (usize, usize), std: f32) -> Tensor {
+pub fn seeded_uniform(seed: u64, shape: (usize, usize), std: f32) -> Tensor {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let half_width = std * 3f32.sqrt();
     let values: Vec<f32> = (0..shape.0 * shape.1)
@@ -127,6 +131,8 @@ pub struct EngineSpec {
     pub max_non_leaves_per_layer: usize,
     pub max_input_len: usize,
     pub max_seq_len: usize,
+    /// The head's `feature_layers` (its tensors must then include `fuse.weight`).
+    pub feature_layers: Vec<usize>,
 }
 
 impl Default for EngineSpec {
@@ -139,6 +145,7 @@ impl Default for EngineSpec {
             max_non_leaves_per_layer: 10,
             max_input_len: 64,
             max_seq_len: 256,
+            feature_layers: Vec::new(),
         }
     }
 }
@@ -162,7 +169,10 @@ pub fn build(
             max_draft_len: spec.max_draft_len,
             num_eagle_layers: spec.num_eagle_layers,
             max_non_leaves_per_layer: spec.max_non_leaves_per_layer,
-            head_config: head_config(cfg),
+            head_config: EagleHeadConfig {
+                feature_layers: spec.feature_layers.clone(),
+                ..head_config(cfg)
+            },
         }
     });
     candle_core::safetensors::save(&all, ckpt.join(rank_file_name(0))).unwrap();

@@ -1,0 +1,123 @@
+//! A head that reads several base layers, end to end on a tiny 3-layer Llama: `spec-train
+//! eagle --feature_layers` keeps those layers' states in the cache, a head trained on a subset
+//! of them (`--head_feature_layers`) is written with its `feature_layers` and `fuse`,
+//! convert-checkpoint and spec-build take it, and spec-run's EAGLE output equals plain
+//! decoding's. A layer the cache does not hold is refused with one exact line.
+
+mod common;
+
+use common::{
+    build_ok, convert_ok, fixture, one_line_error, s, spec_run_ids, spec_train, stderr,
+    TINY_TOKENIZER_JSON,
+};
+use std::path::{Path, PathBuf};
+
+/// The 3-layer tiny Llama converted (with `extra` flags) and built (with `build_args`) under
+/// `dir`.
+fn engine(dir: &Path, extra: &[&str], build_args: &[&str]) -> PathBuf {
+    let src = fixture("tiny/mqa");
+    let ckpt = dir.join("ckpt");
+    let mut args = vec!["--model_dir", s(&src), "--output_dir", s(&ckpt)];
+    args.extend_from_slice(extra);
+    convert_ok(&args);
+    std::fs::write(ckpt.join("tokenizer.json"), TINY_TOKENIZER_JSON).unwrap();
+    let engine = dir.join("engine");
+    let mut args = vec![
+        "--checkpoint_dir",
+        s(&ckpt),
+        "--output_dir",
+        s(&engine),
+        "--max_input_len",
+        "64",
+        "--max_seq_len",
+        "128",
+    ];
+    args.extend_from_slice(build_args);
+    build_ok(&args);
+    engine
+}
+
+#[test]
+fn a_head_reading_base_layers_trains_converts_and_keeps_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let plain = engine(&w.join("plain"), &[], &[]);
+    let prompts = w.join("prompts.json");
+    std::fs::write(&prompts, r#"["a b c", "hello world", "d e a", "b b c d"]"#).unwrap();
+    let data = w.join("data");
+    let head = w.join("head");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "eagle",
+            "--engine_dir",
+            s(&plain),
+            "--data_dir",
+            s(&data),
+            "--output_dir",
+            s(&head),
+            "--prompts",
+            s(&prompts),
+            "--no_chat",
+            "--max_new_tokens",
+            "12",
+            "--feature_layers",
+            "0,1",
+            "--epochs",
+            "1",
+            "--val_fraction",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        spec_train(&args)
+    };
+    let out = train(&["--head_feature_layers", "1"]);
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["feature_layers"], serde_json::json!([0, 1]));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(head.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["feature_layers"], serde_json::json!([1]));
+
+    let refused = train(&["--stage", "train", "--head_feature_layers", "2"]);
+    assert_eq!(
+        one_line_error("spec-train", &refused),
+        format!(
+            "{}: the feature cache holds base layers [0, 1], not layer 2: regenerate it with --feature_layers",
+            data.display()
+        )
+    );
+
+    let eagle = engine(
+        &w.join("eagle"),
+        &["--eagle_model_dir", s(&head)],
+        &["--speculative_decoding_mode", "eagle"],
+    );
+    let json = w.join("out.json");
+    let run = |extra: &[&str]| -> Vec<Vec<u32>> {
+        let mut args = vec![
+            "--engine_dir",
+            s(&eagle),
+            "--input_text",
+            "a b c hello",
+            "--max_output_len",
+            "16",
+        ];
+        args.extend_from_slice(extra);
+        spec_run_ids(&args, &json)
+    };
+    let plain_ids = run(&["--no_speculation"]);
+    assert_eq!(plain_ids[0].len(), 16, "{plain_ids:?}");
+    assert_eq!(
+        run(&["--eagle_choices", "[[0],[1],[0,0],[0,1]]"]),
+        plain_ids
+    );
+    assert_eq!(
+        run(&[
+            "--eagle_use_dynamic_tree",
+            "--eagle_dynamic_tree_max_top_k",
+            "2"
+        ]),
+        plain_ids
+    );
+}
