@@ -354,13 +354,7 @@ fn measure_group(
         let (tokens, prompt_len) = &group[i];
         walks.push(Walk {
             tokens,
-            features: head.fuse_features(&features(
-                base,
-                &mut base_cache,
-                tokens,
-                *prompt_len,
-                &head.config().feature_layers,
-            )?)?,
+            features: features(base, head, &mut base_cache, tokens, *prompt_len)?,
             head_seq: head_cache.add_sequence(),
             root: *prompt_len,
             fed: 0,
@@ -455,21 +449,24 @@ fn measure_group(
     Ok(ranks)
 }
 
-/// The base model's features `F_0..F_{len-2}` of one sequence (with the states of `taps`,
-/// see [`Llama::forward_tapped`]), computed as spec-run computes them: the prompt through the
-/// prompt (GEMM) path, the answer through the batch-invariant decode path (row for row what
-/// one-token decode or tree verification steps give).
+/// The features `F_0..F_{len-2}` of one sequence that `head` is fed, computed as spec-run
+/// computes them: the base's prompt rows through the prompt (GEMM) path, the answer through
+/// the batch-invariant decode path (row for row what one-token decode or tree verification
+/// steps give), each part with the states of the head's `feature_layers` fused as spec-run
+/// fuses them: the prompt's rows in one call, answer rows through the same row-invariant
+/// kernels that fuse a step's few accepted rows.
 fn features(
     base: &Llama,
+    head: &EagleHead,
     cache: &mut PagedKvCache,
     tokens: &[u32],
     prompt_len: usize,
-    taps: &[usize],
 ) -> Result<Tensor> {
+    let taps = &head.config().feature_layers;
     let n = tokens.len() - 1;
     let seq = cache.add_sequence();
     let pos: Vec<u32> = (0..n as u32).collect();
-    let mut parts = vec![base.forward_tapped(
+    let mut parts = vec![head.fuse_features(&base.forward_tapped(
         &[SeqInput {
             seq,
             tokens: &tokens[..prompt_len],
@@ -480,11 +477,11 @@ fn features(
         cache,
         taps,
         true,
-    )?];
+    )?)?];
     let mut start = prompt_len;
     while start < n {
         let end = (start + MAX_ROWS).min(n);
-        parts.push(base.forward_tapped(
+        parts.push(head.fuse_features(&base.forward_tapped(
             &[SeqInput {
                 seq,
                 tokens: &tokens[start..end],
@@ -495,7 +492,7 @@ fn features(
             cache,
             taps,
             false,
-        )?);
+        )?)?);
         start = end;
     }
     cache.free_sequence(seq)?;

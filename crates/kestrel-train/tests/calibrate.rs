@@ -17,7 +17,7 @@ use kestrel_train::calibrate::{
 use kestrel_train::distill::{distill, DistillOptions};
 use kestrel_train::step_cost::StepCosts;
 use std::collections::HashSet;
-use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
+use support::{agreeing_pair, build, prompts, random_head, seeded_uniform, EngineSpec};
 
 const ANSWER: usize = 40;
 
@@ -36,6 +36,22 @@ fn engine(dir: &std::path::Path, agreeing: bool) -> Engine {
     let (cfg, base, good) = agreeing_pair(11);
     let head = if agreeing { good } else { random_head(&cfg, 6) };
     let engine_dir = build(dir, &cfg, &base, Some(&head), &EngineSpec::default());
+    Engine::load(&engine_dir, &Device::Cpu).unwrap()
+}
+
+/// A random head that also reads base layers 0 and 1 of a 3-layer base, through a random
+/// `fuse`.
+fn fused_engine(dir: &std::path::Path) -> Engine {
+    let cfg = support::tiny_config(3);
+    let h = cfg.hidden_size;
+    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let mut head = random_head(&cfg, 6);
+    head.insert("fuse.weight".into(), seeded_uniform(7, (h, 3 * h), 0.2));
+    let spec = EngineSpec {
+        feature_layers: vec![0, 1],
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir, &cfg, &base, Some(&head), &spec);
     Engine::load(&engine_dir, &Device::Cpu).unwrap()
 }
 
@@ -218,8 +234,12 @@ fn measured_ranks_predict_spec_runs_steps_exactly() {
     // Teacher forcing must see exactly what spec-run's drafter sees along a right path:
     // then the ranks alone replay EAGLE decoding step for step, for any static tree.
     let dir = tempfile::tempdir().unwrap();
-    for agreeing in [true, false] {
-        let engine = engine(&dir.path().join(format!("e{agreeing}")), agreeing);
+    let engines = [
+        ("agreeing", engine(&dir.path().join("agreeing"), true)),
+        ("random", engine(&dir.path().join("random"), false)),
+        ("fused", fused_engine(&dir.path().join("fused"))),
+    ];
+    for (name, engine) in engines {
         let seqs = answers(&engine);
         let head = engine.eagle.as_ref().unwrap();
         let ranks = measure_ranks(&engine.model, head, &seqs, 10, 4, 3, &mut |_, _| {}).unwrap();
@@ -251,7 +271,7 @@ fn measured_ranks_predict_spec_runs_steps_exactly() {
                 }
                 assert_eq!(
                     out[0].stats.steps, steps,
-                    "{preset}, agreeing {agreeing}: spec-run's steps differ from the replay"
+                    "{preset}, {name} head: spec-run's steps differ from the replay"
                 );
             }
         }
