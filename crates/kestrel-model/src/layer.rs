@@ -209,6 +209,16 @@ impl RmsNorm {
         }
     }
 
+    /// `x` RMS-normalised in f32 without the weight, in `x`'s dtype (`[N, H]` rows).
+    pub fn forward_unweighted(&self, x: &Tensor) -> Result<Tensor> {
+        let normed = candle_nn::ops::rms_norm(
+            &x.to_dtype(DType::F32)?.contiguous()?,
+            &self.ones,
+            self.eps as f32,
+        )?;
+        Ok(normed.to_dtype(x.dtype())?)
+    }
+
     pub fn forward(&self, x: &Tensor, differentiable: bool) -> Result<Tensor> {
         let dtype = x.dtype();
         if differentiable {

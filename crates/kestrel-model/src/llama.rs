@@ -563,7 +563,9 @@ impl Llama {
         let mut tapped = Vec::with_capacity(taps.len());
         let mut tap = |l: usize, state: &dyn Fn() -> Result<Tensor>| -> Result<()> {
             if taps.contains(&l) {
-                tapped.push(self.tap_state(&select(state()?)?)?);
+                // Residual states grow with depth; normed without the final norm's weight,
+                // every tap is on the final feature's scale.
+                tapped.push(self.norm.forward_unweighted(&select(state()?)?)?);
             }
             Ok(())
         };
@@ -594,19 +596,6 @@ impl Llama {
         }
         tapped.insert(0, normed);
         Ok(Tensor::cat(&tapped, 1)?)
-    }
-
-    /// A tapped layer state as the head reads it: RMS-normalised in f32 without a weight
-    /// (residual states grow with depth; the norm puts every tap on the final feature's
-    /// scale), in the model's dtype.
-    fn tap_state(&self, x: &Tensor) -> Result<Tensor> {
-        let ones = Tensor::ones(self.cfg.hidden_size, DType::F32, &self.device)?;
-        let normed = candle_nn::ops::rms_norm(
-            &x.to_dtype(DType::F32)?.contiguous()?,
-            &ones,
-            self.cfg.rms_norm_eps as f32,
-        )?;
-        Ok(normed.to_dtype(self.dtype)?)
     }
 
     /// Training forward without a cache: `tokens: [B, T]` (u32, each row a sequence from
