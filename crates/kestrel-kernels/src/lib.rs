@@ -16,7 +16,8 @@
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
-//! - [`limit_thread_stack`]: the context's per-thread stack cut to what these kernels need.
+//! - [`open_cuda`] / [`limit_thread_stack`]: a device whose context's per-thread stack is cut
+//!   to what these kernels need.
 //!
 //! The `.cu` source is compiled to PTX by build.rs only with the `cuda` feature; without it
 //! this crate holds only the host-side metadata layout ([`PagedAttnMeta::host`]) and the
@@ -30,7 +31,7 @@ mod graph;
 mod stack;
 
 pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
-pub use stack::{limit_thread_stack, THREAD_STACK_BYTES};
+pub use stack::{limit_thread_stack, open_cuda, THREAD_STACK_BYTES};
 
 /// Kernel names (their `extern "C"` names, dtype suffix appended) as recorded in plans.
 pub mod names {

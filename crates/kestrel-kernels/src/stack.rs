@@ -14,8 +14,16 @@ use candle_core::{Device, Result};
 /// kernels.
 pub const THREAD_STACK_BYTES: usize = 256;
 
+/// Opens CUDA device `ordinal` with its per-thread stack limited ([`limit_thread_stack`]):
+/// how Kestrel opens a device, so that no opener can forget the limit.
+pub fn open_cuda(ordinal: usize) -> Result<Device> {
+    let device = Device::new_cuda(ordinal)?;
+    limit_thread_stack(&device)?;
+    Ok(device)
+}
+
 /// Sets `device`'s per-thread stack limit to [`THREAD_STACK_BYTES`] (nothing on the CPU).
-/// Call once, right after opening the device.
+/// [`open_cuda`] calls it; call it yourself only on a device opened otherwise.
 pub fn limit_thread_stack(device: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {

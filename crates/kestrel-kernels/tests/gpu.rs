@@ -7,9 +7,9 @@
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
-    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack, paged_attention,
-    qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS,
-    GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
+    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack, open_cuda,
+    paged_attention, qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
+    GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -17,10 +17,7 @@ use rand_chacha::ChaCha8Rng;
 /// The device as the runtime opens it: with the per-thread stack cut to Kestrel's need, so
 /// every kernel here (`top_k_logp`'s 256-byte frame the largest) runs under that limit.
 fn gpu() -> Device {
-    let dev =
-        Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)");
-    limit_thread_stack(&dev).unwrap();
-    dev
+    open_cuda(0).expect("these tests need a CUDA device (built with --features cuda)")
 }
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {

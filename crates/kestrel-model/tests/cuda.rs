@@ -14,10 +14,8 @@ const SEED: u64 = 23;
 
 /// The device as the runtime opens it (the per-thread stack cut to Kestrel's need).
 fn gpu() -> Device {
-    let dev =
-        Device::new_cuda(0).expect("these tests need a CUDA device (built with --features cuda)");
-    kestrel_kernels::limit_thread_stack(&dev).unwrap();
-    dev
+    kestrel_kernels::open_cuda(0)
+        .expect("these tests need a CUDA device (built with --features cuda)")
 }
 
 fn argmax(row: &[f32]) -> u32 {

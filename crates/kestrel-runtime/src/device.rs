@@ -24,10 +24,7 @@ pub fn parse(spec: &str) -> Result<Device> {
             "--device {spec}: this binary was built without CUDA support; rebuild with --features cuda"
         )));
     }
-    let open_failed = |e: candle_core::Error| {
+    kestrel_kernels::open_cuda(ordinal).map_err(|e| {
         RuntimeError::InvalidRequest(format!("--device {spec}: cannot open the CUDA device: {e}"))
-    };
-    let device = Device::new_cuda(ordinal).map_err(open_failed)?;
-    kestrel_kernels::limit_thread_stack(&device).map_err(open_failed)?;
-    Ok(device)
+    })
 }
