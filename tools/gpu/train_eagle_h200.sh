@@ -6,11 +6,14 @@
 #   bash tools/gpu/train_eagle_h200.sh train   # trains /tmp/head (resumes it if present) -> $OUT/head
 #   bash tools/gpu/train_eagle_h200.sh eval    # EAGLE engine with /tmp/head: tau and tok/s -> $OUT
 #   bash tools/gpu/train_eagle_h200.sh bench   # bf16, graphs: calibrated trees + spec-bench -> $OUT
+#   bash tools/gpu/train_eagle_h200.sh categories  # HEAD on all 80 MT-bench first turns, per category -> $OUT
 #   bash tools/gpu/train_eagle_h200.sh vocab   # draft_vocab.json from /tmp/data; spec-bench with/without
 # Knobs (environment): SYNTHETIC=1 (the model writes its prompts; SEED), PROMPT_FILES (names in
 # the stage folder), NUM_PROMPTS (else sized to DATA_S seconds), MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
 # TTT_STEPS (training-time-test unroll passes, default 1), TTT_DECAY (default 1) and
-# FEATURE_LAYERS (e.g. 2,15: the data keeps those base layers' states and the head reads them).
+# FEATURE_LAYERS (e.g. 2,15: the data keeps those base layers' states and the head reads them),
+# HEAD (the head folder `train` resumes and writes, `bench` measures; default /tmp/head) and
+# TRAIN_ARGS (more spec-train flags, e.g. "--head_feature_layers" or "--feature_weight 0 --ce_weight 1").
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
 source tools/gpu/device-env.sh
@@ -55,13 +58,15 @@ data)
   cp /tmp/data/*.json "$OUT/" 2>/dev/null || true
   ;;
 train)
-  resume=(); [ -f /tmp/head/config.json ] && resume=(--resume /tmp/head)
+  H=${HEAD:-/tmp/head}
+  resume=(); [ -f "$H/config.json" ] && resume=(--resume "$H")
+  # shellcheck disable=SC2086
   timeout "${TRAIN_S:-540}" $B/spec-train eagle --engine_dir /tmp/eng --device cuda:0 --stage train \
-    --data_dir /tmp/data --output_dir /tmp/head "${resume[@]}" --epochs "${EPOCHS:-8}" \
+    --data_dir /tmp/data --output_dir "$H" "${resume[@]}" --epochs "${EPOCHS:-8}" \
     --lr "${LR:-1e-3}" --batch_size 32 --max_len 768 --logits_chunk 4096 --warmup_steps 50 \
-    --ttt_steps "${TTT_STEPS:-1}" --ttt_decay "${TTT_DECAY:-1}" \
+    --ttt_steps "${TTT_STEPS:-1}" --ttt_decay "${TTT_DECAY:-1}" ${TRAIN_ARGS:-} \
     2>&1 | grep -E "epoch [0-9]+/|held-out|saved" || true
-  cp -r /tmp/head "$OUT/head"
+  cp -r "$H" "$OUT/head"
   ;;
 eval)
   $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir /tmp/head --output_dir /tmp/ckpt_e \
@@ -82,20 +87,47 @@ eval)
 bench)
   # The head in /tmp/head (or HEAD) in bf16 with CUDA graphs: calibrated on MT-bench 41-80
   # (tree_12 + statistics, then the step-cost tree for the H200), then spec-bench on
-  # MT-bench 1-EVAL_N against plain decoding in one process.
+  # MT-bench 1-EVAL_N against plain decoding in one process (MODES: spec-bench's --modes).
   H=${HEAD:-/tmp/head}
-  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir /tmp/ckpt_b \
+  E=$(mktemp -d /tmp/bench.XXXX)   # several heads may be measured at once
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir $E/ckpt \
     --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
-  $B/spec-build --checkpoint_dir /tmp/ckpt_b --output_dir /tmp/eng_b --target_device cuda:sm_90 \
+  $B/spec-build --checkpoint_dir $E/ckpt --output_dir $E/eng --target_device cuda:sm_90 \
     --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
-  $B/spec-train calibrate --engine_dir /tmp/eng_b --device cuda:0 --prompts tools/gpu/mt_bench_41_80.jsonl \
+  $B/spec-train calibrate --engine_dir $E/eng --device cuda:0 --prompts tools/gpu/mt_bench_41_80.jsonl \
     --num_prompts 20 --max_output_len 96 --num_nodes 12 --output "$OUT/tree_12.json" 2>&1 | tail -4
-  $B/spec-train calibrate --engine_dir /tmp/eng_b --device cuda:0 --from_stats "$OUT/tree_12.stats.json" --num_nodes 12 \
+  $B/spec-train calibrate --engine_dir $E/eng --device cuda:0 --from_stats "$OUT/tree_12.stats.json" --num_nodes 12 \
     --step_costs "${STEP_COSTS:-0.30,0.35,0.03}" --output "$OUT/tree_h200.json" 2>&1 | tail -2
-  $B/spec-bench --engine_dir /tmp/eng_b --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
+  $B/spec-bench --engine_dir $E/eng --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
     --num_prompts "${EVAL_N:-20}" --max_output_len 128 --batch_sizes 1 \
-    --modes "plain,eagle1:$OUT/tree_h200.json,eagle1:[[0],[1],[2],[3]],eagle1:small_8,eagle1,eagle2:10" \
+    --modes "${MODES:-plain,eagle1:$OUT/tree_h200.json,eagle1:[[0],[1],[2],[3]],eagle1:small_8,eagle1,eagle2:10}" \
     --output_json "$OUT/bench_bf16.json" 2>&1 | tail -10
+  ;;
+categories)
+  # The head in HEAD (default heads/smollm2-eagle) in bf16 with CUDA graphs on all 80 MT-bench
+  # first turns, one spec-bench run per category (10 prompts each) against plain decoding;
+  # MODES default: its tree_h200.json, small_8, mc_sim_7b_63, EAGLE-2 top-10.
+  H=${HEAD:-heads/smollm2-eagle}
+  E=$(mktemp -d /tmp/bench.XXXX)
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir $E/ckpt \
+    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+  $B/spec-build --checkpoint_dir $E/ckpt --output_dir $E/eng --target_device cuda:sm_90 \
+    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  python3 - "$E" <<'PY'
+import json, sys
+qs = [json.loads(l) for l in open("tools/gpu/mt_bench_80.jsonl")]
+for c in dict.fromkeys(q["category"] for q in qs):
+    with open(f"{sys.argv[1]}/{c}.jsonl", "w") as f:
+        f.writelines(json.dumps(q) + "\n" for q in qs if q["category"] == c)
+PY
+  for f in "$E"/*.jsonl; do
+    c=$(basename "$f" .jsonl); echo "== $c"
+    $B/spec-bench --engine_dir $E/eng --device cuda:0 --prompts "$f" --num_prompts 10 \
+      --max_output_len 128 --batch_sizes 1 ${DRAFT_VOCAB:+--eagle_draft_vocab $DRAFT_VOCAB} \
+      --modes "${MODES:-plain,eagle1:$H/tree_h200.json,eagle1:small_8,eagle1,eagle2:10}" \
+      --output_json "$OUT/mt_$c.json" 2>&1 | grep -E "^(plain|eagle)" || true
+  done
+  python3 tools/gpu/mt_bench_categories.py "$OUT"/mt_*.json
   ;;
 vocab)
   # A draft vocabulary ranking for HEAD (default heads/smollm2-eagle) from the answers in

@@ -3,11 +3,15 @@
 //! Pairs (EAGLE's layout): head position `i` of a sequence takes token `t[i+1]` and the base
 //! feature `f[i]` (plus uniform noise) and predicts `f[i+1]`; the loss covers the positions
 //! whose target feature belongs to the answer (`i + 1 >= prompt_len`), so the head learns what
-//! it drafts at inference. Loss = SmoothL1(pred, target) (mean over elements) + `ce_weight` ·
-//! CE(softmax(lm_head(target)), log_softmax(lm_head(pred))) with the frozen base LM head.
+//! it drafts at inference. Loss = `feature_weight` · SmoothL1(pred, target) (mean over
+//! elements) + `ce_weight` · CE(softmax(lm_head(target)), log_softmax(lm_head(pred))) with the
+//! frozen base LM head. EAGLE-1/2 weight them 1 and 0.1 (the default); EAGLE-3 drops the
+//! feature term (`feature_weight = 0`), so the head's output only has to give the base's
+//! next-token distribution and deeper draft levels read it as a free-form state.
 //!
 //! Gradients of both terms with respect to the predicted features are closed-form
-//! (`clamp(pred - target, -1, 1) / (N·H)` and `ce_weight · (softmax(lm_head(pred)) - p) · W / N`),
+//! (`feature_weight · clamp(pred - target, -1, 1) / (N·H)` and
+//! `ce_weight · (softmax(lm_head(pred)) - p) · W / N`),
 //! so the vocabulary-sized logits stay out of candle's autograd graph: they are computed in
 //! row chunks and dropped, and only `Σ pred · g` is back-propagated through the head.
 //!
@@ -185,6 +189,9 @@ pub struct TrainConfig {
     pub noise: f32,
     /// Weight of the distribution (CE) term.
     pub ce_weight: f64,
+    /// Weight of the feature-regression (SmoothL1) term; 0 is EAGLE-3's token-only loss.
+    #[serde(default = "one_f64")]
+    pub feature_weight: f64,
     /// Rows per chunk of vocabulary-sized logits (memory bound).
     pub logits_chunk: usize,
     pub seed: u64,
@@ -224,6 +231,7 @@ impl Default for TrainConfig {
             max_len: 512,
             noise: 0.1,
             ce_weight: 0.1,
+            feature_weight: 1.0,
             logits_chunk: 256,
             seed: 0,
             ttt_steps: 1,
@@ -252,10 +260,29 @@ impl TrainConfig {
         if self.ttt_steps == 0 {
             return Err(invalid("--ttt_steps must be at least 1 (1 = no unrolling)"));
         }
+        let w = self.loss_weights();
+        if !(w.feature >= 0.0 && w.feature.is_finite() && w.ce >= 0.0 && w.ce.is_finite()) {
+            return Err(invalid(
+                "--feature_weight and --ce_weight must be non-negative",
+            ));
+        }
+        if w.feature == 0.0 && w.ce == 0.0 {
+            return Err(invalid(
+                "--feature_weight and --ce_weight are both 0: the head would learn nothing",
+            ));
+        }
         if !(self.ttt_decay >= 0.0 && self.ttt_decay.is_finite()) {
             return Err(invalid("--ttt_decay must be non-negative"));
         }
         Ok(())
+    }
+
+    /// The weights of the loss's two terms.
+    pub fn loss_weights(&self) -> LossWeights {
+        LossWeights {
+            feature: self.feature_weight,
+            ce: self.ce_weight,
+        }
     }
 
     /// Passes of the held-out evaluation.
@@ -417,14 +444,31 @@ impl LossSums {
         self.ce += o.ce;
         self.top1 += o.top1;
     }
-    pub fn mean(&self, ce_weight: f64) -> LossMeans {
+    pub fn mean(&self, w: LossWeights) -> LossMeans {
         let n = self.rows.max(1) as f64;
         LossMeans {
-            loss: (self.smooth_l1 + ce_weight * self.ce) / n,
+            loss: (w.feature * self.smooth_l1 + w.ce * self.ce) / n,
             smooth_l1: self.smooth_l1 / n,
             ce: self.ce / n,
             top1: self.top1 as f64 / n,
             rows: self.rows,
+        }
+    }
+}
+
+/// Weights of the loss's feature (SmoothL1) and distribution (CE) terms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossWeights {
+    pub feature: f64,
+    pub ce: f64,
+}
+
+impl Default for LossWeights {
+    /// EAGLE-1's weights.
+    fn default() -> Self {
+        LossWeights {
+            feature: 1.0,
+            ce: 0.1,
         }
     }
 }
@@ -440,13 +484,13 @@ pub struct LossMeans {
 }
 
 /// Losses of predicted features against targets, with (when `grad_scale` is given) the
-/// gradient of `smooth_l1_mean + ce_weight · ce_mean` with respect to `pred` for a step of
+/// gradient of `w.feature · smooth_l1_mean + w.ce · ce_mean` with respect to `pred` for a step of
 /// `grad_scale` loss rows.
 fn losses(
     pred: &Tensor,
     target: &Tensor,
     lm_head: &Tensor,
-    ce_weight: f64,
+    w: LossWeights,
     chunk: usize,
     grad_rows: Option<usize>,
 ) -> Result<(LossSums, Option<Tensor>)> {
@@ -480,7 +524,7 @@ fn losses(
             .sum_all()?
             .to_scalar::<u32>()? as usize;
         if let Some(rows) = grad_rows {
-            let g = ((logq.exp()? - &p)? * (ce_weight / rows.max(1) as f64))?;
+            let g = ((logq.exp()? - &p)? * (w.ce / rows.max(1) as f64))?;
             grads.push(g.matmul(lm_head)?);
         }
         start += len;
@@ -488,7 +532,7 @@ fn losses(
     let grad = match grad_rows {
         Some(rows) => {
             let g_ce = Tensor::cat(&grads, 0)?;
-            let g_v = (diff.clamp(-1f64, 1f64)? * (1.0 / (rows.max(1) * h) as f64))?;
+            let g_v = (diff.clamp(-1f64, 1f64)? * (w.feature / (rows.max(1) * h) as f64))?;
             Some((g_v + g_ce)?)
         }
         None => None,
@@ -699,7 +743,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
                     &pred.detach(),
                     target,
                     &self.base.lm_head,
-                    self.cfg.ce_weight,
+                    self.cfg.loss_weights(),
                     self.cfg.logits_chunk,
                     with_grad.then(|| pred.dim(0)).transpose()?,
                 )
@@ -949,8 +993,8 @@ struct PassMeans {
 }
 
 impl PassMeans {
-    fn new(sums: &[LossSums], ce_weight: f64) -> Self {
-        let mut means = split_means(sums, ce_weight);
+    fn new(sums: &[LossSums], w: LossWeights) -> Self {
+        let mut means = split_means(sums, w);
         let first = means.remove(0);
         PassMeans {
             first,
@@ -1003,7 +1047,7 @@ fn val_means(
     let cfg = &trainer.cfg;
     Ok(Some(PassMeans::new(
         &trainer.evaluate_unrolled(data, val, cfg.eval_passes())?,
-        cfg.ce_weight,
+        cfg.loss_weights(),
     )))
 }
 
@@ -1044,7 +1088,7 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
         }
     }
     fn means(&self, sums: &Vec<LossSums>) -> PassMeans {
-        PassMeans::new(sums, self.trainer.cfg.ce_weight)
+        PassMeans::new(sums, self.trainer.cfg.loss_weights())
     }
     fn validate(&self) -> Result<Option<PassMeans>> {
         val_means(self.trainer, self.data, self.val)
@@ -1079,8 +1123,8 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
     }
 }
 
-fn split_means(sums: &[LossSums], ce_weight: f64) -> Vec<LossMeans> {
-    sums.iter().map(|s| s.mean(ce_weight)).collect()
+fn split_means(sums: &[LossSums], w: LossWeights) -> Vec<LossMeans> {
+    sums.iter().map(|s| s.mean(w)).collect()
 }
 
 /// `", depth 2/3/…: a/b/…"` for the top-1 of passes 2.., empty without them.

@@ -8,7 +8,7 @@ use kestrel_core::ModelConfig;
 use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows};
 use kestrel_train::eagle::{
     head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
-    SaveOptions, TrainConfig,
+    LossWeights, SaveOptions, TrainConfig,
 };
 use kestrel_train::FeatureDataset;
 use rand::SeedableRng;
@@ -65,7 +65,10 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
     let hc = head_config(t.model.config(), true);
     let mut trainer =
         EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, train_cfg(12)).unwrap();
-    let before = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    let before = trainer
+        .evaluate(&data, &all)
+        .unwrap()
+        .mean(LossWeights::default());
 
     // A few steps on one batch already lower that batch's loss.
     let mut rng = ChaCha8Rng::seed_from_u64(0);
@@ -77,11 +80,17 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
     for _ in 0..5 {
         last = trainer.train_step(&batch, 3e-3).unwrap().0;
     }
-    let (f, l) = (first.mean(0.1).loss, last.mean(0.1).loss);
+    let (f, l) = (
+        first.mean(LossWeights::default()).loss,
+        last.mean(LossWeights::default()).loss,
+    );
     assert!(l < 0.9 * f, "loss {f} -> {l} over 6 steps");
 
     let log = train(&mut trainer, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
-    let after = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    let after = trainer
+        .evaluate(&data, &all)
+        .unwrap()
+        .mean(LossWeights::default());
     assert!(
         after.loss < 0.6 * before.loss,
         "loss {} -> {}",
@@ -102,6 +111,74 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
         .collect();
     assert_eq!(train_losses.len(), 12);
     assert!(train_losses[11] < train_losses[0], "{train_losses:?}");
+}
+
+#[test]
+fn a_token_only_loss_trains_the_distribution_and_frees_the_feature() {
+    let t = tiny(true);
+    let data = dataset(&t, 24);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let token_only = LossWeights {
+        feature: 0.0,
+        ce: 1.0,
+    };
+    let trained = |cfg: TrainConfig| {
+        let hc = head_config(t.model.config(), true);
+        let mut trainer = EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, cfg).unwrap();
+        let before = trainer.evaluate(&data, &all).unwrap();
+        train(&mut trainer, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
+        (before, trainer.evaluate(&data, &all).unwrap())
+    };
+    let (start, eagle1) = trained(train_cfg(8));
+    let (_, eagle3) = trained(TrainConfig {
+        feature_weight: 0.0,
+        ce_weight: 1.0,
+        ..train_cfg(8)
+    });
+    let (start, eagle1, eagle3) = (
+        start.mean(token_only),
+        eagle1.mean(LossWeights::default()),
+        eagle3.mean(token_only),
+    );
+    // The loss is the cross-entropy alone, and it falls further than under EAGLE-1's mix.
+    assert_eq!(eagle3.loss, eagle3.ce);
+    assert!(
+        eagle3.ce < 0.7 * start.ce,
+        "ce {} -> {}",
+        start.ce,
+        eagle3.ce
+    );
+    assert!(
+        eagle3.ce < eagle1.ce,
+        "ce {} (EAGLE-1) vs {}",
+        eagle1.ce,
+        eagle3.ce
+    );
+    assert!(
+        eagle3.top1 > start.top1 + 0.2,
+        "top-1 {} -> {}",
+        start.top1,
+        eagle3.top1
+    );
+    // Nothing pulls the prediction onto the next feature any more.
+    assert!(
+        eagle3.smooth_l1 > eagle1.smooth_l1,
+        "smooth_l1 {} (EAGLE-1) vs {} (token-only)",
+        eagle1.smooth_l1,
+        eagle3.smooth_l1
+    );
+    let err = TrainConfig {
+        feature_weight: 0.0,
+        ce_weight: 0.0,
+        ..train_cfg(1)
+    }
+    .validate()
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "--feature_weight and --ce_weight are both 0: the head would learn nothing"
+    );
 }
 
 #[test]
@@ -140,7 +217,10 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
     assert_eq!(diff, 0.0);
     assert!(!w.contains_key("fc.bias"));
     let all: Vec<usize> = (0..data.len()).collect();
-    let before = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    let before = trainer
+        .evaluate(&data, &all)
+        .unwrap()
+        .mean(LossWeights::default());
     let log = train(
         &mut trainer,
         &data,
@@ -151,7 +231,10 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
         &mut |_| {},
     )
     .unwrap();
-    let after = trainer.evaluate(&data, &all).unwrap().mean(0.1);
+    let after = trainer
+        .evaluate(&data, &all)
+        .unwrap()
+        .mean(LossWeights::default());
     assert!(
         after.loss < before.loss,
         "loss {} -> {}",
@@ -283,8 +366,16 @@ fn written_heads_reload_with_the_published_keys() {
         let (rc, rt) = load_head(&dir).unwrap();
         assert_eq!(rc.bias, bias);
         let resumed = EagleTrainer::new(&base, rc, HeadInit::Tensors(rt), train_cfg(1)).unwrap();
-        let e1 = trainer.evaluate(&data, &all).unwrap().mean(0.1).loss;
-        let e2 = resumed.evaluate(&data, &all).unwrap().mean(0.1).loss;
+        let e1 = trainer
+            .evaluate(&data, &all)
+            .unwrap()
+            .mean(LossWeights::default())
+            .loss;
+        let e2 = resumed
+            .evaluate(&data, &all)
+            .unwrap()
+            .mean(LossWeights::default())
+            .loss;
         assert!((e1 - e2).abs() < 1e-2 * e1.max(1e-3), "{e1} vs {e2}");
     }
 }
@@ -558,15 +649,21 @@ fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
     let before = fused.evaluate_unrolled(&data, &all, 2).unwrap();
     let reference = plain.evaluate_unrolled(&fewer, &all, 2).unwrap();
     for (k, (f, p)) in before.iter().zip(&reference).enumerate() {
-        let (f, p) = (f.mean(0.1), p.mean(0.1));
+        let (f, p) = (
+            f.mean(LossWeights::default()),
+            p.mean(LossWeights::default()),
+        );
         assert_eq!((f.loss, f.top1), (p.loss, p.top1), "pass {}", k + 1);
     }
     train(&mut fused, &data, &all, &[], "resume", None, &mut |_| {}).unwrap();
-    let after = fused.evaluate(&data, &all).unwrap().mean(0.1);
+    let after = fused
+        .evaluate(&data, &all)
+        .unwrap()
+        .mean(LossWeights::default());
     assert!(
-        after.loss < 0.8 * before[0].mean(0.1).loss,
+        after.loss < 0.8 * before[0].mean(LossWeights::default()).loss,
         "loss {} -> {}",
-        before[0].mean(0.1).loss,
+        before[0].mean(LossWeights::default()).loss,
         after.loss
     );
     let w = fused.tensors().unwrap();

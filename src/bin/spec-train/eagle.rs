@@ -69,6 +69,10 @@ pub struct EagleArgs {
     /// Weight of the distribution (cross-entropy) term.
     #[arg(long, default_value_t = 0.1)]
     ce_weight: f64,
+    /// Weight of the feature-regression (SmoothL1) term; 0 with --ce_weight 1 is EAGLE-3's
+    /// token-only loss.
+    #[arg(long, default_value_t = 1.0)]
+    feature_weight: f64,
     #[arg(long, value_enum, default_value_t = Init::Copy)]
     init: Init,
     /// With --init copy: scale of the copied layer's o_proj and down_proj (0 = the head
@@ -195,6 +199,7 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
         max_len: args.train.max_len,
         noise: args.noise,
         ce_weight: args.ce_weight,
+        feature_weight: args.feature_weight,
         logits_chunk: args.train.logits_chunk,
         seed: args.train.seed,
         ttt_steps: args.ttt_steps,
