@@ -21,6 +21,15 @@ export CUDA_CACHE_PATH=/tmp/cuda-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 stage=$1
 
+# eagle_engine HEAD DTYPE ENGINE_DIR: SmolLM2 + the EAGLE head in HEAD, converted to DTYPE and
+# built for batch 1 with room for 63-node trees (the checkpoint goes to ENGINE_DIR.ckpt).
+eagle_engine() {
+  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$1" --output_dir "$3.ckpt" \
+    --dtype "$2" --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
+  $B/spec-build --checkpoint_dir "$3.ckpt" --output_dir "$3" --target_device cuda:sm_90 \
+    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+}
+
 case $stage in
 data)
   $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/ckpt --dtype float32 --workers 16
@@ -69,10 +78,7 @@ train)
   cp -r "$H" "$OUT/head"
   ;;
 eval)
-  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir /tmp/head --output_dir /tmp/ckpt_e \
-    --dtype float32 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
-  $B/spec-build --checkpoint_dir /tmp/ckpt_e --output_dir /tmp/eng_e --target_device cuda:sm_90 \
-    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  eagle_engine /tmp/head float32 /tmp/eng_e
   P=/tmp/eval_prompts.jsonl; head -"${EVAL_N:-20}" tools/gpu/mt_bench_first20.jsonl > $P
   $B/spec-run --engine_dir /tmp/eng_e --device cuda:0 --input_text hi --max_output_len 4 --no_speculation >/dev/null
   run() { local name=$1; shift; echo "== $name"
@@ -90,10 +96,7 @@ bench)
   # MT-bench 1-EVAL_N against plain decoding in one process (MODES: spec-bench's --modes).
   H=${HEAD:-/tmp/head}
   E=$(mktemp -d /tmp/bench.XXXX)   # several heads may be measured at once
-  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir $E/ckpt \
-    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
-  $B/spec-build --checkpoint_dir $E/ckpt --output_dir $E/eng --target_device cuda:sm_90 \
-    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  eagle_engine "$H" bfloat16 $E/eng
   $B/spec-train calibrate --engine_dir $E/eng --device cuda:0 --prompts tools/gpu/mt_bench_41_80.jsonl \
     --num_prompts 20 --max_output_len 96 --num_nodes 12 --output "$OUT/tree_12.json" 2>&1 | tail -4
   $B/spec-train calibrate --engine_dir $E/eng --device cuda:0 --from_stats "$OUT/tree_12.stats.json" --num_nodes 12 \
@@ -109,10 +112,7 @@ categories)
   # MODES default: its tree_h200.json, small_8, mc_sim_7b_63, EAGLE-2 top-10.
   H=${HEAD:-heads/smollm2-eagle}
   E=$(mktemp -d /tmp/bench.XXXX)
-  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir "$H" --output_dir $E/ckpt \
-    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
-  $B/spec-build --checkpoint_dir $E/ckpt --output_dir $E/eng --target_device cuda:sm_90 \
-    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  eagle_engine "$H" bfloat16 $E/eng
   python3 - "$E" <<'PY'
 import json, sys
 qs = [json.loads(l) for l in open("tools/gpu/mt_bench_80.jsonl")]
@@ -136,10 +136,7 @@ vocab)
   H=/tmp/head_dv; rm -rf $H; cp -r "${HEAD:-heads/smollm2-eagle}" $H
   $B/spec-train draft-vocab --data_dir /tmp/data --output_dir $H
   cp $H/draft_vocab.json "$OUT/"
-  $B/convert-checkpoint --gguf $S/smol.gguf --eagle_model_dir $H --output_dir /tmp/ckpt_v \
-    --dtype bfloat16 --workers 16 --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10
-  $B/spec-build --checkpoint_dir /tmp/ckpt_v --output_dir /tmp/eng_v --target_device cuda:sm_90 \
-    --speculative_decoding_mode eagle --max_batch_size 1 --max_input_len 1024 --max_seq_len 2048
+  eagle_engine $H bfloat16 /tmp/eng_v
   for v in full "${DRAFT_VOCAB:-8192}"; do
     flag=(); [ "$v" = full ] || flag=(--eagle_draft_vocab "$v")
     echo "== draft vocabulary: $v"

@@ -230,8 +230,8 @@ impl Default for TrainConfig {
             batch_size: 8,
             max_len: 512,
             noise: 0.1,
-            ce_weight: 0.1,
-            feature_weight: 1.0,
+            ce_weight: LossWeights::EAGLE1.ce,
+            feature_weight: LossWeights::EAGLE1.feature,
             logits_chunk: 256,
             seed: 0,
             ttt_steps: 1,
@@ -463,14 +463,12 @@ pub struct LossWeights {
     pub ce: f64,
 }
 
-impl Default for LossWeights {
-    /// EAGLE-1's weights.
-    fn default() -> Self {
-        LossWeights {
-            feature: 1.0,
-            ce: 0.1,
-        }
-    }
+impl LossWeights {
+    /// EAGLE-1's weights, [`TrainConfig`]'s default.
+    pub const EAGLE1: LossWeights = LossWeights {
+        feature: 1.0,
+        ce: 0.1,
+    };
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]

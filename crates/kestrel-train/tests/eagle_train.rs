@@ -15,6 +15,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
+/// The default loss mix, which the tests below train with.
+const EAGLE1: LossWeights = LossWeights::EAGLE1;
+
 fn tiny_config(tied: bool) -> ModelConfig {
     common::tiny_config(2, 50000.0, tied, "")
 }
@@ -65,10 +68,7 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
     let hc = head_config(t.model.config(), true);
     let mut trainer =
         EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, train_cfg(12)).unwrap();
-    let before = trainer
-        .evaluate(&data, &all)
-        .unwrap()
-        .mean(LossWeights::default());
+    let before = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1);
 
     // A few steps on one batch already lower that batch's loss.
     let mut rng = ChaCha8Rng::seed_from_u64(0);
@@ -80,17 +80,11 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
     for _ in 0..5 {
         last = trainer.train_step(&batch, 3e-3).unwrap().0;
     }
-    let (f, l) = (
-        first.mean(LossWeights::default()).loss,
-        last.mean(LossWeights::default()).loss,
-    );
+    let (f, l) = (first.mean(EAGLE1).loss, last.mean(EAGLE1).loss);
     assert!(l < 0.9 * f, "loss {f} -> {l} over 6 steps");
 
     let log = train(&mut trainer, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
-    let after = trainer
-        .evaluate(&data, &all)
-        .unwrap()
-        .mean(LossWeights::default());
+    let after = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1);
     assert!(
         after.loss < 0.6 * before.loss,
         "loss {} -> {}",
@@ -138,7 +132,7 @@ fn a_token_only_loss_trains_the_distribution_and_frees_the_feature() {
     });
     let (start, eagle1, eagle3) = (
         start.mean(token_only),
-        eagle1.mean(LossWeights::default()),
+        eagle1.mean(EAGLE1),
         eagle3.mean(token_only),
     );
     // The loss is the cross-entropy alone, and it falls further than under EAGLE-1's mix.
@@ -217,10 +211,7 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
     assert_eq!(diff, 0.0);
     assert!(!w.contains_key("fc.bias"));
     let all: Vec<usize> = (0..data.len()).collect();
-    let before = trainer
-        .evaluate(&data, &all)
-        .unwrap()
-        .mean(LossWeights::default());
+    let before = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1);
     let log = train(
         &mut trainer,
         &data,
@@ -231,10 +222,7 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
         &mut |_| {},
     )
     .unwrap();
-    let after = trainer
-        .evaluate(&data, &all)
-        .unwrap()
-        .mean(LossWeights::default());
+    let after = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1);
     assert!(
         after.loss < before.loss,
         "loss {} -> {}",
@@ -366,16 +354,8 @@ fn written_heads_reload_with_the_published_keys() {
         let (rc, rt) = load_head(&dir).unwrap();
         assert_eq!(rc.bias, bias);
         let resumed = EagleTrainer::new(&base, rc, HeadInit::Tensors(rt), train_cfg(1)).unwrap();
-        let e1 = trainer
-            .evaluate(&data, &all)
-            .unwrap()
-            .mean(LossWeights::default())
-            .loss;
-        let e2 = resumed
-            .evaluate(&data, &all)
-            .unwrap()
-            .mean(LossWeights::default())
-            .loss;
+        let e1 = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1).loss;
+        let e2 = resumed.evaluate(&data, &all).unwrap().mean(EAGLE1).loss;
         assert!((e1 - e2).abs() < 1e-2 * e1.max(1e-3), "{e1} vs {e2}");
     }
 }
@@ -649,21 +629,15 @@ fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
     let before = fused.evaluate_unrolled(&data, &all, 2).unwrap();
     let reference = plain.evaluate_unrolled(&fewer, &all, 2).unwrap();
     for (k, (f, p)) in before.iter().zip(&reference).enumerate() {
-        let (f, p) = (
-            f.mean(LossWeights::default()),
-            p.mean(LossWeights::default()),
-        );
+        let (f, p) = (f.mean(EAGLE1), p.mean(EAGLE1));
         assert_eq!((f.loss, f.top1), (p.loss, p.top1), "pass {}", k + 1);
     }
     train(&mut fused, &data, &all, &[], "resume", None, &mut |_| {}).unwrap();
-    let after = fused
-        .evaluate(&data, &all)
-        .unwrap()
-        .mean(LossWeights::default());
+    let after = fused.evaluate(&data, &all).unwrap().mean(EAGLE1);
     assert!(
-        after.loss < 0.8 * before[0].mean(LossWeights::default()).loss,
+        after.loss < 0.8 * before[0].mean(EAGLE1).loss,
         "loss {} -> {}",
-        before[0].mean(LossWeights::default()).loss,
+        before[0].mean(EAGLE1).loss,
         after.loss
     );
     let w = fused.tensors().unwrap();
