@@ -113,6 +113,14 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
         }
     }
     assert_eq!(keys, want);
+    // Programmatic dependent launch exists on CUDA only.
+    assert_eq!(report["dependent_launch"], false);
+    let digest_of = |mode: &str, batch: u64| {
+        rs.iter()
+            .find(|r| r["mode"] == mode && r["batch_size"] == batch)
+            .map(|r| r["output_digest"].clone())
+            .unwrap()
+    };
     for r in rs {
         let mode = r["mode"].as_str().unwrap();
         let batch = r["batch_size"].as_u64().unwrap();
@@ -121,8 +129,18 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
             assert_eq!(v["tree_tokens"], 4);
             assert!(v["ratio"].as_f64().unwrap() > 0.0);
             assert!(r["mean_accepted_len"].is_null());
+            assert!(r["output_digest"].is_null());
             continue;
         }
+        // Same outputs, same digest: 16 hex digits, equal to plain decoding's at this batch
+        // size, and different across batch sizes (4 requests at batch 2, 3 at batch 1).
+        let digest = r["output_digest"].as_str().unwrap();
+        assert!(
+            digest.len() == 16 && digest.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{r}"
+        );
+        assert_eq!(r["output_digest"], digest_of("plain", batch), "{r}");
+        assert_ne!(digest_of("plain", 1), digest_of("plain", 2));
         // 3 prompts cycled up to a multiple of the batch size.
         assert_eq!(r["requests"], if batch == 1 { 3 } else { 4 });
         // Each mode ran once untimed first (--warmup_tokens, 8 by default).
@@ -298,6 +316,10 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--dtype", "int8"]),
         "--dtype: unknown dtype 'int8': expected one of float32, float16, bfloat16"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--dependent_launch", "maybe"]),
+        "--dependent_launch maybe: expected on or off"
     );
     assert_eq!(
         bench_error(&[]),

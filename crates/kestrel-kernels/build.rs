@@ -1,9 +1,11 @@
 //! Compiles `src/kernels.cu` to PTX with nvcc, only when the `cuda` feature is on, so the
 //! default (CPU) build never needs a CUDA toolkit.
 //!
-//! PTX for `compute_80` is JIT-compiled by the driver for the GPU it runs on, so one binary
-//! serves Ampere (sm_80/86) and Hopper (sm_90) alike. (candle's own kernels are built for
-//! `CUDA_COMPUTE_CAP` only.)
+//! Two PTX modules, each JIT-compiled by the driver for the GPU it runs on: `compute_80` for
+//! Ampere (sm_80/86), and `compute_90` for Hopper and later, whose kernels also wait for and
+//! release their neighbours on the stream (programmatic dependent launch, `pdl_enter` in
+//! kernels.cu), which compute_80 cannot express. cuda.rs picks one per device. (candle's own
+//! kernels are built for `CUDA_COMPUTE_CAP` only.)
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -24,21 +26,25 @@ fn main() {
             p.is_file().then_some(p)
         })
         .unwrap_or_else(|| PathBuf::from("nvcc"));
-    let out =
-        PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR")).join("kestrel_kernels.ptx");
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-arch=compute_80", "-O3", "-std=c++17", "-o"])
-        .arg(&out)
-        .arg("src/kernels.cu")
-        .status()
-        .unwrap_or_else(|e| {
-            panic!(
-                "kestrel-kernels: cannot run {} ({e}): the `cuda` feature needs the CUDA toolkit \
-                 (set CUDA_HOME or NVCC)",
-                nvcc.display()
-            )
-        });
-    if !status.success() {
-        panic!("kestrel-kernels: nvcc failed on src/kernels.cu ({status})");
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
+    for (arch, file) in [
+        ("compute_80", "kestrel_kernels.ptx"),
+        ("compute_90", "kestrel_kernels_sm90.ptx"),
+    ] {
+        let status = Command::new(&nvcc)
+            .args(["--ptx", &format!("-arch={arch}"), "-O3", "-std=c++17", "-o"])
+            .arg(out_dir.join(file))
+            .arg("src/kernels.cu")
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "kestrel-kernels: cannot run {} ({e}): the `cuda` feature needs the CUDA \
+                     toolkit (set CUDA_HOME or NVCC)",
+                    nvcc.display()
+                )
+            });
+        if !status.success() {
+            panic!("kestrel-kernels: nvcc failed on src/kernels.cu for {arch} ({status})");
+        }
     }
 }

@@ -92,6 +92,10 @@ pub struct BenchArgs {
     /// Run every step eagerly instead of replaying CUDA graphs, to measure what they save.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Programmatic dependent launch of Kestrel's kernels on Hopper GPUs (`on`: each kernel
+    /// may start while the one before it finishes), or `off`, to measure what it saves.
+    #[arg(long, default_value = "on")]
+    pub dependent_launch: String,
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
@@ -258,6 +262,10 @@ pub struct ModeResult {
     pub same_output_as_plain: Option<bool>,
     /// Whether greedy output equalled this mode's at the first batch size (same prompts).
     pub same_output_as_first_batch_size: Option<bool>,
+    /// FNV-1a (64-bit, hex) of every request's output ids in order, to compare outputs
+    /// across runs and machines (`--dependent_launch on` against `off`, bf16 on two GPUs);
+    /// null for verify:T.
+    pub output_digest: Option<String>,
     pub verify: Option<VerifyResult>,
     /// Seconds of the untimed warm-up run (`--warmup_tokens`) before this one.
     pub warmup_s: f64,
@@ -283,6 +291,22 @@ impl GraphActivityReport {
             cache_changes: after.cache_changes - before.cache_changes,
         }
     }
+}
+
+/// FNV-1a over the output ids of every request, each sequence closed by its length, as 16
+/// hex digits.
+fn output_digest(outputs: &[SequenceOutput]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |word: u32| {
+        for b in word.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for o in outputs {
+        o.output_ids.iter().for_each(|&t| eat(t));
+        eat(o.output_ids.len() as u32);
+    }
+    format!("{h:016x}")
 }
 
 /// Peak memory beyond the weights and the KV actually in use, as a fraction of them.
@@ -314,6 +338,9 @@ pub struct BenchReport {
     pub max_output_len: usize,
     /// Steps on CUDA replayed captured graphs (not `--no_cuda_graphs`).
     pub cuda_graphs: bool,
+    /// Whether Kestrel's kernels were launched with programmatic dependent launch
+    /// (`--dependent_launch on` and a GPU of compute capability 9.0 or later).
+    pub dependent_launch: bool,
     /// Why a graph capture failed and graphs were turned off, if one did.
     pub cuda_graph_failure: Option<String>,
     /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
@@ -526,6 +553,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         "none" => Some(kestrel_model::CudaKernels::none()),
         other => bail!("--cuda_kernels {other}: expected plan, all or none"),
     };
+    let dependent_launch = match args.dependent_launch.as_str() {
+        "on" => true,
+        "off" => false,
+        other => bail!("--dependent_launch {other}: expected on or off"),
+    };
+    kestrel_runtime::device::set_dependent_launch(dependent_launch);
     let device = kestrel_runtime::device::parse(&args.device)?;
     let device_name = measure::device_name(&device);
     let mut probe = MemProbe::new(&device)?;
@@ -699,6 +732,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     ),
                     same_output_as_plain: None,
                     same_output_as_first_batch_size: None,
+                    output_digest: None,
                     verify: Some(VerifyResult {
                         tree_tokens: *t,
                         one_token_step_ms: v.one_token_step_s * 1e3,
@@ -865,6 +899,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 cuda_graph_activity: GraphActivityReport::between(graphs_before, activity(target)),
                 same_output_as_plain: same,
                 same_output_as_first_batch_size: same_across,
+                output_digest: Some(output_digest(&outputs)),
                 verify: None,
                 warmup_s,
             });
@@ -888,6 +923,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         batch_sizes,
         max_output_len: args.max_output_len,
         cuda_graphs: device.is_cuda() && !args.no_cuda_graphs,
+        dependent_launch: kestrel_runtime::device::dependent_launch_on(&device)?,
         cuda_graph_failure: engine
             .cuda_graph_failure()
             .or_else(|| draft.as_ref().and_then(Engine::cuda_graph_failure)),

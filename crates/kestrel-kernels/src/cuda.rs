@@ -4,17 +4,15 @@
 //! by module name) and launched on candle's stream, so the kernels are ordered with candle's
 //! own work and no synchronisation is needed.
 
+use crate::launch::load_kernel;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::LaunchConfig;
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout,
     Result, Shape, Storage, Tensor,
 };
 use half::{bf16, f16};
-
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
-const MODULE: &str = "kestrel_kernels";
 
 /// `t`'s elements as a device view, which must be contiguous (possibly at an offset).
 fn view<'a, T: CudaDType>(
@@ -103,8 +101,7 @@ impl PagedAttention {
         let tv = view::<u32>(table.0, table.1, "attention metadata")?;
         // SAFETY: every element is written by the kernel (each block writes its row's d values).
         let out = unsafe { dev.alloc::<T>(n_tok * nh * d)? };
-        let func =
-            dev.get_or_load_custom_func(&format!("kestrel_paged_attention_{sfx}"), MODULE, PTX)?;
+        let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
         let (n_tok_a, n_seq, lmax, nh_a, nkv_a, d_a) = (
             i32_arg(n_tok, "query rows")?,
             i32_arg(self.n_seq, "sequences")?,
@@ -131,7 +128,7 @@ impl PagedAttention {
         let cfg = launch_cfg((n_tok as u32, nh as u32), PA_LAUNCH_WARPS * 32);
         // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
         // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(cfg) }?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 }
@@ -199,18 +196,18 @@ impl KvAppend {
             Some(o) => o,
             None => bail!("KV pool must be contiguous"),
         };
-        let mut pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
-        let func = dev.get_or_load_custom_func(&format!("kestrel_kv_append_{sfx}"), MODULE, PTX)?;
+        let pv = pool.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
+        let func = load_kernel(&dev, &format!("kestrel_kv_append_{sfx}"))?;
         let width_a = i32_arg(width, "row width")?;
         let mut bld = func.builder();
-        bld.arg(&mut pv);
+        bld.arg(&pv);
         bld.arg(&rv);
         bld.arg(&sv);
         bld.arg(&width_a);
         let cfg = launch_cfg((n as u32, 1), threads_for(width).min(256));
         // SAFETY: argument types match kestrel_kv_append_*; slot ids index pool rows (the
         // cache hands out only rows of its own pool).
-        unsafe { bld.launch(cfg) }.w()?;
+        unsafe { bld.launch(cfg) }?;
         Ok(())
     }
 }
@@ -282,7 +279,7 @@ impl AddRmsNorm {
             } else {
                 "kestrel_add_rmsnorm"
             };
-            let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
+            let func = load_kernel(&dev, &format!("{kernel}_{sfx}"))?;
             let (rows_a, h_a) = (i32_arg(rows, "rows")?, i32_arg(h, "hidden size")?);
             let mut b = func.builder();
             b.arg(&xv);
@@ -315,7 +312,7 @@ impl AddRmsNorm {
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
             };
             // SAFETY: argument types match kestrel_add_rmsnorm_*.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -374,8 +371,7 @@ impl SwiGlu {
         // SAFETY: the grid-stride loop writes every element.
         let out = unsafe { dev.alloc::<T>(total)? };
         if total > 0 {
-            let func =
-                dev.get_or_load_custom_func(&format!("kestrel_swiglu_{sfx}"), MODULE, PTX)?;
+            let func = load_kernel(&dev, &format!("kestrel_swiglu_{sfx}"))?;
             let inter_a = i32_arg(inter, "intermediate size")?;
             let mut b = func.builder();
             b.arg(&sv);
@@ -384,7 +380,7 @@ impl SwiGlu {
             b.arg(&inter_a);
             let blocks = total.div_ceil(256).min(65535) as u32;
             // SAFETY: argument types match kestrel_swiglu_* (total is size_t there).
-            unsafe { b.launch(launch_cfg((blocks, 1), 256)) }.w()?;
+            unsafe { b.launch(launch_cfg((blocks, 1), 256)) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -462,15 +458,13 @@ impl CustomOp1 for ArgMax {
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let r = RowIds::new(s, l)?;
         if r.any() {
-            let func = r
-                .dev
-                .get_or_load_custom_func("kestrel_argmax_f32", MODULE, PTX)?;
+            let func = load_kernel(&r.dev, "kestrel_argmax_f32")?;
             let mut b = func.builder();
             b.arg(&r.logits);
             b.arg(&r.out);
             b.arg(&r.vocab);
             // SAFETY: argument types match kestrel_argmax_f32.
-            unsafe { b.launch(r.cfg()) }.w()?;
+            unsafe { b.launch(r.cfg()) }?;
         }
         Ok(r.finish())
     }
@@ -507,9 +501,7 @@ impl candle_core::CustomOp2 for Sample {
         let r = RowIds::new(s, l)?;
         let uniforms = view::<f32>(u, ul, "uniforms")?;
         if r.any() {
-            let func = r
-                .dev
-                .get_or_load_custom_func("kestrel_sample_f32", MODULE, PTX)?;
+            let func = load_kernel(&r.dev, "kestrel_sample_f32")?;
             let mut b = func.builder();
             b.arg(&r.logits);
             b.arg(&uniforms);
@@ -517,7 +509,7 @@ impl candle_core::CustomOp2 for Sample {
             b.arg(&r.vocab);
             b.arg(&self.inv_t);
             // SAFETY: argument types match kestrel_sample_f32; one uniform a row (lib.rs).
-            unsafe { b.launch(r.cfg()) }.w()?;
+            unsafe { b.launch(r.cfg()) }?;
         }
         Ok(r.finish())
     }
@@ -544,7 +536,7 @@ impl CustomOp1 for TopKLogp {
         // SAFETY: one block per row writes its 2k entries.
         let out = unsafe { dev.alloc::<u32>(rows * 2 * self.k)? };
         if rows > 0 {
-            let func = dev.get_or_load_custom_func("kestrel_topk_logp_f32", MODULE, PTX)?;
+            let func = load_kernel(&dev, "kestrel_topk_logp_f32")?;
             let (v_a, k_a) = (i32_arg(vocab, "vocabulary")?, i32_arg(self.k, "k")?);
             let mut b = func.builder();
             b.arg(&sv);
@@ -552,7 +544,7 @@ impl CustomOp1 for TopKLogp {
             b.arg(&v_a);
             b.arg(&k_a);
             // SAFETY: argument types match kestrel_topk_logp_f32; k ≤ TOPK_MAX was checked.
-            unsafe { b.launch(launch_cfg((rows as u32, 1), 256)) }.w()?;
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 256)) }?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev),
@@ -606,8 +598,7 @@ impl QkvRope {
         // SAFETY: the kernel writes every element of every q head.
         let out = unsafe { dev.alloc::<T>(n_tok * self.nh * d)? };
         if n_tok > 0 {
-            let func =
-                dev.get_or_load_custom_func(&format!("kestrel_qkv_rope_{sfx}"), MODULE, PTX)?;
+            let func = load_kernel(&dev, &format!("kestrel_qkv_rope_{sfx}"))?;
             let (nh, nkv, d_a) = (
                 i32_arg(self.nh, "heads")?,
                 i32_arg(self.nkv, "KV heads")?,
@@ -631,7 +622,7 @@ impl QkvRope {
             // SAFETY: argument types match kestrel_qkv_rope_*; the kernel writes the pools
             // (through views of read guards: nothing on the host reads them meanwhile, and
             // the stream orders it with every other use) only at the given slots.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -687,7 +678,7 @@ fn kv_move_typed<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     let table = dev.clone_htod(&table)?;
     // SAFETY: the kernel writes every element before reading it back.
     let scratch = unsafe { dev.alloc::<T>(pools.len() * moves.len() * width)? };
-    let func = dev.get_or_load_custom_func(&format!("kestrel_kv_move_{sfx}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("kestrel_kv_move_{sfx}"))?;
     let (np, m, w) = (
         i32_arg(pools.len(), "pools")?,
         i32_arg(moves.len(), "moves")?,
@@ -701,7 +692,7 @@ fn kv_move_typed<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     b.arg(&w);
     // SAFETY: argument types match kestrel_kv_move_*; the table holds live pools of T with
     // `width` elements per row, and the rows were checked against the pools' lengths.
-    unsafe { b.launch(launch_cfg((pools.len() as u32, 1), 256)) }.w()?;
+    unsafe { b.launch(launch_cfg((pools.len() as u32, 1), 256)) }?;
     Ok(())
 }
 
@@ -751,7 +742,7 @@ const TILED_STAGED_BLOCKS: usize = 8;
 /// allowed it once, before its first launch: a driver call, not a stream operation (legal
 /// inside a graph capture), kept out of every later eager launch.
 fn gemv_tiled_launch(
-    func: &candle_core::cuda::cudarc::driver::CudaFunction,
+    func: &crate::launch::Kernel,
     m: usize,
     n: usize,
     elem_bytes: usize,
@@ -820,18 +811,16 @@ impl Gemv {
                 i32_arg(k, "K")?,
             );
             // The tiled engine (many rows, tensor cores) takes no split.
-            let (func, cfg, split) = if !self.swiglu
-                && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>())
-            {
-                let func =
-                    dev.get_or_load_custom_func(&format!("kestrel_gemv_tiled_{sfx}"), MODULE, PTX)?;
-                let cfg = gemv_tiled_launch(&func, m, n, std::mem::size_of::<T>())?;
-                (func, cfg, None)
-            } else {
-                let func = dev.get_or_load_custom_func(&format!("{kernel}_{sfx}"), MODULE, PTX)?;
-                let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
-                (func, cfg, Some(split))
-            };
+            let (func, cfg, split) =
+                if !self.swiglu && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>()) {
+                    let func = load_kernel(&dev, &format!("kestrel_gemv_tiled_{sfx}"))?;
+                    let cfg = gemv_tiled_launch(&func, m, n, std::mem::size_of::<T>())?;
+                    (func, cfg, None)
+                } else {
+                    let func = load_kernel(&dev, &format!("{kernel}_{sfx}"))?;
+                    let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                    (func, cfg, Some(split))
+                };
             let mut b = func.builder();
             b.arg(&xv);
             b.arg(&wv);
@@ -845,7 +834,7 @@ impl Gemv {
             // SAFETY: argument types match kestrel_gemv_tiled_* (no split) / kestrel_gemv_* /
             // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked by
             // the launcher in lib.rs (K a multiple of the K block for the tiled engine).
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -878,11 +867,7 @@ impl GemvAddRmsNorm {
         // SAFETY: block 0 writes the M·K sums, the columns' warps write the M·N products.
         let out = unsafe { dev.alloc::<T>(sums + m * n)? };
         if m > 0 && n > 0 {
-            let func = dev.get_or_load_custom_func(
-                &format!("kestrel_gemv_add_rmsnorm_{sfx}"),
-                MODULE,
-                PTX,
-            )?;
+            let func = load_kernel(&dev, &format!("kestrel_gemv_add_rmsnorm_{sfx}"))?;
             let size = std::mem::size_of::<T>();
             let stage = crate::gemv_add_rms_norm_stage(m, k, size);
             let (cfg, split) = gemv_launch(n, k, size, stage);
@@ -924,7 +909,7 @@ impl GemvAddRmsNorm {
             // SAFETY: argument types match kestrel_gemv_add_rmsnorm_* (a null pointer for no
             // residual, which the kernel checks); shapes, alignment and the staging size were
             // checked by the launcher in lib.rs.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }

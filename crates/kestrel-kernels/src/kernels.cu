@@ -10,6 +10,26 @@
 #include <cuda_fp16.h>
 
 #define WARP 32
+
+// ---------------------------------------------------------------------------------------
+// Programmatic dependent launch (PDL). On Hopper (the compute_90 PTX) cuda.rs launches every
+// kernel of this file with programmatic stream serialization: a kernel's blocks may become
+// resident while the kernel before it on the stream is still running. Each kernel therefore
+// calls `pdl_enter` before it touches any memory another kernel writes (reads and writes
+// alike; only weights, which no kernel writes, may be loaded before it) and before any
+// return: `griddepcontrol.wait` returns once the previous grid has completed and its writes
+// are visible, so a kernel's own completion still implies its predecessors'. It then lets the
+// next kernel launch (`launch_dependents`), which fires once every block has passed here:
+// the next kernel's weight loads overlap this one's work and its tail, and a decode step's
+// chain of small kernels stops paying a launch latency and a memory ramp per kernel.
+// Compiled for compute_80 (Ampere) both are empty and launches carry no attribute.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 #define FULL_MASK 0xffffffffu
 
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -813,6 +833,7 @@ __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__rest
     with_engine<T, MMA_PASS_TILES, false>(split, [&](auto g) {
         constexpr int CHUNK = decltype(g)::CHUNK;
         g.prefetch(w, N, K, split);
+        pdl_enter(); // the weights are on their way; x is the previous kernel's
         for (int m0 = 0; m0 < M; m0 += CHUNK)
             g.finish(x + (size_t)m0 * K, y + (size_t)m0 * N, min(CHUNK, M - m0), N, K, split);
     });
@@ -827,6 +848,7 @@ __device__ void gemv_swiglu_with(G g, const T *__restrict__ gu, const T *__restr
                                  const int split) {
     constexpr int VEC = 16 / sizeof(T);
     g.prefetch(w, N, K, split);
+    pdl_enter();
     T *xs = reinterpret_cast<T *>(gemv_stage);
     const int kv = K / VEC;
     for (int m0 = 0; m0 < M; m0 += G::CHUNK) {
@@ -926,6 +948,7 @@ __device__ void gemv_add_rmsnorm_with(G g, const T *__restrict__ x, const T *__r
         load16(nw + v * VEC, t);
         store16(nws + v * VEC, t);
     }
+    pdl_enter(); // the projection and norm weights were read before waiting
     __syncthreads(); // the staged norm weight
     for (int m0 = 0; m0 < M; m0 += G::CHUNK) {
         const int mc = min(G::CHUNK, M - m0);
@@ -1256,6 +1279,7 @@ __device__ __forceinline__ float tile_inclusive_scan(float s) {
 extern "C" __global__ void __launch_bounds__(1024)
     kestrel_sample_f32(const float *__restrict__ x, const float *__restrict__ uniforms,
                        unsigned int *__restrict__ out, const int v, const float inv_t) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
     __shared__ float chunk_sum[32];
@@ -1323,6 +1347,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // sampling. The order is total, so the result does not depend on which thread saw what.
 extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
                                               unsigned int *__restrict__ out, const int v) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
     const float *xr = x + (size_t)blockIdx.x * v;
@@ -1370,6 +1395,7 @@ extern "C" __global__ void kestrel_argmax_f32(const float *__restrict__ x,
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
 kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ out, const int v,
                       const int k) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
     __shared__ float red[32];
@@ -1425,31 +1451,37 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
         const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,         \
         const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,          \
         const int d, const float scale) {                                                       \
+        pdl_enter();                                                                \
         paged_attention<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale); \
     }                                                                                           \
     extern "C" __global__ void kestrel_kv_append_##SUFFIX(T *pool, const T *rows,               \
                                                           const unsigned int *slots,            \
                                                           const int width) {                    \
+        pdl_enter();                                                                \
         kv_append<T>(pool, rows, slots, width);                                                 \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024) kestrel_add_rmsnorm_##SUFFIX(            \
         const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,            \
         const float eps, const int vec) {                                                       \
+        pdl_enter();                                                                \
         add_rmsnorm<T>(x, res, w, out, n_rows, h, eps, vec);                                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_add_rmsnorm_rows_##SUFFIX(                               \
         const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,              \
         const float eps) {                                                                      \
+        pdl_enter();                                                                \
         add_rmsnorm_rows<T>(x, res, w, out, n_rows, h, eps);                                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_qkv_rope_##SUFFIX(                                       \
         const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \
         T *k_pool, T *v_pool, const int nh, const int nkv, const int d) {                       \
+        pdl_enter();                                                                \
         qkv_rope<T>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d);                   \
     }                                                                                           \
     extern "C" __global__ void kestrel_kv_move_##SUFFIX(const unsigned int *table, T *scratch,   \
                                                         const int n_pools, const int m,         \
                                                         const int width) {                      \
+        pdl_enter();                                                                \
         kv_move<T>(table, scratch, n_pools, m, width);                                          \
     }                                                                                           \
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_##SUFFIX(                               \
@@ -1458,6 +1490,7 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) kestrel_gemv_tiled_##SUFFIX( \
         const T *x, const T *w, T *y, const int M, const int N, const int K) {                  \
+        pdl_enter();                                                                \
         gemv_tiled<T>(x, w, y, M, N, K);                                                        \
     }                                                                                           \
     extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
@@ -1471,6 +1504,7 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
     }                                                                                           \
     extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
                                                        const int inter) {                       \
+        pdl_enter();                                                                \
         swiglu<T>(gu, out, total, inter);                                                       \
     }
 

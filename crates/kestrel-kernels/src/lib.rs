@@ -18,6 +18,8 @@
 //!   through [`upload_into`].
 //! - [`open_cuda`] / [`limit_thread_stack`]: a device whose context's per-thread stack is cut
 //!   to what these kernels need.
+//! - [`set_dependent_launch`]: programmatic dependent launch on Hopper (on by default), which
+//!   lets each kernel of a step start while the one before it finishes (`launch.rs`).
 //!
 //! The `.cu` source is compiled to PTX by build.rs only with the `cuda` feature; without it
 //! this crate holds only the host-side metadata layout ([`PagedAttnMeta::host`]) and the
@@ -28,10 +30,42 @@ use candle_core::{DType, Device, Result, Tensor};
 #[cfg(feature = "cuda")]
 mod cuda;
 mod graph;
+#[cfg(feature = "cuda")]
+mod launch;
 mod stack;
 
 pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
 pub use stack::{limit_thread_stack, open_cuda, THREAD_STACK_BYTES};
+
+/// Whether kernels launched on Hopper carry programmatic dependent launch (see
+/// [`set_dependent_launch`]).
+static DEPENDENT_LAUNCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns programmatic dependent launch on or off for every later launch of this process (on
+/// by default; it applies on compute capability 9.0 and later only), for comparisons in one
+/// process (`spec-bench --dependent_launch off`). Graphs captured before keep what they were
+/// captured with. Off, the kernels run as on Ampere: their `griddepcontrol.wait` returns at
+/// once. Outputs do not change either way: every kernel waits for its predecessor before it
+/// reads or writes anything but weights.
+pub fn set_dependent_launch(enabled: bool) {
+    DEPENDENT_LAUNCH.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_dependent_launch`] leaves programmatic dependent launch on.
+pub fn dependent_launch() -> bool {
+    DEPENDENT_LAUNCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether kernels launched now on `device` use programmatic dependent launch: switched on
+/// and a CUDA device of compute capability 9.0 or later.
+pub fn dependent_launch_on(device: &Device) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        return Ok(dependent_launch() && launch::is_hopper(dev)?);
+    }
+    let _ = device;
+    Ok(false)
+}
 
 /// Kernel names (their `extern "C"` names, dtype suffix appended) as recorded in plans.
 pub mod names {

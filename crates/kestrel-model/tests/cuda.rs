@@ -496,3 +496,48 @@ fn bf16_verified_rows_equal_decoded_rows_bit_for_bit() {
     let on_path: Vec<Vec<f32>> = path.iter().map(|&i| tree_rows[i].clone()).collect();
     assert_same_bits(&on_path, &decoded, "tree rows on a branch");
 }
+
+/// SmolLM2's layer shapes (hidden 576, 9 query / 3 KV heads of 64, MLP 1,536) with 4 layers
+/// and a 4,096-token vocabulary: the tensor-core gemvs and grids of tens to hundreds of
+/// blocks, so that consecutive kernels do overlap under programmatic dependent launch.
+fn smollm2_shaped() -> ModelConfig {
+    serde_json::from_str(
+        r#"{"vocab_size": 4096, "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true}"#,
+    )
+    .unwrap()
+}
+
+/// Programmatic dependent launch (on by default on Hopper) lets a kernel start before the one
+/// it depends on has finished; every kernel waits for its predecessor before it touches
+/// anything but weights, so outputs must be bit-identical with it off: decode steps and tree
+/// steps, eager and replayed from graphs, f32 and bf16.
+#[test]
+fn dependent_launch_changes_no_bits() {
+    let cfg = smollm2_shaped();
+    let dev = gpu();
+    for graphs in [false, true] {
+        for dtype in [DType::F32, DType::BF16] {
+            let run = |dependent: bool| {
+                kestrel_kernels::set_dependent_launch(dependent);
+                let mut m = Llama::random(&cfg, SEED, dtype, &dev).unwrap();
+                m.set_cuda_kernels(CudaKernels::all());
+                m.set_cuda_graphs(graphs);
+                let (tokens, hidden) = greedy(&m, &prompts(), 12);
+                let trees = repeated_tree_steps(&m, 4);
+                assert_eq!(m.cuda_graph_failure(), None);
+                (tokens, hidden, trees)
+            };
+            let off = run(false);
+            let on = run(true);
+            kestrel_kernels::set_dependent_launch(true);
+            let what = format!("graphs {graphs}, {dtype:?}");
+            assert_eq!(on.0, off.0, "{what}: greedy tokens differ");
+            assert_same_bits(&on.1, &off.1, &what);
+            for (rep, (a, b)) in on.2.iter().zip(&off.2).enumerate() {
+                assert_same_bits(a, b, &format!("{what}, tree step {rep}"));
+            }
+        }
+    }
+}

@@ -2,6 +2,8 @@
 
 use crate::error::{Result, RuntimeError};
 pub use candle_core::Device;
+/// Programmatic dependent launch of Kestrel's kernels on Hopper, on by default.
+pub use kestrel_kernels::{dependent_launch_on, set_dependent_launch};
 
 /// `cpu`, or `cuda:N` / `cuda` (ordinal 0) in a build with the `cuda` feature.
 pub fn parse(spec: &str) -> Result<Device> {

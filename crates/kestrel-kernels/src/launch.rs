@@ -1,0 +1,190 @@
+//! How `cuda.rs` launches the kernels of `kernels.cu`: the PTX module for the device, and on
+//! Hopper (compute capability 9.0 and later) programmatic dependent launch.
+//!
+//! A decode step is a chain of a few hundred small dependent kernels. Launched plainly, each
+//! starts only once the one before it has drained, then ramps its memory traffic up from
+//! nothing. With `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` a kernel's blocks may
+//! become resident while its predecessor runs, load their weights, and wait in `pdl_enter`
+//! (kernels.cu) for the predecessor's results. The attribute needs the `compute_90` PTX, whose
+//! kernels carry the `griddepcontrol` instructions; CUDA graphs captured from such launches
+//! keep the programmatic edges.
+//!
+//! cudarc's launch builder calls `cuLaunchKernelEx` without attributes, so [`Args`] packs the
+//! kernel parameters itself. candle runs one stream per device, where cudarc tracks no events,
+//! so a device pointer is all a parameter needs.
+
+use candle_core::cuda::cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig,
+};
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, Result};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
+const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90.ptx"));
+
+/// Per device ordinal: 0 not asked yet, 1 below compute capability 9.0, 2 Hopper or later.
+static HOPPER: [AtomicU8; 64] = [const { AtomicU8::new(0) }; 64];
+
+/// Whether `dev` has compute capability 9.0 or later (asked of the driver once per device).
+pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let slot = HOPPER.get(ctx.ordinal());
+    if let Some(known) = slot.map(|s| s.load(Ordering::Relaxed)).filter(|&v| v != 0) {
+        return Ok(known == 2);
+    }
+    let major = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .w()?;
+    if let Some(s) = slot {
+        s.store(if major >= 9 { 2 } else { 1 }, Ordering::Relaxed);
+    }
+    Ok(major >= 9)
+}
+
+/// A kernel of `kernels.cu` loaded on a device, ready to take its parameters.
+pub(crate) struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+    dependent: bool,
+}
+
+/// `name` (with its dtype suffix) from the module for `dev`'s architecture.
+pub(crate) fn load_kernel(dev: &CudaDevice, name: &str) -> Result<Kernel> {
+    let hopper = is_hopper(dev)?;
+    let (module, ptx) = if hopper {
+        ("kestrel_kernels_sm90", PTX_SM90)
+    } else {
+        ("kestrel_kernels", PTX_SM80)
+    };
+    Ok(Kernel {
+        func: dev
+            .get_or_load_custom_func(name, module, ptx)?
+            .into_cuda_function(),
+        stream: dev.cuda_stream(),
+        dependent: hopper && crate::dependent_launch(),
+    })
+}
+
+impl std::ops::Deref for Kernel {
+    type Target = CudaFunction;
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+impl Kernel {
+    /// An empty parameter list for one launch.
+    pub(crate) fn builder(&self) -> Args<'_> {
+        Args {
+            kernel: self,
+            params: Vec::with_capacity(12),
+        }
+    }
+}
+
+/// One kernel parameter: its bytes, at most 8, in the low bytes of a `u64` (the target is
+/// little-endian, so the driver, reading the parameter's size from its address, gets them).
+pub(crate) trait KernelArg {
+    fn bits(&self, stream: &CudaStream) -> u64;
+}
+
+impl<T> KernelArg for CudaView<'_, T> {
+    fn bits(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+impl<T> KernelArg for CudaViewMut<'_, T> {
+    fn bits(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+impl<T> KernelArg for CudaSlice<T> {
+    fn bits(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+impl KernelArg for i32 {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        *self as u32 as u64
+    }
+}
+
+impl KernelArg for f32 {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+/// A `size_t` parameter (or a null pointer, 0).
+impl KernelArg for u64 {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        *self
+    }
+}
+
+impl KernelArg for usize {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        *self as u64
+    }
+}
+
+/// A kernel's parameters, in the order of its `extern "C"` signature.
+pub(crate) struct Args<'a> {
+    kernel: &'a Kernel,
+    params: Vec<u64>,
+}
+
+impl Args<'_> {
+    pub(crate) fn arg(&mut self, a: &impl KernelArg) -> &mut Self {
+        self.params.push(a.bits(&self.kernel.stream));
+        self
+    }
+
+    /// Submits the kernel to candle's stream.
+    ///
+    /// # Safety
+    /// The parameters must match the kernel's signature in number, order and size, and the
+    /// memory they point to must stay alive until the kernel has run (the stream orders it
+    /// after every earlier use and before every later one).
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<()> {
+        let stream = &self.kernel.stream;
+        stream.context().bind_to_thread().w()?;
+        let mut ptrs: Vec<*mut std::ffi::c_void> = self
+            .params
+            .iter_mut()
+            .map(|p| p as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: a zeroed attribute is a valid union; the field set is the one the id names.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.kernel.dependent),
+        };
+        // SAFETY: `ptrs` points at `self.params`, alive and unmoved for the call; the caller
+        // vouches for the parameters themselves.
+        sys::cuLaunchKernelEx(
+            &config,
+            self.kernel.func.cu_function(),
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+        .w()
+    }
+}
