@@ -471,9 +471,12 @@ impl CustomOp1 for ArgMax {
 }
 
 /// `kestrel_sample_f32`: one token id a row of f32 logits, drawn at `1 / inv_t` temperature
-/// with the row's uniform (the second input, f32 `[rows]`).
+/// after top-k (0: none) and top-p (≥ 1: none) filtering, with the row's uniform (the second
+/// input, f32 `[rows]`).
 pub(crate) struct Sample {
     pub inv_t: f32,
+    pub top_k: usize,
+    pub top_p: f32,
 }
 
 impl candle_core::CustomOp2 for Sample {
@@ -508,6 +511,9 @@ impl candle_core::CustomOp2 for Sample {
             b.arg(&r.out);
             b.arg(&r.vocab);
             b.arg(&self.inv_t);
+            // Beyond the vocabulary top-k keeps everything, as 0 does.
+            b.arg(&i32::try_from(self.top_k).unwrap_or(0));
+            b.arg(&self.top_p);
             // SAFETY: argument types match kestrel_sample_f32; one uniform a row (lib.rs).
             unsafe { b.launch(r.cfg()) }?;
         }

@@ -1257,7 +1257,8 @@ __device__ __forceinline__ void block_best(float &best, unsigned int &idx, float
 }
 
 // Temperature sampling by inverse CDF: row r's token is the first i whose cumulative weight
-// exceeds u_r · Σ w, w_i = exp((x_i − max) / T) (NaN: 0), which is what the host's
+// exceeds u_r · Σ w, w_i = exp((x_i − max) / T) (NaN, and tokens top-k or top-p filtered
+// out: 0; `sample_filter` above), which is what the host's
 // `sampling::sample(probs(row))` computes (in f64 there) from the same uniform u_r, drawn by
 // the host from the sequence's own stream: the device consumes a sequence's randomness
 // exactly as the host path does, and only one id per row crosses to the host instead of the
@@ -1276,9 +1277,165 @@ __device__ __forceinline__ float tile_inclusive_scan(float s) {
     return s;
 }
 
+// ---------------------------------------------------------------------------------------
+// Top-k and top-p (nucleus) filtering for kestrel_sample_f32, with the host's semantics
+// (kestrel_spec::sampling::probs): top-k keeps every token whose logit is at least the k-th
+// largest (ties with it kept); top-p then keeps, in order of probability with ties broken by
+// the lower id, each token whose mass before it is below top_p of the mass top-k kept.
+// Both cuts are found by radix select over an order-preserving u32 key of the logit, 8 bits
+// a pass from the top: each pass adds every candidate's count or mass into 256 bins of
+// shared memory with integer atomics, exact and so independent of the order threads add in,
+// and one thread walks the bins from the top. Masses are w = exp((x − max) / T) in fixed
+// point with 62 − bits(vocab) fractional bits, so a whole row's sum fits 64 bits and a
+// token's share is resolved to ~1e-14. A kept token is then drawn by the inverse CDF below.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned int order_key(const float x) {
+    const unsigned int u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(const unsigned int key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+struct MassScale {
+    float best, inv_t;
+    double scale; // 2^frac
+    __device__ __forceinline__ unsigned long long fixed(const float x) const {
+        return __double2ull_rn((double)expf((x - best) * inv_t) * scale);
+    }
+};
+
+// What filtering keeps: key ≥ k_key, and key > p_key or (key == p_key and id ≤ p_cut).
+struct Kept {
+    unsigned int k_key, p_key, p_cut;
+    __device__ __forceinline__ bool operator()(const unsigned int key, const int e) const {
+        return key >= k_key && (key > p_key || (key == p_key && (unsigned int)e <= p_cut));
+    }
+};
+
+// Histogram copies a radix pass spreads its atomics over (warp w adds into copy w mod this):
+// a row's logits mostly share their top key bits, so one copy would serialise the first pass.
+#define SELECT_COPIES 8
+
+struct SelectScratch {
+    unsigned long long bins[SELECT_COPIES][256];
+    double need, left;
+    unsigned int digit;
+};
+
+// Radix select over the row's non-NaN logits with key ≥ floor: the largest key K whose
+// elements with key ≥ K reach `need` (MASS: of fixed-point mass, `need` a fraction of the
+// candidates' total; else of count). Returns K; `need_left` gets what K's own elements must
+// still supply, `bin_left` their total count or mass.
+template <bool MASS>
+__device__ unsigned int radix_select(const float *__restrict__ xr, const int v,
+                                     const MassScale ms, const unsigned int floor_key,
+                                     double need, double &need_left, double &bin_left,
+                                     SelectScratch &sc) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    unsigned long long *own = sc.bins[warp % SELECT_COPIES];
+    unsigned int prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < SELECT_COPIES * 256; i += blockDim.x) sc.bins[0][i] = 0;
+        __syncthreads();
+        for (int e = threadIdx.x; e < v; e += blockDim.x) {
+            const float x = xr[e];
+            if (isnan(x)) continue;
+            const unsigned int key = order_key(x);
+            if (key < floor_key || (key & mask) != prefix) continue;
+            atomicAdd(&own[(key >> shift) & 255u], MASS ? ms.fixed(x) : 1ull);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l holds bins 255 − 8l down to 248 − 8l (the copies added in order: integer
+            // sums, exact); a scan over the lanes gives each the sum of the bins above its own.
+            unsigned long long c[8], local = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int b = 255 - 8 * lane - j;
+                c[j] = 0;
+#pragma unroll
+                for (int q = 0; q < SELECT_COPIES; ++q) c[j] += sc.bins[q][b];
+                local += c[j];
+            }
+            unsigned long long incl = local;
+#pragma unroll
+            for (int o = 1; o < WARP; o <<= 1) {
+                const unsigned long long n = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= o) incl += n;
+            }
+            if (MASS && shift == 24) need *= (double)__shfl_sync(FULL_MASK, incl, WARP - 1);
+            // The bin where the running sum from the top reaches `need`; bin 0 if none does
+            // (fewer candidates than asked for: all are kept).
+            const unsigned int hit = __ballot_sync(FULL_MASK, (double)incl >= need);
+            const int owner = hit ? __ffs(hit) - 1 : WARP - 1;
+            if (lane == owner) {
+                double above = (double)(incl - local);
+                int j = 0;
+                for (; j < 7; ++j) {
+                    if (above + (double)c[j] >= need) break;
+                    above += (double)c[j];
+                }
+                sc.digit = 255 - 8 * lane - j;
+                sc.need = need - above;
+                sc.left = (double)c[j];
+            }
+        }
+        __syncthreads();
+        prefix |= sc.digit << shift;
+        mask |= 255u << shift;
+        need = sc.need;
+        bin_left = sc.left;
+        __syncthreads(); // every thread has read the scratch before the next pass clears it
+    }
+    need_left = need;
+    return prefix;
+}
+
+// The filter for top_k (0: none) and top_p (≥ 1: none). Every thread gets it.
+__device__ Kept sample_filter(const float *__restrict__ xr, const int v, const MassScale ms,
+                              const int top_k, const float top_p, SelectScratch &sc) {
+    Kept kept{0u, 0u, 0xffffffffu};
+    double need_left, bin_left;
+    if (top_k > 0 && top_k < v)
+        kept.k_key = radix_select<false>(xr, v, ms, 0u, (double)top_k, need_left, bin_left, sc);
+    if (!(top_p < 1.f)) return kept;
+    kept.p_key = radix_select<true>(xr, v, ms, kept.k_key, (double)top_p, need_left, bin_left, sc);
+    // Ties at p_key share one weight; the first ceil(need_left / w) of them by id are kept
+    // (each is kept while the mass before it is below the target).
+    const double w = (double)ms.fixed(key_value(kept.p_key));
+    const double n_ties = w > 0.0 ? bin_left / w : 0.0;
+    const double n_keep = w > 0.0 ? ceil(need_left / w) : n_ties;
+    if (n_keep >= n_ties) return kept;
+    __shared__ unsigned int cut;
+    if (threadIdx.x < WARP) { // warp 0 walks the row in tiles to the n_keep-th tie
+        const int lane = threadIdx.x;
+        int seen = 0;
+        unsigned int found = 0xffffffffu;
+        for (int t0 = 0; t0 < v && found == 0xffffffffu; t0 += WARP) {
+            const int e = t0 + lane;
+            const bool tie = e < v && !isnan(xr[e]) && order_key(xr[e]) == kept.p_key;
+            const unsigned int ballot = __ballot_sync(FULL_MASK, tie);
+            const int here = __popc(ballot);
+            if (seen + here >= (int)n_keep) {
+                unsigned int bits = ballot;
+                for (int i = 1; i < (int)n_keep - seen; ++i) bits &= bits - 1; // drop lowest
+                found = t0 + __ffs(bits) - 1;
+            }
+            seen += here;
+        }
+        if (lane == 0) cut = found;
+    }
+    __syncthreads();
+    kept.p_cut = cut;
+    return kept;
+}
+
 extern "C" __global__ void __launch_bounds__(1024)
     kestrel_sample_f32(const float *__restrict__ x, const float *__restrict__ uniforms,
-                       unsigned int *__restrict__ out, const int v, const float inv_t) {
+                       unsigned int *__restrict__ out, const int v, const float inv_t,
+                       const int top_k, const float top_p) {
     pdl_enter();
     __shared__ float sv[32];
     __shared__ unsigned int si[32];
@@ -1300,9 +1457,12 @@ extern "C" __global__ void __launch_bounds__(1024)
         if (threadIdx.x == 0) out[blockIdx.x] = idx == NO_INDEX ? 0u : idx;
         return;
     }
+    __shared__ SelectScratch scratch;
+    const MassScale ms{best, inv_t, exp2((double)(62 - (32 - __clz(v))))};
+    const Kept kept = sample_filter(xr, v, ms, top_k, top_p, scratch);
     auto weight = [&](const int e, const int end) {
         const float val = e < end ? xr[e] : NAN;
-        return isnan(val) ? 0.f : expf((val - best) * inv_t);
+        return isnan(val) || !kept(order_key(val), e) ? 0.f : expf((val - best) * inv_t);
     };
     const int chunk = (v + nwarps - 1) / nwarps;
     const int c0 = min(v, warp * chunk), c1 = min(v, c0 + chunk);

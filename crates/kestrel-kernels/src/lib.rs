@@ -11,8 +11,8 @@
 //! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
 //!   written into the pools, in one launch.
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
-//! - [`sample_rows`]: temperature-sampled token ids of f32 logits rows from host-drawn
-//!   uniforms, on the device.
+//! - [`sample_rows`]: sampled token ids of f32 logits rows (temperature, top-k, top-p) from
+//!   host-drawn uniforms, on the device.
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
@@ -761,11 +761,20 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
 }
 
 /// A token id for every row of f32 `logits: [rows, vocab]` drawn from
-/// `softmax(row / temperature)` by inverse CDF with the row's uniform in `[0, 1)`
-/// (`uniforms`: f32 `[rows]`) → u32 `[rows]`: the first id whose cumulative probability
-/// exceeds it, as `kestrel_spec::sampling::sample` picks from the same draw. NaN logits weigh
-/// nothing; a row without a finite maximum gives [`argmax_rows`]'s id.
-pub fn sample_rows(logits: &Tensor, uniforms: &Tensor, temperature: f32) -> Result<Tensor> {
+/// `softmax(row / temperature)`, filtered to its `top_k` largest logits (0: no limit; ties
+/// with the k-th kept) and then to the smallest most likely set of mass ≥ `top_p` (1: no
+/// limit; ties by the lower id first), renormalised — `kestrel_spec::sampling::probs` — by
+/// inverse CDF with the row's uniform in `[0, 1)` (`uniforms`: f32 `[rows]`) → u32 `[rows]`:
+/// the first id whose cumulative probability exceeds it, as `kestrel_spec::sampling::sample`
+/// picks from the same draw. NaN logits weigh nothing; a row without a finite maximum gives
+/// [`argmax_rows`]'s id.
+pub fn sample_rows(
+    logits: &Tensor,
+    uniforms: &Tensor,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<Tensor> {
     let (rows, _) = logits.dims2()?;
     if logits.dtype() != DType::F32 || uniforms.dtype() != DType::F32 {
         candle_core::bail!(
@@ -784,17 +793,25 @@ pub fn sample_rows(logits: &Tensor, uniforms: &Tensor, temperature: f32) -> Resu
     if !(temperature > 0.0 && temperature.is_finite()) {
         candle_core::bail!("sample_rows: temperature {temperature} must be finite and > 0");
     }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        candle_core::bail!("sample_rows: top_p {top_p} must be in (0, 1]");
+    }
     #[cfg(feature = "cuda")]
     {
         logits.contiguous()?.apply_op2_no_bwd(
             &uniforms.contiguous()?,
             &cuda::Sample {
                 inv_t: 1.0 / temperature,
+                top_k,
+                top_p,
             },
         )
     }
     #[cfg(not(feature = "cuda"))]
-    no_cuda("sample_rows")
+    {
+        let _ = top_k;
+        no_cuda("sample_rows")
+    }
 }
 
 #[cfg(test)]

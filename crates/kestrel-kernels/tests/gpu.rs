@@ -11,6 +11,7 @@ use kestrel_kernels::{
     paged_attention, qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
     GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
+use kestrel_spec::sampling::{sample_token, SamplingParams, SeqRng};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -513,128 +514,194 @@ fn argmax_case(vocab: usize) {
     assert_eq!(got[4], 0);
 }
 
+/// `kestrel_kernels::sample_rows` with the params' filter, rows and uniforms on the device.
+fn device_samples(x: &[f32], vocab: usize, uniforms: &[f32], p: &SamplingParams) -> Vec<u32> {
+    let dev = gpu();
+    kestrel_kernels::sample_rows(
+        &Tensor::from_slice(x, (uniforms.len(), vocab), &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap(),
+        &Tensor::from_slice(uniforms, uniforms.len(), &Device::Cpu)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap(),
+        p.temperature,
+        p.top_k,
+        p.top_p,
+    )
+    .unwrap()
+    .to_vec1::<u32>()
+    .unwrap()
+}
+
+/// Whether the host's nucleus of `row` is decided within rounding at `token`: the mass before
+/// it (descending probability, lower id first, after top-k) is within 1e-5 of top_p, so f32
+/// weights on the device may keep or drop it where the host's f64 does the opposite.
+fn at_nucleus_edge(row: &[f32], p: &SamplingParams, token: u32) -> bool {
+    let top_k_only = SamplingParams { top_p: 1.0, ..*p };
+    let q = kestrel_spec::sampling::probs(row, &top_k_only);
+    let mut order: Vec<usize> = (0..q.len()).collect();
+    order.sort_by(|&a, &b| q[b].total_cmp(&q[a]).then(a.cmp(&b)));
+    let mut before = 0.0f64;
+    for i in order {
+        if i == token as usize {
+            return (before - p.top_p as f64).abs() < 1e-5;
+        }
+        before += q[i] as f64;
+    }
+    false
+}
+
 #[test]
 fn sample_rows_picks_the_hosts_token_from_the_same_draw() {
-    use kestrel_spec::sampling::{sample_token, SamplingParams, SeqRng};
-    let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(41);
-    let params = SamplingParams {
-        temperature: 0.7,
-        ..SamplingParams::default()
-    };
+    // Temperature alone, top-k, top-p, both, and filters that keep one token. No top_p puts
+    // the flat row's cut at a whole number of tokens: there the host's f64 running sum may
+    // land a hair under top_p and keep one token more than exact arithmetic (the device's
+    // integer masses) does.
+    let filters = [
+        (0, 1.0),
+        (40, 1.0),
+        (0, 0.9),
+        (50, 0.8),
+        (1, 1.0),
+        (0, 0.05),
+        (3, 0.45),
+    ];
     // 49,152: SmolLM2's rows; 1,003: chunks and tiles that do not divide it.
     for vocab in [49_152usize, 1_003] {
         let rows = 96;
         let mut x = randn(&mut rng, rows * vocab, 3.0);
-        // Row 0: NaNs; row 1: all -inf (the argmax, 0); row 2: one finite entry.
+        // Row 0: NaNs; row 1: all -inf (the argmax, 0); row 2: one finite entry; row 3: every
+        // logit equal (top-p keeps the lowest ids: ties in id order); row 4: five equal
+        // maxima far above the rest (top-k keeps all five: ties with the k-th).
         x[5] = f32::NAN;
         x[vocab - 1] = f32::NAN;
         x[vocab..2 * vocab].fill(f32::NEG_INFINITY);
         x[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
         x[2 * vocab + vocab / 2] = -3.0;
-        let mut stream = SeqRng::new(7, vocab as u64);
-        let mut uniforms = Vec::with_capacity(rows);
-        let mut want = Vec::with_capacity(rows);
-        for r in 0..rows {
-            uniforms.push(stream.clone().uniform() as f32);
-            want.push(sample_token(
-                &x[r * vocab..(r + 1) * vocab],
-                &params,
-                &mut stream,
-            ));
-        }
-        let got = kestrel_kernels::sample_rows(
-            &Tensor::from_slice(&x, (rows, vocab), &Device::Cpu)
-                .unwrap()
-                .to_device(&dev)
-                .unwrap(),
-            &Tensor::from_slice(&uniforms, rows, &Device::Cpu)
-                .unwrap()
-                .to_device(&dev)
-                .unwrap(),
-            params.temperature,
-        )
-        .unwrap()
-        .to_vec1::<u32>()
-        .unwrap();
-        assert_eq!(
-            got[1], 0,
-            "vocabulary {vocab}: a row without a finite logit"
-        );
-        assert_eq!(
-            got[2] as usize,
-            vocab / 2,
-            "vocabulary {vocab}: one finite logit"
-        );
-        // f32 weights on the device against f64 on the host: a draw within rounding of a
-        // token's cumulative boundary may land on its neighbour, nowhere else.
-        let mut near_boundary = 0;
-        for r in 0..rows {
-            if got[r] == want[r] {
-                continue;
+        x[3 * vocab..4 * vocab].fill(0.5);
+        let maxima = [
+            4 * vocab + 3,
+            4 * vocab + 100,
+            4 * vocab + 500,
+            4 * vocab + 501,
+            5 * vocab - 2,
+        ];
+        x[4 * vocab..5 * vocab].iter_mut().for_each(|v| *v -= 30.0);
+        maxima.iter().for_each(|&i| x[i] = 9.0);
+        for (top_k, top_p) in filters {
+            let params = SamplingParams {
+                temperature: 0.7,
+                top_k,
+                top_p,
+                ..SamplingParams::default()
+            };
+            let what = format!("vocabulary {vocab}, top_k {top_k}, top_p {top_p}");
+            let mut stream = SeqRng::new(7, vocab as u64);
+            let mut uniforms = Vec::with_capacity(rows);
+            let mut want = Vec::with_capacity(rows);
+            for r in 0..rows {
+                uniforms.push(stream.clone().uniform() as f32);
+                want.push(sample_token(
+                    &x[r * vocab..(r + 1) * vocab],
+                    &params,
+                    &mut stream,
+                ));
             }
-            let probs = kestrel_spec::sampling::softmax(&x[r * vocab..(r + 1) * vocab], 0.7);
-            let edge: f64 = probs[..=got[r].min(want[r]) as usize]
-                .iter()
-                .map(|&p| p as f64)
-                .sum();
+            let got = device_samples(&x, vocab, &uniforms, &params);
+            assert_eq!(got[1], 0, "{what}: a row without a finite logit");
+            assert_eq!(got[2] as usize, vocab / 2, "{what}: one finite logit");
             assert!(
-                (edge - uniforms[r] as f64).abs() < 1e-5,
-                "vocabulary {vocab}, row {r}: device {} host {} for u = {}",
-                got[r],
-                want[r],
-                uniforms[r]
+                maxima.contains(&(4 * vocab + got[4] as usize)),
+                "{what}: {}",
+                got[4]
             );
-            near_boundary += 1;
+            if top_p < 1.0 {
+                // The first ceil(top_p · vocab) ids are the nucleus of a flat row.
+                let kept = (top_p as f64 * vocab as f64).ceil() as u32;
+                assert!(got[3] < kept.max(1), "{what}: flat row drew {}", got[3]);
+            }
+            if top_k == 1 {
+                // Only the maximum is left (every token equal to it: ties with the k-th stay).
+                for r in 5..rows {
+                    let row = &x[r * vocab..(r + 1) * vocab];
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    assert_eq!(row[got[r] as usize], max, "{what}, row {r}: {}", got[r]);
+                }
+            }
+            // f32 weights on the device against f64 on the host: a draw within rounding of a
+            // token's cumulative boundary may land on its neighbour, and a token whose
+            // nucleus membership is decided within rounding may go either way; nothing else.
+            let mut near_boundary = 0;
+            for r in 0..rows {
+                if got[r] == want[r] {
+                    continue;
+                }
+                let row = &x[r * vocab..(r + 1) * vocab];
+                let probs = kestrel_spec::sampling::probs(row, &params);
+                let edge: f64 = probs[..=got[r].min(want[r]) as usize]
+                    .iter()
+                    .map(|&p| p as f64)
+                    .sum();
+                assert!(
+                    (edge - uniforms[r] as f64).abs() < 1e-5
+                        || at_nucleus_edge(row, &params, got[r])
+                        || at_nucleus_edge(row, &params, want[r]),
+                    "{what}, row {r}: device {} host {} for u = {}",
+                    got[r],
+                    want[r],
+                    uniforms[r]
+                );
+                near_boundary += 1;
+            }
+            assert!(near_boundary <= 2, "{what}: {near_boundary} rows differ");
         }
-        assert!(
-            near_boundary <= 2,
-            "vocabulary {vocab}: {near_boundary} rows differ"
-        );
     }
 }
 
 #[test]
-fn sample_rows_follows_softmax_at_the_temperature() {
-    let dev = gpu();
+fn sample_rows_follows_the_filtered_softmax() {
     let logits = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5];
-    let temperature = 0.9;
     let draws = 20_000;
-    let mut rng = ChaCha8Rng::seed_from_u64(43);
-    let x: Vec<f32> = logits.iter().copied().cycle().take(draws * 8).collect();
-    let uniforms: Vec<f32> = (0..draws).map(|_| rng.random::<f32>()).collect();
-    let got = kestrel_kernels::sample_rows(
-        &Tensor::from_slice(&x, (draws, 8), &Device::Cpu)
-            .unwrap()
-            .to_device(&dev)
-            .unwrap(),
-        &Tensor::from_slice(&uniforms, draws, &Device::Cpu)
-            .unwrap()
-            .to_device(&dev)
-            .unwrap(),
-        temperature,
-    )
-    .unwrap()
-    .to_vec1::<u32>()
-    .unwrap();
-    let mut counts = [0f64; 8];
-    for &t in &got {
-        counts[t as usize] += 1.0;
-    }
-    let probs = kestrel_spec::sampling::softmax(&logits, temperature);
-    let chi2: f64 = counts
-        .iter()
-        .zip(&probs)
-        .map(|(&c, &p)| {
+    // χ² critical values at p = 0.001 for 1..=7 degrees of freedom.
+    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+    for (top_k, top_p) in [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.7)] {
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k,
+            top_p,
+            ..SamplingParams::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(43);
+        let x: Vec<f32> = logits.iter().copied().cycle().take(draws * 8).collect();
+        let uniforms: Vec<f32> = (0..draws).map(|_| rng.random::<f32>()).collect();
+        let got = device_samples(&x, 8, &uniforms, &params);
+        let mut counts = [0f64; 8];
+        for &t in &got {
+            counts[t as usize] += 1.0;
+        }
+        let probs = kestrel_spec::sampling::probs(&logits, &params);
+        let mut chi2 = 0.0;
+        let mut cells = 0;
+        for (&c, &p) in counts.iter().zip(&probs) {
+            if p == 0.0 {
+                assert_eq!(
+                    c, 0.0,
+                    "top_k {top_k} top_p {top_p}: a filtered token was drawn"
+                );
+                continue;
+            }
             let e = p as f64 * draws as f64;
-            (c - e) * (c - e) / e
-        })
-        .sum();
-    // χ² with 7 degrees of freedom: 24.32 at p = 0.001.
-    assert!(
-        chi2 < 24.32,
-        "chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
-    );
+            chi2 += (c - e) * (c - e) / e;
+            cells += 1;
+        }
+        assert!(
+            chi2 < critical[cells - 2],
+            "top_k {top_k} top_p {top_p}: chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
+        );
+    }
 }
 
 /// The host's selection: larger first, lower index on equal values, NaN left out; log-probs

@@ -124,9 +124,9 @@ fn batch_end(
 }
 
 /// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order.
-/// On a device, temperature-only sampling draws each row's uniform from its sequence's stream
-/// here and samples on the device (`kestrel_kernels::sample_rows`: one id a row crosses, not
-/// the row); top-k and top-p take the rows to the host.
+/// On a device, sampling draws each row's uniform from its sequence's stream here and samples
+/// on the device, top-k and top-p included (`kestrel_kernels::sample_rows`: one id a row
+/// crosses, not the row).
 pub(crate) fn sample_rows(
     logits: &Tensor,
     seqs: &mut [&mut Sequence],
@@ -136,13 +136,17 @@ pub(crate) fn sample_rows(
     if sampling.is_greedy() {
         return argmax_rows(logits);
     }
-    if !logits.device().is_cpu() && sampling.top_k == 0 && sampling.top_p >= 1.0 {
+    if !logits.device().is_cpu() {
         let uniforms: Vec<f32> = seqs.iter_mut().map(|s| s.rng.uniform() as f32).collect();
         let uniforms = Tensor::from_vec(uniforms, seqs.len(), logits.device())?;
-        return Ok(
-            kestrel_kernels::sample_rows(logits, &uniforms, sampling.temperature)?
-                .to_vec1::<u32>()?,
-        );
+        return Ok(kestrel_kernels::sample_rows(
+            logits,
+            &uniforms,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+        )?
+        .to_vec1::<u32>()?);
     }
     let rows = logits.to_vec2::<f32>()?;
     Ok(rows
