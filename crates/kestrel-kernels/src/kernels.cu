@@ -1285,9 +1285,9 @@ __device__ __forceinline__ float tile_inclusive_scan(float s) {
 // Both cuts are found by radix select over an order-preserving u32 key of the logit, 8 bits
 // a pass from the top: each pass adds every candidate's count or mass into 256 bins of
 // shared memory with integer atomics, exact and so independent of the order threads add in,
-// and one thread walks the bins from the top. Masses are w = exp((x − max) / T) in fixed
-// point with 62 − bits(vocab) fractional bits, so a whole row's sum fits 64 bits and a
-// token's share is resolved to ~1e-14. A kept token is then drawn by the inverse CDF below.
+// and one warp walks the bins from the top. Masses are w = exp((x − max) / T) in fixed
+// point with min(46, 62 − bits(vocab)) fractional bits, so a whole row's sum fits 64 bits
+// and a token's share is resolved to ~1e-14. A kept token is then drawn by the inverse CDF below.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ unsigned int order_key(const float x) {
     const unsigned int u = __float_as_uint(x);
@@ -1315,8 +1315,10 @@ struct Kept {
 };
 
 // Histogram copies a radix pass spreads its atomics over (warp w adds into copy w mod this):
-// a row's logits mostly share their top key bits, so one copy would serialise the first pass.
+// a row's logits mostly share their top key bits, so one copy would serialise the warps.
 #define SELECT_COPIES 8
+// Logits a thread of a radix pass loads before it bins them.
+#define SELECT_LOADS 16
 
 struct SelectScratch {
     unsigned long long bins[SELECT_COPIES][256];
@@ -1339,12 +1341,37 @@ __device__ unsigned int radix_select(const float *__restrict__ xr, const int v,
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < SELECT_COPIES * 256; i += blockDim.x) sc.bins[0][i] = 0;
         __syncthreads();
-        for (int e = threadIdx.x; e < v; e += blockDim.x) {
-            const float x = xr[e];
-            if (isnan(x)) continue;
-            const unsigned int key = order_key(x);
-            if (key < floor_key || (key & mask) != prefix) continue;
-            atomicAdd(&own[(key >> shift) & 255u], MASS ? ms.fixed(x) : 1ull);
+        // A thread's SELECT_LOADS loads go out together (one block streams the whole row:
+        // one load at a time left every pass waiting on L2 latency). Every lane takes the
+        // same number of turns, so the warp stays converged: its lanes that fall into one bin
+        // sum their counts or masses with redux (a mass as two 32-bit halves, which cannot
+        // overflow: at most 2^46 a lane) and the lowest of them adds once. A row's logits
+        // mostly share their top key bits: one 64-bit atomic a lane cost ~0.2 ms a row.
+        for (int base = 0; base < v; base += SELECT_LOADS * blockDim.x) {
+            float xs[SELECT_LOADS];
+#pragma unroll
+            for (int u = 0; u < SELECT_LOADS; ++u) {
+                const int e = base + u * blockDim.x + threadIdx.x;
+                xs[u] = e < v ? xr[e] : NAN;
+            }
+#pragma unroll
+            for (int u = 0; u < SELECT_LOADS; ++u) {
+                const float x = xs[u];
+                const unsigned int key = order_key(x);
+                const bool in = !isnan(x) && key >= floor_key && (key & mask) == prefix;
+                const unsigned int bin = in ? (key >> shift) & 255u : 256u;
+                const unsigned int peers = __match_any_sync(FULL_MASK, bin);
+                unsigned long long sum;
+                if (MASS) {
+                    const unsigned long long m = in ? ms.fixed(x) : 0ull;
+                    const unsigned int lo = __reduce_add_sync(peers, (unsigned int)(m & 0xffffffu));
+                    const unsigned int hi = __reduce_add_sync(peers, (unsigned int)(m >> 24));
+                    sum = ((unsigned long long)hi << 24) + lo;
+                } else {
+                    sum = __popc(peers);
+                }
+                if (in && (peers & ((1u << lane) - 1u)) == 0u) atomicAdd(&own[bin], sum);
+            }
         }
         __syncthreads();
         if (warp == 0) {
@@ -1445,11 +1472,22 @@ extern "C" __global__ void __launch_bounds__(1024)
     const float *xr = x + (size_t)blockIdx.x * v;
     float best = -INFINITY;
     unsigned int idx = NO_INDEX;
-    for (int e = threadIdx.x; e < v; e += blockDim.x) {
-        const float val = xr[e];
-        if (!isnan(val) && beats(val, e, best, idx)) {
-            best = val;
-            idx = e;
+    // SELECT_LOADS loads in flight a thread, as in radix_select (the order is total, so the
+    // result does not depend on who saw what).
+    for (int base = 0; base < v; base += SELECT_LOADS * blockDim.x) {
+        float xs[SELECT_LOADS];
+#pragma unroll
+        for (int u = 0; u < SELECT_LOADS; ++u) {
+            const int e = base + u * blockDim.x + threadIdx.x;
+            xs[u] = e < v ? xr[e] : NAN;
+        }
+#pragma unroll
+        for (int u = 0; u < SELECT_LOADS; ++u) {
+            const int e = base + u * blockDim.x + threadIdx.x;
+            if (!isnan(xs[u]) && beats(xs[u], e, best, idx)) {
+                best = xs[u];
+                idx = e;
+            }
         }
     }
     block_best(best, idx, sv, si);
@@ -1458,7 +1496,8 @@ extern "C" __global__ void __launch_bounds__(1024)
         return;
     }
     __shared__ SelectScratch scratch;
-    const MassScale ms{best, inv_t, exp2((double)(62 - (32 - __clz(v))))};
+    // Fixed-point masses: a row's sum fits 64 bits, a lane's 46 (radix_select's halves).
+    const MassScale ms{best, inv_t, exp2((double)min(46, 62 - (32 - __clz(v))))};
     const Kept kept = sample_filter(xr, v, ms, top_k, top_p, scratch);
     auto weight = [&](const int e, const int end) {
         const float val = e < end ? xr[e] : NAN;
