@@ -22,12 +22,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/device-env.sh"
 export CUDA_CACHE_PATH=/tmp/cuda-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# unpack whatever binaries this call's slot carried (stage.sh unpacks only once all are in)
-for x in "$S"/*.xz; do
-  [ -e "$x" ] || continue
-  b=$(basename "$x" .xz)
-  [ -x "$B/$b" ] || { python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$x" "$B/$b" && chmod +x "$B/$b"; }
-done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 bench() { # tag args...: one spec-bench run per --dependent_launch setting, on/off/on

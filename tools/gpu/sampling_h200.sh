@@ -18,11 +18,6 @@ source "$here/device-env.sh"
 export CUDA_CACHE_PATH=/tmp/cuda-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BASE=${BASE:-spec-run-host}
-for x in "$S"/*.xz; do
-  [ -e "$x" ] || continue
-  b=$(basename "$x" .xz)
-  [ -x "$B/$b" ] || { python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$x" "$B/$b" && chmod +x "$B/$b"; }
-done
 # tag: spec-run sampling flags (temperature 0.8, seed 3 unless greedy)
 CONFIGS=("greedy|" "t|--temperature 0.8 --random_seed 3" "p|--temperature 0.8 --random_seed 3 --top_p 0.9"
   "k|--temperature 0.8 --random_seed 3 --top_k 50" "kp|--temperature 0.8 --random_seed 3 --top_k 50 --top_p 0.8")

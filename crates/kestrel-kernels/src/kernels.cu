@@ -1317,8 +1317,26 @@ struct Kept {
 // Histogram copies a radix pass spreads its atomics over (warp w adds into copy w mod this):
 // a row's logits mostly share their top key bits, so one copy would serialise the warps.
 #define SELECT_COPIES 8
-// Logits a thread of a radix pass loads before it bins them.
+// Logits a thread loads at once in a pass over a row.
 #define SELECT_LOADS 16
+
+// see(x, e) for every logit e of the row, NaN past its end, each thread the same number of
+// times (so a warp stays converged): a thread's SELECT_LOADS loads go out before it sees any,
+// since one block streams the whole row and one load at a time left every pass waiting on L2.
+template <typename F>
+__device__ __forceinline__ void for_row_batched(const float *__restrict__ xr, const int v,
+                                                F &&see) {
+    for (int base = 0; base < v; base += SELECT_LOADS * blockDim.x) {
+        float xs[SELECT_LOADS];
+#pragma unroll
+        for (int u = 0; u < SELECT_LOADS; ++u) {
+            const int e = base + u * blockDim.x + threadIdx.x;
+            xs[u] = e < v ? xr[e] : NAN;
+        }
+#pragma unroll
+        for (int u = 0; u < SELECT_LOADS; ++u) see(xs[u], base + u * blockDim.x + threadIdx.x);
+    }
+}
 
 struct SelectScratch {
     unsigned long long bins[SELECT_COPIES][256];
@@ -1341,38 +1359,26 @@ __device__ unsigned int radix_select(const float *__restrict__ xr, const int v,
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < SELECT_COPIES * 256; i += blockDim.x) sc.bins[0][i] = 0;
         __syncthreads();
-        // A thread's SELECT_LOADS loads go out together (one block streams the whole row:
-        // one load at a time left every pass waiting on L2 latency). Every lane takes the
-        // same number of turns, so the warp stays converged: its lanes that fall into one bin
-        // sum their counts or masses with redux (a mass as two 32-bit halves, which cannot
-        // overflow: at most 2^46 a lane) and the lowest of them adds once. A row's logits
-        // mostly share their top key bits: one 64-bit atomic a lane cost ~0.2 ms a row.
-        for (int base = 0; base < v; base += SELECT_LOADS * blockDim.x) {
-            float xs[SELECT_LOADS];
-#pragma unroll
-            for (int u = 0; u < SELECT_LOADS; ++u) {
-                const int e = base + u * blockDim.x + threadIdx.x;
-                xs[u] = e < v ? xr[e] : NAN;
+        // The warp's lanes that fall into one bin sum their counts or masses with redux (a
+        // mass as two 32-bit halves, which cannot overflow: at most 2^46 a lane) and the lowest
+        // of them adds once. A row's logits mostly share their top key bits: one 64-bit atomic
+        // a lane cost ~0.2 ms a row.
+        for_row_batched(xr, v, [&](const float x, int) {
+            const unsigned int key = order_key(x);
+            const bool in = !isnan(x) && key >= floor_key && (key & mask) == prefix;
+            const unsigned int bin = in ? (key >> shift) & 255u : 256u;
+            const unsigned int peers = __match_any_sync(FULL_MASK, bin);
+            unsigned long long sum;
+            if (MASS) {
+                const unsigned long long m = in ? ms.fixed(x) : 0ull;
+                const unsigned int lo = __reduce_add_sync(peers, (unsigned int)(m & 0xffffffu));
+                const unsigned int hi = __reduce_add_sync(peers, (unsigned int)(m >> 24));
+                sum = ((unsigned long long)hi << 24) + lo;
+            } else {
+                sum = __popc(peers);
             }
-#pragma unroll
-            for (int u = 0; u < SELECT_LOADS; ++u) {
-                const float x = xs[u];
-                const unsigned int key = order_key(x);
-                const bool in = !isnan(x) && key >= floor_key && (key & mask) == prefix;
-                const unsigned int bin = in ? (key >> shift) & 255u : 256u;
-                const unsigned int peers = __match_any_sync(FULL_MASK, bin);
-                unsigned long long sum;
-                if (MASS) {
-                    const unsigned long long m = in ? ms.fixed(x) : 0ull;
-                    const unsigned int lo = __reduce_add_sync(peers, (unsigned int)(m & 0xffffffu));
-                    const unsigned int hi = __reduce_add_sync(peers, (unsigned int)(m >> 24));
-                    sum = ((unsigned long long)hi << 24) + lo;
-                } else {
-                    sum = __popc(peers);
-                }
-                if (in && (peers & ((1u << lane) - 1u)) == 0u) atomicAdd(&own[bin], sum);
-            }
-        }
+            if (in && (peers & ((1u << lane) - 1u)) == 0u) atomicAdd(&own[bin], sum);
+        });
         __syncthreads();
         if (warp == 0) {
             // Lane l holds bins 255 − 8l down to 248 − 8l (the copies added in order: integer
@@ -1472,24 +1478,13 @@ extern "C" __global__ void __launch_bounds__(1024)
     const float *xr = x + (size_t)blockIdx.x * v;
     float best = -INFINITY;
     unsigned int idx = NO_INDEX;
-    // SELECT_LOADS loads in flight a thread, as in radix_select (the order is total, so the
-    // result does not depend on who saw what).
-    for (int base = 0; base < v; base += SELECT_LOADS * blockDim.x) {
-        float xs[SELECT_LOADS];
-#pragma unroll
-        for (int u = 0; u < SELECT_LOADS; ++u) {
-            const int e = base + u * blockDim.x + threadIdx.x;
-            xs[u] = e < v ? xr[e] : NAN;
+    // The order is total, so the result does not depend on who saw what.
+    for_row_batched(xr, v, [&](const float val, const int e) {
+        if (!isnan(val) && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
         }
-#pragma unroll
-        for (int u = 0; u < SELECT_LOADS; ++u) {
-            const int e = base + u * blockDim.x + threadIdx.x;
-            if (!isnan(xs[u]) && beats(xs[u], e, best, idx)) {
-                best = xs[u];
-                idx = e;
-            }
-        }
-    }
+    });
     block_best(best, idx, sv, si);
     if (!isfinite(best)) {
         if (threadIdx.x == 0) out[blockIdx.x] = idx == NO_INDEX ? 0u : idx;
