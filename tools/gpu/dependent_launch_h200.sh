@@ -17,11 +17,8 @@
 #   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/dependent_launch_h200.sh real
 # Results: $OUT (summary.txt and the spec-bench JSON files).
 set -uo pipefail
-B=/tmp/bin; S=/tmp/stage
 here=$(cd "$(dirname "$0")" && pwd)
-source "$here/device-env.sh"
-export CUDA_CACHE_PATH=/tmp/cuda-cache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$here/session-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 bench() { # tag args...: one spec-bench run per --dependent_launch setting, on/off/on

@@ -12,11 +12,8 @@
 #   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/sampling_h200.sh run
 # (slot c also carries the CPU reference files.) Results: $OUT/summary.txt.
 set -uo pipefail
-B=/tmp/bin; S=/tmp/stage
 here=$(cd "$(dirname "$0")" && pwd)
-source "$here/device-env.sh"
-export CUDA_CACHE_PATH=/tmp/cuda-cache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$here/session-env.sh"
 BASE=${BASE:-spec-run-host}
 # tag: spec-run sampling flags (temperature 0.8, seed 3 unless greedy)
 CONFIGS=("greedy|" "t|--temperature 0.8 --random_seed 3" "p|--temperature 0.8 --random_seed 3 --top_p 0.9"
