@@ -80,7 +80,8 @@ impl Kernel {
     pub(crate) fn builder(&self) -> Args<'_> {
         Args {
             kernel: self,
-            params: Vec::with_capacity(12),
+            params: [0; MAX_PARAMS],
+            len: 0,
         }
     }
 }
@@ -134,15 +135,25 @@ impl KernelArg for usize {
     }
 }
 
+/// The most parameters a kernel of `kernels.cu` takes (12 today), held inline so that an
+/// eager step's few hundred launches allocate nothing for them.
+const MAX_PARAMS: usize = 16;
+
 /// A kernel's parameters, in the order of its `extern "C"` signature.
 pub(crate) struct Args<'a> {
     kernel: &'a Kernel,
-    params: Vec<u64>,
+    params: [u64; MAX_PARAMS],
+    len: usize,
 }
 
 impl Args<'_> {
     pub(crate) fn arg(&mut self, a: &impl KernelArg) -> &mut Self {
-        self.params.push(a.bits(&self.kernel.stream));
+        assert!(
+            self.len < MAX_PARAMS,
+            "a kernel of kernels.cu takes at most {MAX_PARAMS} parameters"
+        );
+        self.params[self.len] = a.bits(&self.kernel.stream);
+        self.len += 1;
         self
     }
 
@@ -155,11 +166,10 @@ impl Args<'_> {
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<()> {
         let stream = &self.kernel.stream;
         stream.context().bind_to_thread().w()?;
-        let mut ptrs: Vec<*mut std::ffi::c_void> = self
-            .params
-            .iter_mut()
-            .map(|p| p as *mut u64 as *mut std::ffi::c_void)
-            .collect();
+        let mut ptrs = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_PARAMS];
+        for (ptr, p) in ptrs.iter_mut().zip(&mut self.params[..self.len]) {
+            *ptr = p as *mut u64 as *mut std::ffi::c_void;
+        }
         // SAFETY: a zeroed attribute is a valid union; the field set is the one the id names.
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
