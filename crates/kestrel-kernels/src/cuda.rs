@@ -6,7 +6,7 @@
 
 use crate::launch::load_kernel;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::LaunchConfig;
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout,
@@ -735,32 +735,59 @@ fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (La
 }
 
 /// Columns and rows of a `kestrel_gemv_tiled_*` block (`TILED_COLS`, `TILED_ROWS`).
-const TILED_COLS: usize = 32;
+const TILED_COLS: usize = 128;
 const TILED_ROWS: usize = 64;
-/// Blocks of K in its shared memory (`TILED_STAGES · TILED_KPS`), each the block's weight
-/// rows and input rows of `GEMV_MMA_K_BLOCK` elements padded by 8 (`TILED_LD`).
-const TILED_STAGED_BLOCKS: usize = 8;
+/// Blocks of K in its shared memory (`TILED_STAGES`), each the block's weight rows and input
+/// rows of `GEMV_MMA_K_BLOCK` elements padded by 8 (`TILED_LD`).
+const TILED_STAGES: usize = 4;
+/// The one-row engine's partial sums per output (`TILED_CHAINS`: its warps), which the tiled
+/// engine may split between blocks.
+const TILED_CHAINS: usize = GEMV_WARPS;
+/// Blocks a tiled launch aims for: two resident on each of an H200's 132 multiprocessors
+/// (110.6 KiB of shared memory and 128 registers a thread each).
+const TILED_TARGET_BLOCKS: usize = 264;
 
-/// The launch of the tiled engine over `[m, k] · [n, k]ᵀ`: a block per `TILED_ROWS` rows
-/// (the fastest index, so the blocks that share weight columns run together and the weights
-/// cross from memory about once) and `TILED_COLS` columns. Its shared memory is past the
-/// 48 KiB a launch gets by default, so each loaded function (one per dtype and device) is
-/// allowed it once, before its first launch: a driver call, not a stream operation (legal
-/// inside a graph capture), kept out of every later eager launch.
+/// How many blocks share each tile's chains (`groups` of `kestrel_gemv_tiled_*`): the most,
+/// of 8, 4 and 2, that keep a launch within [`TILED_TARGET_BLOCKS`], else 1. Llama-2-7B at 64
+/// rows: q/k/v 96 tiles → 2, gate_up 172 → 1, o_proj and down_proj 32 → 8. A split costs
+/// 8 f32 partial sums an output and a second launch, and changes no bits.
+/// `KESTREL_GEMV_TILED_GROUPS` (1, 2, 4 or 8) overrides it, to measure the choice.
+fn gemv_tiled_groups(tiles: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        std::env::var("KESTREL_GEMV_TILED_GROUPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|g| [1, 2, 4, 8].contains(g))
+    });
+    forced.unwrap_or_else(|| {
+        [8, 4, 2]
+            .into_iter()
+            .find(|g| tiles * g <= TILED_TARGET_BLOCKS)
+            .unwrap_or(1)
+    })
+}
+
+/// The launch of the tiled engine over `[m, k] · [n, k]ᵀ` with `groups` blocks a tile: a
+/// block per group of chains (the fastest index: a tile's groups read adjacent pieces of
+/// the same weight rows), `TILED_ROWS` rows (next, so the blocks that share weight columns
+/// run together and the weights cross from memory about once) and `TILED_COLS` columns. Its shared memory is past the 48 KiB a launch gets by default, so each loaded
+/// function (one per dtype and device) is allowed it once, before its first launch: a driver
+/// call, not a stream operation (legal inside a graph capture), kept out of every later
+/// eager launch.
 fn gemv_tiled_launch(
     func: &crate::launch::Kernel,
     m: usize,
     n: usize,
+    groups: usize,
     elem_bytes: usize,
 ) -> Result<LaunchConfig> {
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
     static ALLOWED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    let smem = TILED_STAGED_BLOCKS
-        * (TILED_COLS + TILED_ROWS)
-        * (crate::GEMV_MMA_K_BLOCK + 8)
-        * elem_bytes;
+    let smem =
+        TILED_STAGES * (TILED_COLS + TILED_ROWS) * (crate::GEMV_MMA_K_BLOCK + 8) * elem_bytes;
     let key = func.cu_function() as usize;
     let mut allowed = ALLOWED
         .get_or_init(Default::default)
@@ -772,15 +799,81 @@ fn gemv_tiled_launch(
             smem as i32,
         )
         .w()?;
+        // All of the L1/shared split as shared memory, so that two blocks fit a
+        // multiprocessor (2 × 108 KiB); left to the driver, it gave one.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+        .w()?;
         allowed.insert(key);
     }
     drop(allowed);
-    let mut cfg = launch_cfg(
-        (m.div_ceil(TILED_ROWS) as u32, n.div_ceil(TILED_COLS) as u32),
-        (GEMV_WARPS * 32) as u32,
+    Ok(LaunchConfig {
+        grid_dim: (
+            groups as u32,
+            m.div_ceil(TILED_ROWS) as u32,
+            n.div_ceil(TILED_COLS) as u32,
+        ),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    })
+}
+
+/// `kestrel_gemv_tiled_*` over `x [m, k] · wᵀ` into `out [m, n]`, and with its chains split
+/// between blocks, `kestrel_gemv_tiled_sum_*` after it.
+fn gemv_tiled<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    xv: &CudaView<'_, T>,
+    wv: &CudaView<'_, T>,
+    out: &CudaSlice<T>,
+    (m, n, k): (usize, usize, usize),
+    sfx: &str,
+) -> Result<()> {
+    let func = load_kernel(dev, &format!("kestrel_gemv_tiled_{sfx}"))?;
+    let tiles = m.div_ceil(TILED_ROWS) * n.div_ceil(TILED_COLS);
+    let groups = gemv_tiled_groups(tiles);
+    let cfg = gemv_tiled_launch(&func, m, n, groups, std::mem::size_of::<T>())?;
+    // SAFETY: the blocks write every chain's sum of every output before the sum reads it.
+    let parts = if groups > 1 {
+        Some(unsafe { dev.alloc::<f32>(TILED_CHAINS * m * n)? })
+    } else {
+        None
+    };
+    let (m_a, n_a, k_a, g_a) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "columns")?,
+        i32_arg(k, "K")?,
+        i32_arg(groups, "groups")?,
     );
-    cfg.shared_mem_bytes = smem as u32;
-    Ok(cfg)
+    let null: u64 = 0;
+    let mut b = func.builder();
+    b.arg(xv);
+    b.arg(wv);
+    b.arg(out);
+    match &parts {
+        Some(p) => b.arg(p),
+        None => b.arg(&null),
+    };
+    b.arg(&m_a);
+    b.arg(&n_a);
+    b.arg(&k_a);
+    b.arg(&g_a);
+    // SAFETY: argument types match kestrel_gemv_tiled_*; shapes and alignment were checked by
+    // the launcher in lib.rs (K a multiple of the K block); `parts` holds 8·m·n f32 whenever
+    // groups > 1, the only case the kernel touches it.
+    unsafe { b.launch(cfg) }?;
+    if let Some(parts) = &parts {
+        let func = load_kernel(dev, &format!("kestrel_gemv_tiled_sum_{sfx}"))?;
+        let mn = (m * n) as u64;
+        let mut b = func.builder();
+        b.arg(parts);
+        b.arg(out);
+        b.arg(&mn);
+        // SAFETY: argument types match kestrel_gemv_tiled_sum_*: 8·mn partial sums in, mn out.
+        unsafe { b.launch(launch_cfg(((m * n).div_ceil(256).min(4096) as u32, 1), 256)) }?;
+    }
+    Ok(())
 }
 
 /// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`; with `swiglu`,
@@ -811,36 +904,28 @@ impl Gemv {
             } else {
                 ("kestrel_gemv", 0)
             };
-            let (m_a, n_a, k_a) = (
-                i32_arg(m, "rows")?,
-                i32_arg(n, "columns")?,
-                i32_arg(k, "K")?,
-            );
-            // The tiled engine (many rows, tensor cores) takes no split.
-            let (func, cfg, split) =
-                if !self.swiglu && crate::gemv_tiled_applies(m, k, std::mem::size_of::<T>()) {
-                    let func = load_kernel(&dev, &format!("kestrel_gemv_tiled_{sfx}"))?;
-                    let cfg = gemv_tiled_launch(&func, m, n, std::mem::size_of::<T>())?;
-                    (func, cfg, None)
-                } else {
-                    let func = load_kernel(&dev, &format!("{kernel}_{sfx}"))?;
-                    let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
-                    (func, cfg, Some(split))
-                };
-            let mut b = func.builder();
-            b.arg(&xv);
-            b.arg(&wv);
-            b.arg(&out);
-            b.arg(&m_a);
-            b.arg(&n_a);
-            b.arg(&k_a);
-            if let Some(split) = &split {
-                b.arg(split);
+            if !self.swiglu && crate::gemv_tiled_applies(m, n, k, std::mem::size_of::<T>()) {
+                gemv_tiled(&dev, &xv, &wv, &out, (m, n, k), sfx)?;
+            } else {
+                let (m_a, n_a, k_a) = (
+                    i32_arg(m, "rows")?,
+                    i32_arg(n, "columns")?,
+                    i32_arg(k, "K")?,
+                );
+                let func = load_kernel(&dev, &format!("{kernel}_{sfx}"))?;
+                let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                let mut b = func.builder();
+                b.arg(&xv);
+                b.arg(&wv);
+                b.arg(&out);
+                b.arg(&m_a);
+                b.arg(&n_a);
+                b.arg(&k_a);
+                b.arg(&split);
+                // SAFETY: argument types match kestrel_gemv_* / kestrel_gemv_swiglu_*; shapes,
+                // alignment and the staging size were checked by the launcher in lib.rs.
+                unsafe { b.launch(cfg) }?;
             }
-            // SAFETY: argument types match kestrel_gemv_tiled_* (no split) / kestrel_gemv_* /
-            // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked by
-            // the launcher in lib.rs (K a multiple of the K block for the tiled engine).
-            unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }

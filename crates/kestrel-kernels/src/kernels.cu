@@ -665,29 +665,34 @@ template <typename T, int MT, bool STAGED> struct GemvMma {
 
 // ---------------------------------------------------------------------------------------
 // The tiled tensor-core engine for steps of many rows (kestrel_gemv_tiled_*): GemvMma's
-// per-output chain computed GEMM-style, so each weight byte and each row byte crosses from
-// memory once per block rather than once per 16 columns and 32 rows.
-// GemvMma sums an output as (((0 + P0) + P1) + … + P7), where Pp is warp p's chain of MMAs
-// over K's blocks p, p + 8, … from zero. Here the 8 warps of a block instead share each block
-// of K and split the block's TILED_COLS columns × TILED_ROWS rows between them; K's blocks
-// come in their natural order (contiguous reads), block kb's MMAs go to accumulator kb mod 8,
-// and the 8 accumulators are added into zero in order at the end: the same MMAs with the same
-// operands in the same order per accumulator, then the same additions. A row therefore gets
-// the bits GemvMma gives it (GPU test
+// per-output chains computed GEMM-style, so each weight byte crosses from memory once per
+// block of TILED_ROWS rows and each row byte once per TILED_COLS columns.
+// GemvMma sums an output as (((0 + P0) + P1) + … + P7), where chain Pp is warp p's MMAs over
+// K's blocks p, p + 8, … from zero. Here a block walks K's blocks in chain order (p, p + 8, …,
+// then p + 1, …: 128-byte pieces of each row, which stream as well as contiguous ones) with
+// one accumulator per output, and adds it into the output's total when a chain ends: the same
+// MMAs with the same operands in the same order, then the same additions, with two registers
+// an output instead of eight. A row therefore gets the bits GemvMma gives it (GPU test
 // `gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others`), whichever engine a step's
 // row count picks (`gemv_tiled_applies` in lib.rs).
-// Blocks of K are copied to shared memory with cp.async, TILED_KPS a stage and
-// TILED_STAGES − 1 stages ahead.
+// The chains may also be split between `groups` blocks (grid.x: the fastest index, so that
+// a tile's groups run together and their 128-byte pieces of each weight row reach memory as
+// one contiguous run, as the one-row engine's warps' do): each block then stores its chains'
+// sums in `parts` [8, M, N] and kestrel_gemv_tiled_sum adds them in chain order, the same
+// additions again. Grid: (groups, row tiles, column tiles).
+// 8 warps a block: 4 column groups × 2 row groups, each warp 2 tiles of 16 columns × 4 tiles
+// of 8 rows. Blocks of K are copied to shared memory with cp.async, TILED_STAGES − 1 ahead.
 // ---------------------------------------------------------------------------------------
-#define TILED_COL_TILES 2 // 16-column tiles a block: its warps take them in turn
-#define TILED_ROW_TILES 2 // 8-row tiles a warp
-#define TILED_COLS (TILED_COL_TILES * 16)
-#define TILED_ROWS (GEMV_WARPS / TILED_COL_TILES * TILED_ROW_TILES * 8)
+#define TILED_COLS 128
+#define TILED_ROWS 64
+#define TILED_A 2 // 16-column tiles a warp
+#define TILED_B 4 // 8-row tiles a warp
+#define TILED_COL_GROUPS (TILED_COLS / (16 * TILED_A))
+#define TILED_CHAINS GEMV_WARPS // GemvMma's partial sums
 // A staged row of one K block, padded by 16 bytes so that the fragment loads of a warp's
 // 8-lane phases hit distinct banks.
 #define TILED_LD (MMA_KB + 8)
 #define TILED_BLOCK_ELEMS ((TILED_COLS + TILED_ROWS) * TILED_LD)
-#define TILED_KPS 2
 #define TILED_STAGES 4
 // 16-byte vectors a thread copies per block of K: (TILED_COLS + TILED_ROWS) · 8 over 256.
 #define TILED_COPIES ((TILED_COLS + TILED_ROWS) * 8 / (GEMV_WARPS * WARP))
@@ -699,120 +704,157 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 
 template <typename T>
 __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
-                           const int M, const int N, const int K) {
+                           float *__restrict__ parts, const int M, const int N, const int K,
+                           const int groups) {
     if constexpr (sizeof(T) == 2) {
         const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
         const int g = lane >> 2, t = lane & 3;
-        const int col_tile = warp % TILED_COL_TILES;
-        const int row0 = (warp / TILED_COL_TILES) * TILED_ROW_TILES * 8; // in the block
-        const int m0 = blockIdx.x * TILED_ROWS, n0 = blockIdx.y * TILED_COLS;
+        const int wc = (warp % TILED_COL_GROUPS) * 16 * TILED_A;     // in the block
+        const int wr = (warp / TILED_COL_GROUPS) * 8 * TILED_B;      // in the block
+        const int m0 = blockIdx.y * TILED_ROWS, n0 = blockIdx.z * TILED_COLS;
         const int rows = min(TILED_ROWS, M - m0);
         const int nkb = K / MMA_KB;
+        const int p0 = blockIdx.x * TILED_CHAINS / groups;
+        const int p1 = (blockIdx.x + 1) * TILED_CHAINS / groups;
         T *staged = reinterpret_cast<T *>(gemv_stage);
 
-        // A thread copies the same (up to TILED_COPIES) 16-byte vectors of every block of K:
-        // vector v = threadIdx.x + j·blockDim of the staged rows (weight rows, then input
-        // rows), so its sources and destinations are worked out once. Rows past M are not
-        // loaded: an MMA output depends on its own row only, and theirs are never stored.
-        const int nvec = (TILED_COLS + rows) * 8;
-        const T *src[TILED_COPIES];
-        int dst[TILED_COPIES];
+        // A thread copies the same TILED_COPIES 16-byte vectors of every block of K: vector
+        // c8 of staged rows r0 + 32j, the first TILED_W_COPIES of them weight rows, the rest
+        // input rows, so its sources are worked out once. Rows past M are not loaded: an MMA
+        // output depends on its own row only, and theirs are never stored.
+        static_assert(TILED_COLS % 32 == 0 && TILED_ROWS % 32 == 0, "copy rows");
+        constexpr int TILED_W_COPIES = TILED_COLS / 32;
+        const int r0 = threadIdx.x / 8, c8 = (threadIdx.x % 8) * 8;
+        // Element offsets into w or x (the host keeps N·K and M·K below 2³¹: 32-bit offsets
+        // leave the registers to the accumulators).
+        unsigned src[TILED_COPIES];
 #pragma unroll
-        for (int j = 0; j < TILED_COPIES; ++j) {
-            const int v = min((int)threadIdx.x + j * (int)blockDim.x, nvec - 1);
-            const int r = v / 8, c = (v % 8) * 8;
+        for (int j = 0; j < TILED_COPIES; ++j)
             // Columns past N compute from row N − 1 and are never stored.
-            src[j] = (r < TILED_COLS ? w + (size_t)min(n0 + r, N - 1) * K
-                                     : x + (size_t)(m0 + r - TILED_COLS) * K) + c;
-            dst[j] = r * TILED_LD + c;
-        }
-        // Stage `st` (K's blocks st·KPS …) into its buffers. Every call commits a group (empty
-        // past the end), so that waiting for all but TILED_STAGES − 2 groups always means the
-        // stage in use has arrived.
-        auto load = [&](const int st) {
+            src[j] = (unsigned)(j < TILED_W_COPIES
+                                    ? min(n0 + r0 + 32 * j, N - 1)
+                                    : m0 + min(r0 + 32 * (j - TILED_W_COPIES), rows - 1)) *
+                         (unsigned)K +
+                     c8;
+        T *const dst = staged + r0 * TILED_LD + c8;
+        // The next block of K to load: kb of chain lp (p0 ≤ lp < p1 while any is left).
+        int lp = p0, lkb = p0;
+        while (lp < p1 && lkb >= nkb) lkb = ++lp;
+        // The block's i-th block of K into its buffer. Every call commits a group (empty past
+        // the end), so that waiting for all but TILED_STAGES − 2 groups always means the
+        // block in use has arrived. Calls come in order of i.
+        auto load = [&](const int i) {
+            if (lp < p1) {
+                T *s = dst + (i % TILED_STAGES) * TILED_BLOCK_ELEMS;
+                const int k = lkb * MMA_KB;
 #pragma unroll
-            for (int u = 0; u < TILED_KPS; ++u) {
-                const int kb = st * TILED_KPS + u;
-                if (kb < nkb) {
-                    T *s = staged + (kb % (TILED_STAGES * TILED_KPS)) * TILED_BLOCK_ELEMS;
-#pragma unroll
-                    for (int j = 0; j < TILED_COPIES; ++j)
-                        if ((int)threadIdx.x + j * (int)blockDim.x < nvec)
-                            cp_async16(s + dst[j], src[j] + kb * MMA_KB);
-                }
+                for (int j = 0; j < TILED_COPIES; ++j)
+                    if (j < TILED_W_COPIES || r0 + 32 * (j - TILED_W_COPIES) < rows)
+                        cp_async16(s + 32 * j * TILED_LD, (j < TILED_W_COPIES ? w : x) + src[j] + k);
+                lkb += TILED_CHAINS;
+                while (lp < p1 && lkb >= nkb) lkb = ++lp;
             }
             asm volatile("cp.async.commit_group;\n" ::);
         };
-        for (int st = 0; st < TILED_STAGES - 1; ++st) load(st);
+        for (int i = 0; i < TILED_STAGES - 1; ++i) load(i);
 
-        float acc[GEMV_WARPS][TILED_ROW_TILES][4];
+        float acc[TILED_A][TILED_B][4], total[TILED_A][TILED_B][4];
 #pragma unroll
-        for (int p = 0; p < GEMV_WARPS; ++p)
+        for (int a = 0; a < TILED_A; ++a)
 #pragma unroll
-            for (int mt = 0; mt < TILED_ROW_TILES; ++mt)
+            for (int b = 0; b < TILED_B; ++b)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[p][mt][e] = 0.f;
-        for (int kb0 = 0; kb0 < nkb; kb0 += GEMV_WARPS) {
+                for (int e = 0; e < 4; ++e) acc[a][b][e] = total[a][b][e] = 0.f;
+        // An MMA output: e = 0, 1 → (column g, row 2t + e); e = 2, 3 → (g + 8, 2t + e − 2).
+        auto out_m = [&](const int b, const int e) { return m0 + wr + b * 8 + 2 * t + (e & 1); };
+        auto out_n = [&](const int a, const int e) { return n0 + wc + a * 16 + g + (e >> 1) * 8; };
+        int i = 0;
+        for (int p = p0; p < p1; ++p) {
+            for (int kb = p; kb < nkb; kb += TILED_CHAINS, ++i) {
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(TILED_STAGES - 2));
+                __syncthreads(); // this block of K is in; every warp is done with the last one
+                load(i + TILED_STAGES - 1);
+                const T *s = staged + (i % TILED_STAGES) * TILED_BLOCK_ELEMS;
+                // GemvMma's lane takes 32 bytes at 16t of each of its rows and feeds MMA j
+                // the 4-byte words 2j and 2j + 1 of them; here the two 16-byte halves come in
+                // turn (h: MMAs 2h and 2h + 1), which keeps every accumulator's order.
 #pragma unroll
-            for (int p = 0; p < GEMV_WARPS; ++p) {
-                const int kb = kb0 + p;
-                if (kb < nkb) {
-                    if (kb % TILED_KPS == 0) {
-                        asm volatile("cp.async.wait_group %0;\n" ::"n"(TILED_STAGES - 2));
-                        __syncthreads(); // this stage is in; every warp is done with the last
-                        load(kb / TILED_KPS + TILED_STAGES - 1);
+                for (int h = 0; h < 2; ++h) {
+                    uint4 wv[TILED_A][2], xv[TILED_B];
+#pragma unroll
+                    for (int a = 0; a < TILED_A; ++a) {
+                        const T *lo = s + (wc + a * 16 + g) * TILED_LD + 16 * t + 8 * h;
+                        wv[a][0] = *reinterpret_cast<const uint4 *>(lo);
+                        wv[a][1] = *reinterpret_cast<const uint4 *>(lo + 8 * TILED_LD);
                     }
-                    const T *s = staged + (kb % (TILED_STAGES * TILED_KPS)) * TILED_BLOCK_ELEMS;
-                    // The lane's 32 bytes of weight rows g and g + 8 of its column tile at
-                    // 16t, fed to the MMAs exactly as GemvMma feeds them.
-                    const T *w_lo = s + (col_tile * 16 + g) * TILED_LD + 16 * t;
-                    const T *w_hi = w_lo + 8 * TILED_LD;
-                    uint4 wv[4];
-                    wv[0] = *reinterpret_cast<const uint4 *>(w_lo);
-                    wv[1] = *reinterpret_cast<const uint4 *>(w_lo + 8);
-                    wv[2] = *reinterpret_cast<const uint4 *>(w_hi);
-                    wv[3] = *reinterpret_cast<const uint4 *>(w_hi + 8);
-                    const unsigned *wl = reinterpret_cast<const unsigned *>(&wv[0]);
-                    const unsigned *wh = reinterpret_cast<const unsigned *>(&wv[2]);
 #pragma unroll
-                    for (int mt = 0; mt < TILED_ROW_TILES; ++mt) {
-                        if (row0 + mt * 8 < rows) {
-                            const T *xs =
-                                s + (TILED_COLS + row0 + mt * 8 + g) * TILED_LD + 16 * t;
-                            uint4 xr[2];
-                            xr[0] = *reinterpret_cast<const uint4 *>(xs);
-                            xr[1] = *reinterpret_cast<const uint4 *>(xs + 8);
-                            const unsigned *xw = reinterpret_cast<const unsigned *>(xr);
+                    for (int b = 0; b < TILED_B; ++b)
+                        if (wr + b * 8 < rows)
+                            xv[b] = *reinterpret_cast<const uint4 *>(
+                                s + (TILED_COLS + wr + b * 8 + g) * TILED_LD + 16 * t + 8 * h);
 #pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1],
-                                                       wh[2 * j + 1]};
-                                const unsigned b[2] = {xw[2 * j], xw[2 * j + 1]};
-                                mma16816<T>(acc[p][mt], a, b);
-                            }
+                    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                        for (int a = 0; a < TILED_A; ++a) {
+                            const unsigned *wl = reinterpret_cast<const unsigned *>(&wv[a][0]);
+                            const unsigned *wh = reinterpret_cast<const unsigned *>(&wv[a][1]);
+                            const unsigned af[4] = {wl[2 * jj], wh[2 * jj], wl[2 * jj + 1],
+                                                    wh[2 * jj + 1]};
+#pragma unroll
+                            for (int b = 0; b < TILED_B; ++b)
+                                if (wr + b * 8 < rows) {
+                                    const unsigned *xw = reinterpret_cast<const unsigned *>(&xv[b]);
+                                    const unsigned bf[2] = {xw[2 * jj], xw[2 * jj + 1]};
+                                    mma16816<T>(acc[a][b], af, bf);
+                                }
                         }
-                    }
                 }
             }
+            // Chain p is done (an empty one, past K's blocks, adds zeros as GemvMma's idle
+            // warps do).
+#pragma unroll
+            for (int a = 0; a < TILED_A; ++a)
+#pragma unroll
+                for (int b = 0; b < TILED_B; ++b)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (groups == 1) {
+                            total[a][b][e] += acc[a][b][e];
+                        } else {
+                            const int m = out_m(b, e), n = out_n(a, e);
+                            if (m < M && n < N) parts[((size_t)p * M + m) * N + n] = acc[a][b][e];
+                        }
+                        acc[a][b][e] = 0.f;
+                    }
         }
         asm volatile("cp.async.wait_group 0;\n" ::);
-        // The parts into zero in part order, as GemvMma adds its warps' (an idle warp's
-        // zeros included). An MMA output: e = 0, 1 → (column g, row 2t + e); e = 2, 3 →
-        // (g + 8, 2t + e − 2).
+        if (groups == 1) {
 #pragma unroll
-        for (int mt = 0; mt < TILED_ROW_TILES; ++mt)
+            for (int a = 0; a < TILED_A; ++a)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float total = 0.f;
+                for (int b = 0; b < TILED_B; ++b)
 #pragma unroll
-                for (int p = 0; p < GEMV_WARPS; ++p) total += acc[p][mt][e];
-                const int m = m0 + row0 + mt * 8 + 2 * t + (e & 1);
-                const int n = n0 + col_tile * 16 + g + (e >> 1) * 8;
-                if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(total);
-            }
+                    for (int e = 0; e < 4; ++e) {
+                        const int m = out_m(b, e), n = out_n(a, e);
+                        if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(total[a][b][e]);
+                    }
+        }
     }
 }
 
+// y = the chains' sums in `parts` [8, mn] added into zero in chain order (kestrel_gemv_tiled's
+// split launches).
+template <typename T>
+__device__ void gemv_tiled_sum(const float *__restrict__ parts, T *__restrict__ y,
+                               const size_t mn) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < mn;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float total = 0.f;
+#pragma unroll
+        for (int p = 0; p < TILED_CHAINS; ++p) total += parts[p * mn + i];
+        y[i] = from_f<T>(total);
+    }
+}
 
 // Runs `run(engine)` with the engine the host picked through `split`: the tensor-core one
 // (MT tiles of 8 rows a pass; STAGED: the rows are in `gemv_stage`) or the FMA one.
@@ -1682,10 +1724,16 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
         const T *x, const T *w, T *y, const int M, const int N, const int K, const int split) {  \
         gemv<T>(x, w, y, M, N, K, split);                                                       \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) kestrel_gemv_tiled_##SUFFIX( \
-        const T *x, const T *w, T *y, const int M, const int N, const int K) {                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) kestrel_gemv_tiled_##SUFFIX( \
+        const T *x, const T *w, T *y, float *parts, const int M, const int N, const int K,      \
+        const int groups) {                                                                     \
         pdl_enter();                                                                \
-        gemv_tiled<T>(x, w, y, M, N, K);                                                        \
+        gemv_tiled<T>(x, w, y, parts, M, N, K, groups);                                         \
+    }                                                                                           \
+    extern "C" __global__ void kestrel_gemv_tiled_sum_##SUFFIX(const float *parts, T *y,        \
+                                                               const size_t mn) {               \
+        pdl_enter();                                                                \
+        gemv_tiled_sum<T>(parts, y, mn);                                                        \
     }                                                                                           \
     extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_swiglu_##SUFFIX(                        \
         const T *gu, const T *w, T *y, const int M, const int N, const int K, const int split) { \

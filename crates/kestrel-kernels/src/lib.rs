@@ -343,21 +343,44 @@ pub(crate) fn gemv_tensor_cores(elem_bytes: usize, k: usize) -> bool {
     elem_bytes == 2 && k.is_multiple_of(GEMV_MMA_K_BLOCK)
 }
 
-/// Fewest rows a tensor-core product takes the tiled engine (`kestrel_gemv_tiled_*`) with:
-/// more than the one-row engine takes in one pass (32), past which that engine reads the
-/// weights again for every 32 rows and the rows again for every 16 columns. It computes every
-/// row exactly as the one-row engine does, so the switch changes speed only. Measured on the
-/// H200 (bf16, random weights, `spec-bench verify:T`, docs/gpu-results.md), a step of T rows
-/// against a one-row step, tiled (one-row engine): SmolLM2 T = 64 1.88× (2.25×), 32 1.48×
-/// (1.47×), 16 1.40× (1.25×); Llama-2-7B T = 64 2.98× (4.03×), 32 2.14× (2.14×), 16 1.77×
-/// (1.39×).
+/// Fewest rows a tensor-core product over K < [`GEMV_TILED_WIDE_K`] takes the tiled engine
+/// (`kestrel_gemv_tiled_*`) with: more than the one-row engine takes in one pass (32), past
+/// which that engine reads the weights again for every 32 rows. It computes every row exactly
+/// as the one-row engine does, so the switch changes speed only. Measured on the H200 (bf16,
+/// random weights, `spec-bench verify:T` against a one-row step, docs/gpu-results.md, session
+/// 13): SmolLM2 T = 24 1.57× on the one-row engine, 1.75× tiled; T = 32 1.86× and 1.98×;
+/// T = 64 2.33× tiled.
 pub const GEMV_TILED_MIN_ROWS: usize = 33;
 
-/// Whether a product of `m` rows over `k` elements of `elem_bytes` bytes runs on the tiled
-/// tensor-core engine.
+/// K from which the tiled engine takes steps of [`GEMV_TILED_MIN_ROWS_WIDE`] rows or more.
+pub const GEMV_TILED_WIDE_K: usize = 2048;
+
+/// Fewest rows the tiled engine takes over K ≥ [`GEMV_TILED_WIDE_K`]: long weight rows make the
+/// one-row engine's per-row passes dearer. Llama-2-7B (same runs): T = 24 1.77× on the one-row
+/// engine, 1.61× tiled; T = 32 2.15× and 1.75×; T = 16 1.39× and 1.48×.
+pub const GEMV_TILED_MIN_ROWS_WIDE: usize = 17;
+
+/// Whether a product of `m` rows over `k` elements of `elem_bytes` bytes into `n` columns runs
+/// on the tiled tensor-core engine: enough rows, and inputs and weights small enough for its
+/// 32-bit element offsets (a larger product takes the one-row engine, with the same bits).
+/// `KESTREL_GEMV_TILED_MIN_ROWS` overrides both thresholds, to measure the choice.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn gemv_tiled_applies(m: usize, k: usize, elem_bytes: usize) -> bool {
-    gemv_tensor_cores(elem_bytes, k) && m >= GEMV_TILED_MIN_ROWS
+pub(crate) fn gemv_tiled_applies(m: usize, n: usize, k: usize, elem_bytes: usize) -> bool {
+    static MIN_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min_rows = *MIN_ROWS.get_or_init(|| {
+        std::env::var("KESTREL_GEMV_TILED_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    });
+    let min_rows = match (min_rows, k >= GEMV_TILED_WIDE_K) {
+        (0, false) => GEMV_TILED_MIN_ROWS,
+        (0, true) => GEMV_TILED_MIN_ROWS_WIDE,
+        (forced, _) => forced,
+    };
+    gemv_tensor_cores(elem_bytes, k)
+        && m >= min_rows
+        && m.max(n).saturating_mul(k) <= i32::MAX as usize
 }
 
 /// Bytes of the tensor-core engine's partial sums for one tile of rows (`GEMV_PART_BYTES` in

@@ -804,8 +804,12 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     let mut rng = ChaCha8Rng::seed_from_u64(29);
     // More rows than a 64-node tree verifies: several chunks of the FMA engine; on tensor
     // cores (f16/bf16 with K a multiple of 64; K = 72 takes the FMA engine in every dtype)
-    // the one-row engine's passes up to GEMV_TILED_MIN_ROWS − 1 rows and the tiled engine's
-    // two row blocks past it, so the prefixes compare the two engines row for row.
+    // the one-row engine's passes up to GEMV_TILED_MIN_ROWS − 1 rows (GEMV_TILED_MIN_ROWS_WIDE
+    // − 1 for K ≥ GEMV_TILED_WIDE_K: the K = 2,048 and 11,008 shapes) and the tiled engine's
+    // two row blocks past it, so the prefixes compare the two engines row for row. At 75 rows
+    // the tiled engine splits each tile's 8 chains between 8 blocks up to N = 2,112, 4 up to
+    // 4,224, 2 up to 8,448 and 1 past it (cuda.rs, gemv_tiled_groups): the last three shapes
+    // take 4, 2 and 1, with K giving some chains one more block than others.
     let rows = 9 * GEMV_MAX_ROWS + 3;
     assert!(GEMV_TILED_MIN_ROWS > 1 && rows > GEMV_TILED_MIN_ROWS.max(64));
     for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -815,6 +819,9 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
             (7, 64),
             (33, 72),
             (40, 11008),
+            (2560, 576),
+            (4480, 1536),
+            (8708, 640),
         ] {
             let w_h = rounded(&randn(&mut rng, n * k, 1.0 / (k as f32).sqrt()), dtype);
             let x_h = rounded(&randn(&mut rng, rows * k, 1.0), dtype);
