@@ -34,9 +34,7 @@ bench() { # tag args...: one spec-bench run per --dependent_launch setting, on/o
 for what in "$@"; do
   case $what in
   tests)
-    for t in kernels-gpu model-cuda; do
-      echo "== $t"; $B/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|FAILED" | tail -40
-    done
+    run_gpu_tests
     ;;
   random)
     for shape in smollm2-135m llama2-7b; do
