@@ -1016,52 +1016,93 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
 }
 
 /// A query row attends to the same keys bit-identically whether it is a decode step's only
-/// row or the last row of a tree step with many blocks: greedy speculation's equality with
-/// plain decoding relies on it.
+/// row or a row of a tree step with many blocks: greedy speculation's equality with plain
+/// decoding relies on it. Every row of a step of two sequences (62 and 12 new rows), causal
+/// and under a tree mask, against the same row decoded alone over the slots it sees.
 #[test]
 fn paged_attention_rows_do_not_depend_on_the_step() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
-    // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17.
-    for (dtype, l) in [
-        (DType::F32, 300usize),
-        (DType::BF16, 300),
-        (DType::BF16, 4100),
+    // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17. SmolLM2's heads and Llama-2-7B's.
+    for (dtype, l, (nh, nkv, d)) in [
+        (DType::F32, 300usize, (9usize, 3usize, 64usize)),
+        (DType::BF16, 300, (9, 3, 64)),
+        (DType::BF16, 4100, (9, 3, 64)),
+        (DType::BF16, 200, (4, 4, 128)),
+        (DType::F16, 90, (4, 4, 128)),
     ] {
-        let (n, nh, nkv, d) = (64usize, 9usize, 3usize, 64usize);
-        let pool =
-            |rng: &mut ChaCha8Rng| to_dev(&randn(rng, l * nkv * d, 1.0), &[l, nkv, d], dtype, &dev);
-        let (kp, vp) = (pool(&mut rng), pool(&mut rng));
-        let q_h = randn(&mut rng, n * nh * d, 1.0);
-        let slots: Vec<u32> = (0..l as u32).rev().collect();
-        let tree = AttnSeq {
-            slots: &slots,
-            n_new: n,
-            mask: None,
-        };
-        let q = to_dev(&q_h, &[n, nh, d], dtype, &dev);
-        let all = host(
-            &paged_attention(&q, &kp, &vp, &PagedAttnMeta::new(&[tree], &dev).unwrap()).unwrap(),
-        );
-        let decode = AttnSeq {
-            slots: &slots,
-            n_new: 1,
-            mask: None,
-        };
-        let last = to_dev(&q_h[(n - 1) * nh * d..], &[1, nh, d], dtype, &dev);
-        let one = host(
-            &paged_attention(
-                &last,
-                &kp,
-                &vp,
-                &PagedAttnMeta::new(&[decode], &dev).unwrap(),
-            )
-            .unwrap(),
-        );
-        assert!(
-            one == all[(n - 1) * nh * d..],
-            "{dtype:?}: the last tree row differs from the same row decoded alone"
-        );
+        for masked in [false, true] {
+            let new = [62usize, 12];
+            let total = 2 * l;
+            let pool = |rng: &mut ChaCha8Rng| {
+                to_dev(
+                    &randn(rng, total * nkv * d, 1.0),
+                    &[total, nkv, d],
+                    dtype,
+                    &dev,
+                )
+            };
+            let (kp, vp) = (pool(&mut rng), pool(&mut rng));
+            let n_all: usize = new.iter().sum();
+            let q_h = randn(&mut rng, n_all * nh * d, 1.0);
+            // Sequence 0 takes pool rows l-1 … 0, sequence 1 rows l … 2l-1.
+            let slots: [Vec<u32>; 2] = [
+                (0..l as u32).rev().collect(),
+                (l as u32..total as u32).collect(),
+            ];
+            let masks: [Vec<bool>; 2] = [tree_mask(new[0]), tree_mask(new[1])];
+            let seqs: Vec<AttnSeq> = (0..2)
+                .map(|s| AttnSeq {
+                    slots: &slots[s],
+                    n_new: new[s],
+                    mask: masked.then_some(&masks[s][..]),
+                })
+                .collect();
+            let q = to_dev(&q_h, &[n_all, nh, d], dtype, &dev);
+            let all = host(
+                &paged_attention(&q, &kp, &vp, &PagedAttnMeta::new(&seqs, &dev).unwrap()).unwrap(),
+            );
+            let mut t = 0;
+            for s in 0..2 {
+                let past = l - new[s];
+                for r in 0..new[s] {
+                    // The slots row r sees, cached then new, in order.
+                    let mut seen: Vec<u32> = slots[s][..past].to_vec();
+                    seen.extend(
+                        (0..new[s])
+                            .filter(|&j| {
+                                if masked {
+                                    masks[s][r * new[s] + j]
+                                } else {
+                                    j <= r
+                                }
+                            })
+                            .map(|j| slots[s][past + j]),
+                    );
+                    let decode = AttnSeq {
+                        slots: &seen,
+                        n_new: 1,
+                        mask: None,
+                    };
+                    let row = to_dev(&q_h[t * nh * d..(t + 1) * nh * d], &[1, nh, d], dtype, &dev);
+                    let one = host(
+                        &paged_attention(
+                            &row,
+                            &kp,
+                            &vp,
+                            &PagedAttnMeta::new(&[decode], &dev).unwrap(),
+                        )
+                        .unwrap(),
+                    );
+                    assert!(
+                        one == all[t * nh * d..(t + 1) * nh * d],
+                        "{dtype:?}, {l} slots, d {d}, masked {masked}: row {r} of sequence {s} \
+                         differs from the same row decoded alone"
+                    );
+                    t += 1;
+                }
+            }
+        }
     }
 }
 
