@@ -771,10 +771,11 @@ fn gemv_tiled_groups(tiles: usize) -> usize {
 /// The launch of the tiled engine over `[m, k] · [n, k]ᵀ` with `groups` blocks a tile: a
 /// block per group of chains (the fastest index: a tile's groups read adjacent pieces of
 /// the same weight rows), `TILED_ROWS` rows (next, so the blocks that share weight columns
-/// run together and the weights cross from memory about once) and `TILED_COLS` columns. Its shared memory is past the 48 KiB a launch gets by default, so each loaded
-/// function (one per dtype and device) is allowed it once, before its first launch: a driver
-/// call, not a stream operation (legal inside a graph capture), kept out of every later
-/// eager launch.
+/// run together and the weights cross from memory about once) and `TILED_COLS` columns.
+/// Its shared memory is past the 48 KiB a launch gets by default, so each loaded function
+/// (one per dtype and device) is allowed it once, before its first launch: a driver call,
+/// not a stream operation (legal inside a graph capture), kept out of every later eager
+/// launch.
 fn gemv_tiled_launch(
     func: &crate::launch::Kernel,
     m: usize,
@@ -799,8 +800,8 @@ fn gemv_tiled_launch(
             smem as i32,
         )
         .w()?;
-        // All of the L1/shared split as shared memory, so that two blocks fit a
-        // multiprocessor (2 × 108 KiB); left to the driver, it gave one.
+        // All of the L1/shared split as shared memory, so that two blocks (2 × 108 KiB) fit
+        // a multiprocessor whatever the driver's default (the H200's already fit two).
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             100,
