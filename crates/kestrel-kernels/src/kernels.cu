@@ -758,16 +758,21 @@ __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *
         };
         for (int i = 0; i < TILED_STAGES - 1; ++i) load(i);
 
+        // f(a, b, e, m, n) for each of the lane's MMA outputs: column tile a, row tile b,
+        // element e (e = 0, 1 → column g, row 2t + e; e = 2, 3 → column g + 8, row 2t + e − 2)
+        // at output row m and column n.
+        auto each_output = [&](auto &&f) {
+#pragma unroll
+            for (int a = 0; a < TILED_A; ++a)
+#pragma unroll
+                for (int b = 0; b < TILED_B; ++b)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        f(a, b, e, m0 + wr + b * 8 + 2 * t + (e & 1),
+                          n0 + wc + a * 16 + g + (e >> 1) * 8);
+        };
         float acc[TILED_A][TILED_B][4], total[TILED_A][TILED_B][4];
-#pragma unroll
-        for (int a = 0; a < TILED_A; ++a)
-#pragma unroll
-            for (int b = 0; b < TILED_B; ++b)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[a][b][e] = total[a][b][e] = 0.f;
-        // An MMA output: e = 0, 1 → (column g, row 2t + e); e = 2, 3 → (g + 8, 2t + e − 2).
-        auto out_m = [&](const int b, const int e) { return m0 + wr + b * 8 + 2 * t + (e & 1); };
-        auto out_n = [&](const int a, const int e) { return n0 + wc + a * 16 + g + (e >> 1) * 8; };
+        each_output([&](int a, int b, int e, int, int) { acc[a][b][e] = total[a][b][e] = 0.f; });
         int i = 0;
         for (int p = p0; p < p1; ++p) {
             for (int kb = p; kb < nkb; kb += TILED_CHAINS, ++i) {
@@ -812,33 +817,19 @@ __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *
             }
             // Chain p is done (an empty one, past K's blocks, adds zeros as GemvMma's idle
             // warps do).
-#pragma unroll
-            for (int a = 0; a < TILED_A; ++a)
-#pragma unroll
-                for (int b = 0; b < TILED_B; ++b)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        if (groups == 1) {
-                            total[a][b][e] += acc[a][b][e];
-                        } else {
-                            const int m = out_m(b, e), n = out_n(a, e);
-                            if (m < M && n < N) parts[((size_t)p * M + m) * N + n] = acc[a][b][e];
-                        }
-                        acc[a][b][e] = 0.f;
-                    }
+            each_output([&](int a, int b, int e, int m, int n) {
+                if (groups == 1)
+                    total[a][b][e] += acc[a][b][e];
+                else if (m < M && n < N)
+                    parts[((size_t)p * M + m) * N + n] = acc[a][b][e];
+                acc[a][b][e] = 0.f;
+            });
         }
         asm volatile("cp.async.wait_group 0;\n" ::);
-        if (groups == 1) {
-#pragma unroll
-            for (int a = 0; a < TILED_A; ++a)
-#pragma unroll
-                for (int b = 0; b < TILED_B; ++b)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int m = out_m(b, e), n = out_n(a, e);
-                        if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(total[a][b][e]);
-                    }
-        }
+        if (groups == 1)
+            each_output([&](int a, int b, int e, int m, int n) {
+                if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(total[a][b][e]);
+            });
     }
 }
 
