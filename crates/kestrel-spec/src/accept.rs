@@ -85,6 +85,17 @@ pub struct ChainAcceptance {
     pub tokens: Vec<u32>,
 }
 
+impl ChainAcceptance {
+    /// How many uniforms [`draft_target`] drew for this outcome of `k` drafts: a test per
+    /// draft up to and including the first rejection, then one draw (the residual's or the
+    /// bonus's). A caller that draws the tests elsewhere (on a device, from `k + 1` uniforms
+    /// taken ahead from a copy of the stream) advances the stream by this much to leave it
+    /// where the host would.
+    pub fn speculative_uniforms(&self, k: usize) -> usize {
+        (self.accepted_len + 1).min(k) + 1
+    }
+}
+
 fn check_paths(paths: &[Vec<usize>], num_nodes: usize) -> Result<(), AcceptError> {
     for (pi, path) in paths.iter().enumerate() {
         if path.first() != Some(&0) {

@@ -168,15 +168,23 @@ pub(crate) fn normalise(p: &mut [f64]) {
     }
 }
 
-/// Draws an index from `probs` (need not be normalised; negative and NaN entries count as 0).
-/// An all-zero vector gives [`argmax`].
+/// Draws an index from `probs` (need not be normalised; negative and NaN entries count as 0)
+/// with one uniform from `rng`: [`sample_at`] of that uniform. An all-zero vector gives
+/// [`argmax`] (and still takes its uniform).
 pub fn sample(probs: &[f32], rng: &mut SeqRng) -> u32 {
+    sample_at(probs, rng.uniform())
+}
+
+/// The index where `probs`' cumulative weight first exceeds `u · Σ probs` (`u` in `[0, 1)`:
+/// the inverse CDF; the last positive entry where rounding leaves it past every prefix).
+/// Negative and NaN entries count as 0; an all-zero vector gives [`argmax`].
+pub fn sample_at(probs: &[f32], u: f64) -> u32 {
     let clean = |x: f32| if x > 0.0 { x as f64 } else { 0.0 };
     let total: f64 = probs.iter().map(|&x| clean(x)).sum();
     if !(total > 0.0 && total.is_finite()) {
         return argmax(probs);
     }
-    sample_weighted(probs.iter().map(|&x| clean(x)), total, rng)
+    sample_weighted(probs.iter().map(|&x| clean(x)), total, u)
 }
 
 /// Draws an index from f64 weights summing to `total`.
@@ -191,11 +199,11 @@ pub(crate) fn sample_f64(weights: &[f64], rng: &mut SeqRng) -> u32 {
         }
         return best as u32;
     }
-    sample_weighted(weights.iter().map(|&x| x.max(0.0)), total, rng)
+    sample_weighted(weights.iter().map(|&x| x.max(0.0)), total, rng.uniform())
 }
 
-fn sample_weighted(weights: impl Iterator<Item = f64>, total: f64, rng: &mut SeqRng) -> u32 {
-    let target = rng.uniform() * total;
+fn sample_weighted(weights: impl Iterator<Item = f64>, total: f64, u: f64) -> u32 {
+    let target = u * total;
     let mut acc = 0.0;
     let mut last_positive = 0usize;
     for (i, w) in weights.enumerate() {

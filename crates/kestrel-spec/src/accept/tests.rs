@@ -271,6 +271,38 @@ fn draft_target_equal_distributions_accept_everything() {
     }
 }
 
+/// A device draws draft_target's tests from k + 1 uniforms taken ahead from a copy of the
+/// stream and then advances the stream by `speculative_uniforms`: that must leave it exactly
+/// where draft_target itself leaves it, for every outcome (rejection at each position, all
+/// accepted, k = 0..3).
+#[test]
+fn speculative_uniforms_counts_what_draft_target_draws() {
+    let mut setup = SeqRng::new(5, 0);
+    let mut outcomes = vec![0usize; 4];
+    for trial in 0..400 {
+        let k = trial % 4;
+        let q: Vec<f32> = (0..k)
+            .flat_map(|_| random_dist(&mut setup, false))
+            .collect();
+        // Targets close to the drafts at some positions, far at others: every outcome occurs.
+        let p: Vec<f32> = (0..=k)
+            .flat_map(|_| random_dist(&mut setup, true))
+            .collect();
+        let x: Vec<u32> = (0..k)
+            .map(|i| crate::sampling::sample(&q[i * V..(i + 1) * V], &mut setup))
+            .collect();
+        let mut host = SeqRng::new(9, trial as u64);
+        let mut ahead = host.clone();
+        let a = draft_target(&x, &q, &p, V, &mut host).unwrap();
+        outcomes[a.accepted_len] += 1;
+        for _ in 0..a.speculative_uniforms(k) {
+            ahead.uniform();
+        }
+        assert_eq!(host.uniform(), ahead.uniform(), "trial {trial}: {a:?}");
+    }
+    assert!(outcomes.iter().all(|&n| n > 0), "outcomes {outcomes:?}");
+}
+
 /// Joint law of the first two emitted tokens of draft-target speculative sampling (γ = 2,
 /// the drafts and targets conditioned on the previous token), including the next round when
 /// a round emits a single token. Must be P1(y1)·P2[y1](y2).
