@@ -51,6 +51,17 @@ macro_rules! by_dtype {
     };
 }
 
+/// `t`'s CUDA storage, for an op that reads (or, for the KV pools, writes) more tensors than
+/// candle's custom ops pass in.
+macro_rules! cuda_storage {
+    ($guard:ident, $layout:ident = $t:expr, $what:expr) => {
+        let ($guard, $layout) = $t.storage_and_layout();
+        let Storage::Cuda($guard) = &*$guard else {
+            bail!("{} is not on the CUDA device", $what)
+        };
+    };
+}
+
 fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0, grid.1, 1),
@@ -521,6 +532,114 @@ impl candle_core::CustomOp2 for Sample {
     }
 }
 
+/// `kestrel_row_laws_f32`: each row's warped law (`LAW_WORDS` u32 a row) for
+/// [`ChainAccept`].
+pub(crate) struct RowLaws {
+    pub inv_t: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+}
+
+/// `LAW_WORDS` in logit_rows.cuh.
+const LAW_WORDS: usize = 6;
+
+impl CustomOp1 for RowLaws {
+    fn name(&self) -> &'static str {
+        "kestrel-row-laws"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel row laws run on CUDA only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let logits = view::<f32>(s, l, "logits")?;
+        // SAFETY: one block per row writes its LAW_WORDS words.
+        let out = unsafe { dev.alloc::<u32>(rows * LAW_WORDS)? };
+        if rows > 0 && vocab > 0 {
+            let func = load_kernel(&dev, "kestrel_row_laws_f32")?;
+            let mut b = func.builder();
+            b.arg(&logits);
+            b.arg(&out);
+            b.arg(&i32_arg(vocab, "vocabulary")?);
+            b.arg(&self.inv_t);
+            // Beyond the vocabulary top-k keeps everything, as 0 does.
+            b.arg(&i32::try_from(self.top_k).unwrap_or(0));
+            b.arg(&self.top_p);
+            // SAFETY: argument types match kestrel_row_laws_f32.
+            unsafe { b.launch(launch_cfg((rows as u32, 1), 1024)) }?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((rows, LAW_WORDS)),
+        ))
+    }
+}
+
+/// `kestrel_chain_accept_f32` over its metadata (the input): `[n_seq, 2]` u32, each
+/// sequence's accepted count and next token.
+pub(crate) struct ChainAccept {
+    pub p: Tensor,
+    pub p_laws: Tensor,
+    pub q: Tensor,
+    pub q_laws: Tensor,
+    pub n_seq: usize,
+    pub kmax: usize,
+    pub inv_t: f32,
+}
+
+impl CustomOp1 for ChainAccept {
+    fn name(&self) -> &'static str {
+        "kestrel-chain-accept"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel chain acceptance runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, m: &CudaStorage, ml: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = m.device().clone();
+        let vocab = self.p.dim(1)?;
+        cuda_storage!(ps, pl = self.p, "target logits");
+        cuda_storage!(pls, pll = self.p_laws, "target laws");
+        cuda_storage!(qs, ql = self.q, "draft logits");
+        cuda_storage!(qls, qll = self.q_laws, "draft laws");
+        let meta = view::<u32>(m, ml, "chain metadata")?;
+        // SAFETY: one block per sequence writes its two words.
+        let out = unsafe { dev.alloc::<u32>(self.n_seq * 2)? };
+        let func = load_kernel(&dev, "kestrel_chain_accept_f32")?;
+        let mut b = func.builder();
+        let p = view::<f32>(ps, pl, "target logits")?;
+        let p_laws = view::<u32>(pls, pll, "target laws")?;
+        let q = view::<f32>(qs, ql, "draft logits")?;
+        let q_laws = view::<u32>(qls, qll, "draft laws")?;
+        b.arg(&p);
+        b.arg(&p_laws);
+        b.arg(&q);
+        b.arg(&q_laws);
+        b.arg(&meta);
+        b.arg(&out);
+        let (v, n_seq, kmax) = (
+            i32_arg(vocab, "vocabulary")?,
+            i32_arg(self.n_seq, "sequences")?,
+            i32_arg(self.kmax, "drafts")?,
+        );
+        b.arg(&v);
+        b.arg(&n_seq);
+        b.arg(&kmax);
+        b.arg(&self.inv_t);
+        // SAFETY: argument types match kestrel_chain_accept_f32; chain_accept (lib.rs) checked
+        // every row, token and uniform against the tensors.
+        unsafe { b.launch(launch_cfg((self.n_seq as u32, 1), 1024)) }?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((self.n_seq, 2)),
+        ))
+    }
+}
+
 /// `kestrel_topk_logp_f32`: `[rows, 2k]` u32, ids then log-probability bits.
 pub(crate) struct TopKLogp {
     pub k: usize,
@@ -568,17 +687,6 @@ pub(crate) struct QkvRope {
     pub v_pool: Tensor,
     pub nh: usize,
     pub nkv: usize,
-}
-
-/// `t`'s CUDA storage, for an op that reads (or, for the KV pools, writes) more tensors than
-/// candle's custom ops pass in.
-macro_rules! cuda_storage {
-    ($guard:ident, $layout:ident = $t:expr, $what:expr) => {
-        let ($guard, $layout) = $t.storage_and_layout();
-        let Storage::Cuda($guard) = &*$guard else {
-            bail!("{} is not on the CUDA device", $what)
-        };
-    };
 }
 
 impl QkvRope {

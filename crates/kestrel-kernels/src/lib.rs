@@ -13,6 +13,8 @@
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
 //! - [`sample_rows`]: sampled token ids of f32 logits rows (temperature, top-k, top-p) from
 //!   host-drawn uniforms, on the device.
+//! - [`chain_accept`]: draft-target speculative sampling (accept, residual, bonus) from the
+//!   target's and the draft's logits rows, on the device.
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
@@ -813,12 +815,7 @@ pub fn sample_rows(
             uniforms.dims()
         );
     }
-    if !(temperature > 0.0 && temperature.is_finite()) {
-        candle_core::bail!("sample_rows: temperature {temperature} must be finite and > 0");
-    }
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        candle_core::bail!("sample_rows: top_p {top_p} must be in (0, 1]");
-    }
+    check_warp(temperature, top_p, "sample_rows")?;
     #[cfg(feature = "cuda")]
     {
         logits.contiguous()?.apply_op2_no_bwd(
@@ -835,6 +832,170 @@ pub fn sample_rows(
         let _ = top_k;
         no_cuda("sample_rows")
     }
+}
+
+/// One sequence of a [`chain_accept`] call: its drafts and the rows that score them.
+#[derive(Debug, Clone, Copy)]
+pub struct ChainSeq<'a> {
+    /// The row of the target's logits after the sequence's last committed token; the rows
+    /// after each draft follow it (`k + 1` rows in all).
+    pub target_row: usize,
+    /// For each draft, the row of the draft's logits it was drawn from (`k` rows).
+    pub draft_rows: &'a [u32],
+    /// The `k` draft tokens.
+    pub tokens: &'a [u32],
+    /// `k + 1` uniforms in `[0, 1]` from the sequence's stream, in the order the host's
+    /// `kestrel_spec::accept::draft_target` draws them: test `i` takes `uniforms[i]`, the token
+    /// drawn after a rejection at `j` takes `uniforms[j + 1]`, the bonus `uniforms[k]`.
+    pub uniforms: &'a [f32],
+}
+
+/// What [`chain_accept`] decided for a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainOutcome {
+    /// Drafts accepted, in order.
+    pub accepted: usize,
+    /// The token after them: drawn from the residual after a rejection, else the bonus.
+    pub token: u32,
+}
+
+/// `kestrel_chain_accept_f32`'s metadata (layout in logit_rows.cuh): per sequence its first
+/// target row and draft count, then every sequence's draft rows, its tokens, and its
+/// uniforms' f32 bits, each padded to `kmax` (`kmax + 1` uniforms).
+pub fn chain_accept_meta(seqs: &[ChainSeq<'_>], kmax: usize) -> Vec<u32> {
+    let n = seqs.len();
+    let mut meta = vec![0u32; 2 * n + 2 * n * kmax + n * (kmax + 1)];
+    let (head, rest) = meta.split_at_mut(2 * n);
+    let (rows, rest) = rest.split_at_mut(n * kmax);
+    let (tokens, uniforms) = rest.split_at_mut(n * kmax);
+    for (s, seq) in seqs.iter().enumerate() {
+        head[2 * s] = seq.target_row as u32;
+        head[2 * s + 1] = seq.tokens.len() as u32;
+        rows[s * kmax..][..seq.draft_rows.len()].copy_from_slice(seq.draft_rows);
+        tokens[s * kmax..][..seq.tokens.len()].copy_from_slice(seq.tokens);
+        for (dst, u) in uniforms[s * (kmax + 1)..].iter_mut().zip(seq.uniforms) {
+            *dst = u.to_bits();
+        }
+    }
+    meta
+}
+
+/// Draft-target speculative sampling on the device (Leviathan et al. 2023; the host's
+/// `kestrel_spec::accept::draft_target`): for each sequence, draft `i` is accepted with
+/// probability `min(1, p_i(x_i) / q_i(x_i))`; at the first rejection the next token is drawn
+/// from `norm(max(0, p_i − q_i))` (`p_i` where that is all zero), and with every draft
+/// accepted it is the bonus drawn from `p_k`. `p` and `q` are the warped laws
+/// (`softmax(row / temperature)`, then `top_k`, then `top_p`, as [`sample_rows`] applies them)
+/// of the rows of f32 `target` and `draft` logits `[rows, vocab]` that `seqs` name; only the
+/// outcomes cross to the host. Draws use each sequence's uniforms as the host consumes its
+/// stream ([`ChainSeq::uniforms`]), so the same uniforms give the host's outcome, rounding
+/// at a boundary aside. A draft with probability 0 under its own row's law (not drawn from
+/// it) is an error naming the sequence and position.
+pub fn chain_accept(
+    target: &Tensor,
+    draft: &Tensor,
+    seqs: &[ChainSeq<'_>],
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<Vec<ChainOutcome>> {
+    let (target_rows, vocab) = target.dims2()?;
+    let (draft_rows, draft_vocab) = draft.dims2()?;
+    if target.dtype() != DType::F32 || draft.dtype() != DType::F32 || vocab != draft_vocab {
+        candle_core::bail!(
+            "chain_accept: f32 logits of one vocabulary expected, got target {:?} {:?} and draft {:?} {:?}",
+            target.dims(),
+            target.dtype(),
+            draft.dims(),
+            draft.dtype()
+        );
+    }
+    check_warp(temperature, top_p, "chain_accept")?;
+    for (s, seq) in seqs.iter().enumerate() {
+        let k = seq.tokens.len();
+        let fits = seq.draft_rows.len() == k
+            && seq.uniforms.len() == k + 1
+            && seq.target_row + k < target_rows
+            && seq.draft_rows.iter().all(|&r| (r as usize) < draft_rows)
+            && seq.tokens.iter().all(|&t| (t as usize) < vocab)
+            && seq.uniforms.iter().all(|u| (0.0..=1.0).contains(u));
+        if !fits {
+            candle_core::bail!(
+                "chain_accept: sequence {s} ({k} drafts, target row {}, draft rows {:?}, {} uniforms) does not fit target {:?} / draft {:?} logits",
+                seq.target_row,
+                seq.draft_rows,
+                seq.uniforms.len(),
+                target.dims(),
+                draft.dims()
+            );
+        }
+    }
+    if seqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let kmax = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    let meta = Tensor::from_vec(
+        chain_accept_meta(seqs, kmax),
+        2 * seqs.len() + 2 * seqs.len() * kmax + seqs.len() * (kmax + 1),
+        target.device(),
+    )?;
+    #[cfg(feature = "cuda")]
+    {
+        let inv_t = 1.0 / temperature;
+        let laws = |logits: &Tensor| {
+            logits.contiguous()?.apply_op1_no_bwd(&cuda::RowLaws {
+                inv_t,
+                top_k,
+                top_p,
+            })
+        };
+        let op = cuda::ChainAccept {
+            p: target.contiguous()?,
+            p_laws: laws(target)?,
+            q: draft.contiguous()?,
+            q_laws: laws(draft)?,
+            n_seq: seqs.len(),
+            kmax,
+            inv_t,
+        };
+        let out = meta.apply_op1_no_bwd(&op)?.to_vec2::<u32>()?;
+        out.iter()
+            .enumerate()
+            .map(|(s, o)| {
+                if o[0] == CHAIN_ZERO_Q {
+                    candle_core::bail!(
+                        "chain_accept: draft token {} of sequence {s} (position {}) has probability 0 under its draft row's law: it was not drawn from it",
+                        seqs[s].tokens[o[1] as usize],
+                        o[1]
+                    );
+                }
+                Ok(ChainOutcome {
+                    accepted: o[0] as usize,
+                    token: o[1],
+                })
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (meta, top_k);
+        no_cuda("chain_accept")
+    }
+}
+
+/// `CHAIN_ZERO_Q` in logit_rows.cuh: a draft the draft's law gives probability 0.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const CHAIN_ZERO_Q: u32 = u32::MAX;
+
+/// The sampling parameters [`sample_rows`] and [`chain_accept`] take.
+fn check_warp(temperature: f32, top_p: f32, what: &str) -> Result<()> {
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        candle_core::bail!("{what}: temperature {temperature} must be finite and > 0");
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        candle_core::bail!("{what}: top_p {top_p} must be in (0, 1]");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

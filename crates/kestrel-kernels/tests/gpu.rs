@@ -11,7 +11,9 @@ use kestrel_kernels::{
     paged_attention, qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
     GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
-use kestrel_spec::sampling::{sample_token, SamplingParams, SeqRng};
+use kestrel_kernels::{chain_accept, ChainOutcome, ChainSeq};
+use kestrel_spec::accept::draft_target;
+use kestrel_spec::sampling::{probs, sample_token, SamplingParams, SeqRng};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -701,6 +703,248 @@ fn sample_rows_follows_the_filtered_softmax() {
             chi2 < critical[cells - 2],
             "top_k {top_k} top_p {top_p}: chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
         );
+    }
+}
+
+/// One sequence of a chain-acceptance case: its target rows (k + 1) and draft rows (k) as
+/// indices into the case's logits, its drafts and its k + 1 uniforms.
+struct Chain {
+    target_row: usize,
+    draft_rows: Vec<u32>,
+    tokens: Vec<u32>,
+    uniforms: Vec<f32>,
+}
+
+/// `chain_accept` on the device over `target` `[.., vocab]` and `draft` logits.
+fn device_chains(
+    target: &[f32],
+    draft: &[f32],
+    vocab: usize,
+    chains: &[Chain],
+    p: &SamplingParams,
+) -> candle_core::Result<Vec<ChainOutcome>> {
+    let dev = gpu();
+    let t = Tensor::from_slice(target, (target.len() / vocab, vocab), &dev)?;
+    let d = Tensor::from_slice(draft, (draft.len() / vocab, vocab), &dev)?;
+    let seqs: Vec<ChainSeq> = chains
+        .iter()
+        .map(|c| ChainSeq {
+            target_row: c.target_row,
+            draft_rows: &c.draft_rows,
+            tokens: &c.tokens,
+            uniforms: &c.uniforms,
+        })
+        .collect();
+    chain_accept(&t, &d, &seqs, p.temperature, p.top_k, p.top_p)
+}
+
+/// Row `r` of `[.., vocab]` logits.
+fn row(x: &[f32], vocab: usize, r: usize) -> &[f32] {
+    &x[r * vocab..(r + 1) * vocab]
+}
+
+#[test]
+fn chain_accept_gives_the_hosts_outcome_from_the_same_uniforms() {
+    let mut rng = ChaCha8Rng::seed_from_u64(47);
+    for vocab in [49_152usize, 1_003] {
+        for (top_k, top_p) in [(0, 1.0), (50, 1.0), (0, 0.9), (40, 0.8)] {
+            let params = SamplingParams {
+                temperature: 0.8,
+                top_k,
+                top_p,
+                ..SamplingParams::default()
+            };
+            let what = format!("vocabulary {vocab}, top_k {top_k}, top_p {top_p}");
+            // 48 sequences of 0 to 4 drafts; a draft row is its target row plus noise (none
+            // for every fifth sequence: p = q, every draft accepted up to rounding), stored in
+            // reverse order so that the draft rows are looked up, not assumed.
+            let mut target = Vec::new();
+            let mut drafts: Vec<Vec<f32>> = Vec::new();
+            let mut chains = Vec::new();
+            let mut host = Vec::new();
+            for s in 0..48usize {
+                let k = s % 5;
+                let noise = if s % 5 == 4 {
+                    0.0
+                } else {
+                    0.3 + 0.3 * (s % 3) as f32
+                };
+                let target_row = target.len() / vocab;
+                target.extend(randn(&mut rng, (k + 1) * vocab, 3.0));
+                let mut q_probs = Vec::new();
+                let mut tokens = Vec::new();
+                let mut draft_rows = Vec::new();
+                let mut stream = SeqRng::new(11, s as u64);
+                for i in 0..k {
+                    let t_row = row(&target, vocab, target_row + i);
+                    let d_row: Vec<f32> = t_row
+                        .iter()
+                        .zip(randn(&mut rng, vocab, noise.max(1e-9)))
+                        .map(|(&a, b)| if noise == 0.0 { a } else { a + b })
+                        .collect();
+                    let q = probs(&d_row, &params);
+                    tokens.push(kestrel_spec::sampling::sample(&q, &mut stream));
+                    q_probs.extend_from_slice(&q);
+                    draft_rows.push(drafts.len() as u32);
+                    drafts.push(d_row);
+                }
+                let p_probs: Vec<f32> = (0..=k)
+                    .flat_map(|i| probs(row(&target, vocab, target_row + i), &params))
+                    .collect();
+                let uniforms: Vec<f32> = {
+                    let mut ahead = stream.clone();
+                    (0..=k).map(|_| ahead.uniform() as f32).collect()
+                };
+                host.push(draft_target(&tokens, &q_probs, &p_probs, vocab, &mut stream).unwrap());
+                chains.push(Chain {
+                    target_row,
+                    draft_rows,
+                    tokens,
+                    uniforms,
+                });
+            }
+            let n_draft = drafts.len() as u32;
+            for c in &mut chains {
+                c.draft_rows.iter_mut().for_each(|r| *r = n_draft - 1 - *r);
+            }
+            let draft: Vec<f32> = drafts.into_iter().rev().flatten().collect();
+            let got = device_chains(&target, &draft, vocab, &chains, &params).unwrap();
+            let mut differ = 0;
+            for (s, ((c, h), g)) in chains.iter().zip(&host).zip(&got).enumerate() {
+                let k = c.tokens.len();
+                if s % 5 == 4 {
+                    assert_eq!(
+                        g.accepted, k,
+                        "{what}, sequence {s}: p = q accepts every draft"
+                    );
+                }
+                if g.accepted == h.accepted_len && Some(&g.token) == h.tokens.last() {
+                    continue;
+                }
+                // f32 laws on the device against f64 on the host: an outcome may differ only
+                // where a test or a draw was decided within rounding.
+                let i = g.accepted.min(h.accepted_len);
+                let p = probs(row(&target, vocab, c.target_row + i), &params);
+                let near = if i < k {
+                    let q = probs(row(&draft, vocab, c.draft_rows[i] as usize), &params);
+                    let x = c.tokens[i] as usize;
+                    ((c.uniforms[i] * q[x]) as f64 - p[x] as f64).abs() < 1e-5
+                        || g.accepted == h.accepted_len // the residual's draw
+                } else {
+                    let edge: f64 = p[..=g.token.min(*h.tokens.last().unwrap()) as usize]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .sum();
+                    (edge - c.uniforms[k] as f64).abs() < 1e-5
+                        || at_nucleus_edge(row(&target, vocab, c.target_row + k), &params, g.token)
+                };
+                assert!(near, "{what}, sequence {s}: device {g:?}, host {h:?}");
+                differ += 1;
+            }
+            assert!(differ <= 2, "{what}: {differ} of 48 sequences differ");
+        }
+    }
+}
+
+#[test]
+fn chain_accept_refuses_a_draft_its_law_excludes() {
+    let vocab = 16;
+    let x: Vec<f32> = (0..2 * vocab).map(|i| (i % vocab) as f32 * 0.1).collect();
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 1,
+        ..SamplingParams::default()
+    };
+    // top_k 1 keeps token 15 alone; token 3 cannot have been drawn from the draft row.
+    let chain = Chain {
+        target_row: 0,
+        draft_rows: vec![0],
+        tokens: vec![3],
+        uniforms: vec![0.5, 0.5],
+    };
+    let err = device_chains(&x, &x[..vocab], vocab, &[chain], &params).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "chain_accept: draft token 3 of sequence 0 (position 0) has probability 0 under its draft row's law"
+        ),
+        "{err}"
+    );
+}
+
+/// Speculative sampling is lossless: over 20,000 chains of two drafts the first emitted token
+/// follows the target's first law and the second its second (the laws here do not depend on
+/// the first token), whatever the draft proposed, with top-k and top-p filters on both.
+#[test]
+fn chain_accept_emits_the_targets_distribution() {
+    let vocab = 8;
+    let draws = 20_000;
+    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+    let p_rows: [[f32; 8]; 3] = [
+        [0.0, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5],
+        [1.0, -2.0, 0.3, 0.3, 0.9, 1.7, -0.2, 0.0],
+        [0.0; 8],
+    ];
+    let q_rows: [[f32; 8]; 2] = [
+        [1.5, 0.5, -1.0, 0.0, 0.5, 1.25, 0.5, -0.5],
+        [0.0, 0.0, 2.0, -1.0, 0.9, 0.2, 0.4, 1.0],
+    ];
+    for (top_k, top_p) in [(0, 1.0), (6, 1.0), (0, 0.85)] {
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k,
+            top_p,
+            ..SamplingParams::default()
+        };
+        let target: Vec<f32> = p_rows.iter().flatten().copied().collect();
+        let draft: Vec<f32> = q_rows.iter().flatten().copied().collect();
+        let q: Vec<Vec<f32>> = q_rows.iter().map(|r| probs(r, &params)).collect();
+        let mut rng = SeqRng::new(43, top_k as u64);
+        let chains: Vec<Chain> = (0..draws)
+            .map(|_| Chain {
+                target_row: 0,
+                draft_rows: vec![0, 1],
+                tokens: vec![
+                    kestrel_spec::sampling::sample(&q[0], &mut rng),
+                    kestrel_spec::sampling::sample(&q[1], &mut rng),
+                ],
+                uniforms: (0..3).map(|_| rng.uniform() as f32).collect(),
+            })
+            .collect();
+        let got = device_chains(&target, &draft, vocab, &chains, &params).unwrap();
+        let mut counts = [[0f64; 8]; 2];
+        for (c, g) in chains.iter().zip(&got) {
+            let emitted: Vec<u32> = c.tokens[..g.accepted]
+                .iter()
+                .copied()
+                .chain([g.token])
+                .collect();
+            for (position, &t) in emitted.iter().take(2).enumerate() {
+                counts[position][t as usize] += 1.0;
+            }
+        }
+        for position in 0..2 {
+            let p = probs(&p_rows[position], &params);
+            let n: f64 = counts[position].iter().sum();
+            let mut chi2 = 0.0;
+            let mut cells = 0;
+            for (&c, &pv) in counts[position].iter().zip(&p) {
+                if pv == 0.0 {
+                    assert_eq!(
+                        c, 0.0,
+                        "top_k {top_k} top_p {top_p}: a filtered token emitted"
+                    );
+                    continue;
+                }
+                let e = pv as f64 * n;
+                chi2 += (c - e) * (c - e) / e;
+                cells += 1;
+            }
+            assert!(
+                chi2 < critical[cells - 2],
+                "top_k {top_k} top_p {top_p}, token {position}: chi-square {chi2}: counts {:?}, probabilities {p:?}",
+                counts[position]
+            );
+        }
     }
 }
 
