@@ -1,9 +1,29 @@
-//! Choosing the device from a command-line spelling.
+//! Choosing the device from a command-line spelling, and the process-wide switches of what
+//! runs on it.
 
 use crate::error::{Result, RuntimeError};
 pub use candle_core::Device;
 /// Programmatic dependent launch of Kestrel's kernels on Hopper, on by default.
 pub use kestrel_kernels::{dependent_launch_on, set_dependent_launch};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static DEVICE_SAMPLING: AtomicBool = AtomicBool::new(true);
+
+/// Where sampled steps on a GPU draw their tokens and accept drafts: on the device (the
+/// default: a row's token, or a draft-target chain's outcome, is all that crosses to the
+/// host) or, switched off, on the host from the full rows, as before there were kernels for
+/// it, for comparisons in one process (`spec-bench --device_sampling off`). Either way a
+/// sequence consumes its random stream alike, so the same seed gives the same tokens,
+/// rounding at a probability boundary aside. Greedy steps always take their argmax on the
+/// device; the CPU always samples on the host.
+pub fn set_device_sampling(enabled: bool) {
+    DEVICE_SAMPLING.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`set_device_sampling`] leaves sampling on the device.
+pub fn device_sampling() -> bool {
+    DEVICE_SAMPLING.load(Ordering::Relaxed)
+}
 
 /// `cpu`, or `cuda:N` / `cuda` (ordinal 0) in a build with the `cuda` feature.
 pub fn parse(spec: &str) -> Result<Device> {

@@ -17,16 +17,17 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Decoder};
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
-use crate::logit_rows::{LogitRows, LogitSlice};
+use crate::logit_rows::{draws_on_device, row_tokens, LogitRows, LogitSlice};
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use crate::DraftTargetOptions;
+use candle_core::Tensor;
 use kestrel_core::checkpoint::TOKENIZER_FILE;
 use kestrel_core::SpeculativeMode;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
-use kestrel_spec::sampling::{probs, sample};
+use kestrel_spec::sampling::{probs, sample, sample_at};
 use std::path::Path;
 use std::time::Instant;
 
@@ -59,8 +60,26 @@ struct Proposal {
     /// Draft tokens wanted this step (may be 0 near the length limit).
     k: usize,
     tokens: Vec<u32>,
-    /// `k × vocab` draft distributions the tokens were drawn from (rejection sampling only).
-    q: Vec<f32>,
+    /// The laws the tokens were drawn from (speculative sampling only).
+    q: DraftLaws,
+}
+
+/// Where a proposal's draft laws are, for speculative sampling.
+enum DraftLaws {
+    /// Not kept: greedy, or token matching.
+    None,
+    /// `k × vocab` probabilities on the host.
+    Host(Vec<f32>),
+    /// The rows of the step's draft logits ([`Proposals::device_logits`]) each draft was drawn
+    /// from, for `kestrel_kernels::chain_accept`.
+    Device(Vec<u32>),
+}
+
+/// A step's proposals, and the draft logits their device laws index.
+struct Proposals {
+    list: Vec<Proposal>,
+    /// Every draft forward's logits rows, in order (speculative sampling on a device).
+    device_logits: Option<Tensor>,
 }
 
 impl<'e> DraftTargetDecoder<'e> {
@@ -228,15 +247,18 @@ impl<'e> DraftTargetDecoder<'e> {
     /// The draft proposes `k` tokens for each live sequence: one batched draft forward per
     /// draft position. The first forward of a step also feeds the committed tokens the draft
     /// cache lacks (the last committed token, and the last draft after a fully accepted step).
+    /// Sampled drafts take one uniform each from their sequence's stream and are drawn on the
+    /// device when the logits are there; speculative sampling then keeps the rows they were
+    /// drawn from on the device too (else their laws on the host).
     fn propose(
         &mut self,
         seqs: &mut [Sequence],
         ids: &[Ids],
         live: &[usize],
         params: &GenerationParams,
-    ) -> Result<Vec<Proposal>> {
-        let greedy = params.sampling.is_greedy();
-        let keep_q = self.options.use_logits && !greedy;
+    ) -> Result<Proposals> {
+        let sampling = &params.sampling;
+        let keep_q = self.options.use_logits && !sampling.is_greedy();
         let mut proposals: Vec<Proposal> = live
             .iter()
             .map(|&i| {
@@ -248,12 +270,14 @@ impl<'e> DraftTargetDecoder<'e> {
                     index: i,
                     k,
                     tokens: Vec::with_capacity(k),
-                    q: Vec::new(),
+                    q: DraftLaws::None,
                 }
             })
             .collect();
         let max_k = proposals.iter().map(|p| p.k).max().unwrap_or(0);
         let model = &self.draft.model;
+        let mut device_logits: Vec<Tensor> = Vec::new();
+        let mut device_rows = 0;
         for j in 0..max_k {
             let active: Vec<usize> = (0..proposals.len())
                 .filter(|&p| proposals[p].k > j)
@@ -292,25 +316,61 @@ impl<'e> DraftTargetDecoder<'e> {
                 })
                 .collect();
             let logits = model.logits(&model.forward(&batch, &mut self.draft_cache)?)?;
-            let rows = LogitRows::fetch(&logits, greedy)?;
-            let rows = rows.slice(0, active.len());
-            for (row, &p) in active.iter().enumerate() {
-                let prop = &mut proposals[p];
-                let token = match rows.logits() {
-                    None => rows.argmax(row),
-                    Some(rows) => {
-                        let q = probs(&rows[row], &params.sampling);
-                        let token = sample(&q, &mut seqs[prop.index].rng);
-                        if keep_q {
-                            prop.q.extend_from_slice(&q);
-                        }
-                        token
+            let uniforms: Vec<f64> = if sampling.is_greedy() {
+                Vec::new()
+            } else {
+                let seqs = &mut *seqs;
+                active
+                    .iter()
+                    .map(|&p| seqs[proposals[p].index].rng.uniform())
+                    .collect()
+            };
+            // The kernel needs the target's rows where the draft's are.
+            let laws_on_device =
+                draws_on_device(&logits) && logits.device().same_device(&self.target.device);
+            if keep_q && !laws_on_device {
+                // Speculative sampling on the host: each draft's law, and the draft drawn
+                // from it.
+                for ((row, &p), &u) in logits.to_vec2::<f32>()?.iter().zip(&active).zip(&uniforms) {
+                    let q = probs(row, sampling);
+                    let prop = &mut proposals[p];
+                    prop.tokens.push(sample_at(&q, u));
+                    match &mut prop.q {
+                        DraftLaws::Host(all) => all.extend_from_slice(&q),
+                        laws => *laws = DraftLaws::Host(q),
                     }
-                };
-                prop.tokens.push(token);
+                }
+                continue;
+            }
+            for (row, (&p, t)) in active
+                .iter()
+                .zip(row_tokens(&logits, sampling, &uniforms)?)
+                .enumerate()
+            {
+                let prop = &mut proposals[p];
+                prop.tokens.push(t);
+                if keep_q {
+                    let at = (device_rows + row) as u32;
+                    match &mut prop.q {
+                        DraftLaws::Device(rows) => rows.push(at),
+                        laws => *laws = DraftLaws::Device(vec![at]),
+                    }
+                }
+            }
+            if keep_q {
+                device_rows += active.len();
+                device_logits.push(logits);
             }
         }
-        Ok(proposals)
+        let device_logits = match device_logits.len() {
+            0 => None,
+            1 => device_logits.pop(),
+            _ => Some(Tensor::cat(&device_logits, 0)?),
+        };
+        Ok(Proposals {
+            list: proposals,
+            device_logits,
+        })
     }
 
     /// The target scores `[last committed, d_1..d_k]` of every live sequence in one forward;
@@ -319,11 +379,12 @@ impl<'e> DraftTargetDecoder<'e> {
         &mut self,
         seqs: &mut [Sequence],
         ids: &[Ids],
-        proposals: &[Proposal],
+        proposals: &Proposals,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
     ) -> Result<()> {
         let inputs: Vec<(Vec<u32>, Vec<u32>)> = proposals
+            .list
             .iter()
             .map(|prop| {
                 let s = &seqs[prop.index];
@@ -335,6 +396,7 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         let batch: Vec<SeqInput> = proposals
+            .list
             .iter()
             .zip(&inputs)
             .map(|(prop, (tokens, pos))| SeqInput {
@@ -346,16 +408,10 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         let model = &self.target.model;
-        // Token matching under greedy sampling needs only each row's argmax.
-        let greedy = params.sampling.is_greedy();
         let logits = model.logits(&model.forward(&batch, &mut self.target_cache)?)?;
-        let rows = LogitRows::fetch(&logits, greedy)?;
-        let mut offset = 0;
-        for prop in proposals {
-            let target_rows = rows.slice(offset, prop.k + 1);
-            offset += prop.k + 1;
+        let acceptances = self.accept_all(&logits, proposals, seqs, params)?;
+        for (prop, acceptance) in proposals.list.iter().zip(acceptances) {
             let s = &mut seqs[prop.index];
-            let acceptance = self.accept(prop, target_rows, s, params)?;
             let committed = s.commit(&acceptance.tokens, params, sink);
             s.stats.record_step(committed);
             s.stats.draft_tokens += prop.k;
@@ -372,6 +428,132 @@ impl<'e> DraftTargetDecoder<'e> {
         Ok(())
     }
 
+    /// Every proposal's acceptance from the target's verification `logits` (`k + 1` rows per
+    /// proposal, in order). Where the rows are on a device and only tokens or outcomes need
+    /// cross: token matching draws the target's token at each of a sequence's `k + 1` rows
+    /// there, and speculative sampling runs there (`kestrel_kernels::chain_accept`), each
+    /// from uniforms taken ahead from a copy of the sequence's stream; the stream then
+    /// advances by what the host would have drawn for the same outcome. Otherwise the rows
+    /// come to the host, which draws from the streams as it goes.
+    fn accept_all(
+        &self,
+        logits: &Tensor,
+        proposals: &Proposals,
+        seqs: &mut [Sequence],
+        params: &GenerationParams,
+    ) -> Result<Vec<ChainAcceptance>> {
+        let sampling = &params.sampling;
+        let peek = |s: &Sequence, n: usize| {
+            let mut ahead = s.rng.clone();
+            (0..n).map(|_| ahead.uniform()).collect::<Vec<f64>>()
+        };
+        let on_device = !sampling.is_greedy() && draws_on_device(logits);
+        if self.options.use_logits && on_device {
+            if let Some(draft_logits) = &proposals.device_logits {
+                return self.chain_accept(logits, draft_logits, proposals, seqs, params);
+            }
+        }
+        let rows = if sampling.is_greedy() || (on_device && !self.options.use_logits) {
+            let uniforms: Vec<f64> = if sampling.is_greedy() {
+                Vec::new()
+            } else {
+                proposals
+                    .list
+                    .iter()
+                    .flat_map(|prop| peek(&seqs[prop.index], prop.k + 1))
+                    .collect()
+            };
+            LogitRows::Tokens(row_tokens(logits, sampling, &uniforms)?)
+        } else {
+            LogitRows::logits(logits)?
+        };
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(proposals.list.len());
+        for prop in &proposals.list {
+            let target_rows = rows.slice(offset, prop.k + 1);
+            offset += prop.k + 1;
+            let s = &mut seqs[prop.index];
+            let acceptance = self.accept(prop, target_rows, s, params)?;
+            if !sampling.is_greedy() && target_rows.tokens().is_some() {
+                // The host would have drawn one uniform per target token taken.
+                for _ in 0..acceptance.tokens.len() {
+                    s.rng.uniform();
+                }
+            }
+            out.push(acceptance);
+        }
+        Ok(out)
+    }
+
+    /// Speculative sampling of every proposal on the device, from the target's verification
+    /// `logits` and the drafts' `draft_logits`.
+    fn chain_accept(
+        &self,
+        logits: &Tensor,
+        draft_logits: &Tensor,
+        proposals: &Proposals,
+        seqs: &mut [Sequence],
+        params: &GenerationParams,
+    ) -> Result<Vec<ChainAcceptance>> {
+        let uniforms: Vec<Vec<f32>> = proposals
+            .list
+            .iter()
+            .map(|prop| {
+                let mut ahead = seqs[prop.index].rng.clone();
+                (0..=prop.k).map(|_| ahead.uniform() as f32).collect()
+            })
+            .collect();
+        let mut target_row = 0;
+        let chains: Vec<kestrel_kernels::ChainSeq> = proposals
+            .list
+            .iter()
+            .zip(&uniforms)
+            .map(|(prop, u)| {
+                let draft_rows = match &prop.q {
+                    DraftLaws::Device(rows) => rows.as_slice(),
+                    _ => &[],
+                };
+                let chain = kestrel_kernels::ChainSeq {
+                    target_row,
+                    draft_rows,
+                    tokens: &prop.tokens,
+                    uniforms: u,
+                };
+                target_row += prop.k + 1;
+                chain
+            })
+            .collect();
+        let sampling = &params.sampling;
+        let outcomes = kestrel_kernels::chain_accept(
+            logits,
+            draft_logits,
+            &chains,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+        )?;
+        Ok(proposals
+            .list
+            .iter()
+            .zip(outcomes)
+            .map(|(prop, o)| {
+                let mut tokens = prop.tokens[..o.accepted].to_vec();
+                tokens.push(o.token);
+                let acceptance = ChainAcceptance {
+                    accepted_len: o.accepted,
+                    tokens,
+                };
+                let s = &mut seqs[prop.index];
+                for _ in 0..acceptance.speculative_uniforms(prop.k) {
+                    s.rng.uniform();
+                }
+                acceptance
+            })
+            .collect())
+    }
+
+    /// One proposal's acceptance on the host: from the target's own tokens (token matching,
+    /// greedy or drawn already), or from its rows.
     fn accept(
         &self,
         prop: &Proposal,
@@ -383,25 +565,43 @@ impl<'e> DraftTargetDecoder<'e> {
         let bad = |e: kestrel_spec::AcceptError| {
             RuntimeError::Engine(format!("draft-target acceptance of sequence {index}: {e}"))
         };
-        let logits = target_rows.logits();
-        if let (true, Some(target_rows)) = (self.options.use_logits, logits) {
-            let vocab = target_rows.first().map_or(0, Vec::len);
-            let p: Vec<f32> = target_rows
+        let rows = match target_rows {
+            LogitSlice::Tokens(tokens) => {
+                let matched = prop
+                    .tokens
+                    .iter()
+                    .zip(tokens)
+                    .take_while(|(d, t)| d == t)
+                    .count();
+                return draft_target_token_match(&prop.tokens[..matched], &tokens[..=matched])
+                    .map_err(bad);
+            }
+            LogitSlice::Logits(rows) => rows,
+        };
+        if self.options.use_logits {
+            let q: &[f32] = match &prop.q {
+                DraftLaws::Host(q) => q,
+                DraftLaws::None => &[], // no drafts this step: the bonus alone
+                DraftLaws::Device(_) => {
+                    return Err(RuntimeError::Engine(format!(
+                        "draft-target acceptance of sequence {index}: the draft laws are on the device but the target's rows on the host"
+                    )))
+                }
+            };
+            let vocab = rows.first().map_or(0, Vec::len);
+            let p: Vec<f32> = rows
                 .iter()
                 .flat_map(|row| probs(row, &params.sampling))
                 .collect();
-            return draft_target(&prop.tokens, &prop.q, &p, vocab, &mut s.rng).map_err(bad);
+            return draft_target(&prop.tokens, q, &p, vocab, &mut s.rng).map_err(bad);
         }
-        // Token matching: the target's own token at each position (argmax, or a draw from
-        // its distribution), taken only as far as the drafts agree.
+        // Token matching on the host: the target's own token at each position, drawn from its
+        // distribution, taken only as far as the drafts agree.
         let mut target_tokens = Vec::with_capacity(prop.k + 1);
-        for i in 0..target_rows.len() {
-            let t = match logits {
-                None => target_rows.argmax(i),
-                Some(rows) => sample(&probs(&rows[i], &params.sampling), &mut s.rng),
-            };
+        for row in rows {
+            let t = sample(&probs(row, &params.sampling), &mut s.rng);
             target_tokens.push(t);
-            if prop.tokens.get(i) != Some(&t) {
+            if prop.tokens.get(target_tokens.len() - 1) != Some(&t) {
                 break;
             }
         }

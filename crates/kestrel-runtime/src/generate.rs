@@ -5,13 +5,12 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::kv_budget::{PoolShape, FRACTION_FLAG};
-use crate::logit_rows::argmax_rows;
+use crate::logit_rows::row_tokens;
 use crate::request::{GenerationParams, KvPoolStats, RunTimings, SequenceOutput, TokenSink};
 use crate::sequence::{validate_prompts, Sequence};
 use candle_core::Tensor;
 use kestrel_core::plan::BuildLimits;
 use kestrel_model::{OutputRows, SeqId, SeqInput};
-use kestrel_spec::sampling;
 use std::time::Instant;
 
 /// One decoding mode: runs a batch of sequences to completion.
@@ -123,37 +122,21 @@ fn batch_end(
     Ok(end)
 }
 
-/// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order.
-/// On a device, sampling draws each row's uniform from its sequence's stream here and samples
-/// on the device, top-k and top-p included (`kestrel_kernels::sample_rows`: one id a row
-/// crosses, not the row).
+/// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order:
+/// the argmax when greedy, else a draw with one uniform from each sequence's stream, on the
+/// device when the rows are there (`logit_rows::sample_rows_at`: one id a row crosses, not
+/// the row).
 pub(crate) fn sample_rows(
     logits: &Tensor,
     seqs: &mut [&mut Sequence],
     params: &GenerationParams,
 ) -> Result<Vec<u32>> {
-    let sampling = &params.sampling;
-    if sampling.is_greedy() {
-        return argmax_rows(logits);
-    }
-    if !logits.device().is_cpu() {
-        let uniforms: Vec<f32> = seqs.iter_mut().map(|s| s.rng.uniform() as f32).collect();
-        let uniforms = Tensor::from_vec(uniforms, seqs.len(), logits.device())?;
-        return Ok(kestrel_kernels::sample_rows(
-            logits,
-            &uniforms,
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-        )?
-        .to_vec1::<u32>()?);
-    }
-    let rows = logits.to_vec2::<f32>()?;
-    Ok(rows
-        .iter()
-        .zip(seqs.iter_mut())
-        .map(|(row, s)| sampling::sample_token(row, &params.sampling, &mut s.rng))
-        .collect())
+    let uniforms: Vec<f64> = if params.sampling.is_greedy() {
+        Vec::new()
+    } else {
+        seqs.iter_mut().map(|s| s.rng.uniform()).collect()
+    };
+    row_tokens(logits, &params.sampling, &uniforms)
 }
 
 /// Every sequence's prompt from token `starts[i]` on (the tokens before it came from cached

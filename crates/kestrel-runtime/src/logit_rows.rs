@@ -9,6 +9,14 @@
 //! [`kestrel_spec::sampling::argmax`]), so a greedy step picks the same token on either path,
 //! and plain decoding and verification pick alike.
 //!
+//! Sampled steps that need only the target's own token at each row (plain decoding, EAGLE's
+//! and draft-target's token matching) draw it the same way: the host draws each row's uniform
+//! from its sequence's stream, in the order the host path would, and on a device
+//! `kestrel_kernels::sample_rows` picks the token there ([`sample_rows_at`]), so again one id
+//! a row crosses and the same seed gives the host's tokens (rounding at a CDF boundary
+//! aside). Only the lossless tree rejection sampling and typical acceptance still need the
+//! rows ([`LogitRows::logits`]).
+//!
 //! EAGLE drafting needs the k best tokens of each head row and their log-probabilities. On a
 //! device one kernel (`kestrel_kernels::top_k_logp`) selects them in the host's order and one
 //! copy brings back `rows × 2k` values instead of `rows × vocab` floats. Its log-softmax
@@ -18,66 +26,105 @@
 //! On the CPU the rows are already in host memory, and the plain scans
 //! ([`kestrel_spec::sampling::argmax`], [`top_k`]) beat tensor passes, so they stay there.
 
+use crate::device::device_sampling;
 use crate::error::Result;
 use candle_core::Tensor;
-use kestrel_spec::sampling;
+use kestrel_spec::sampling::{self, SamplingParams};
 
-/// A model's rows as an acceptance rule or a greedy draft needs them.
+/// A model's rows as an acceptance rule needs them.
 pub(crate) enum LogitRows {
-    /// Greedy: each row's argmax.
-    Argmax(Vec<u32>),
-    /// Sampling: the full rows (probabilities are computed from them on the host).
+    /// The target's own token at each row ([`row_tokens`]).
+    Tokens(Vec<u32>),
+    /// The full rows (probabilities are computed from them on the host).
     Logits(Vec<Vec<f32>>),
 }
 
 /// A run of consecutive rows of [`LogitRows`] (one sequence's rows in a batched step).
 #[derive(Clone, Copy)]
 pub(crate) enum LogitSlice<'a> {
-    Argmax(&'a [u32]),
+    Tokens(&'a [u32]),
     Logits(&'a [Vec<f32>]),
 }
 
 impl LogitRows {
-    /// `logits`: `[rows, vocab]` f32. `greedy`: only the argmax of each row is wanted.
-    pub(crate) fn fetch(logits: &Tensor, greedy: bool) -> Result<Self> {
-        Ok(if greedy {
-            Self::Argmax(argmax_rows(logits)?)
-        } else {
-            Self::Logits(logits.to_vec2::<f32>()?)
-        })
+    /// The full rows, on the host.
+    pub(crate) fn logits(logits: &Tensor) -> Result<Self> {
+        Ok(Self::Logits(logits.to_vec2::<f32>()?))
     }
 
     pub(crate) fn slice(&self, start: usize, len: usize) -> LogitSlice<'_> {
         match self {
-            Self::Argmax(ids) => LogitSlice::Argmax(&ids[start..start + len]),
+            Self::Tokens(ids) => LogitSlice::Tokens(&ids[start..start + len]),
             Self::Logits(rows) => LogitSlice::Logits(&rows[start..start + len]),
         }
     }
 }
 
 impl LogitSlice<'_> {
-    /// Row `i`'s greedy token.
-    pub(crate) fn argmax(&self, i: usize) -> u32 {
+    /// The rows' own tokens; `None` when the full rows were fetched.
+    pub(crate) fn tokens(&self) -> Option<&[u32]> {
         match self {
-            Self::Argmax(ids) => ids[i],
-            Self::Logits(rows) => sampling::argmax(&rows[i]),
+            Self::Tokens(ids) => Some(ids),
+            Self::Logits(_) => None,
         }
     }
 
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Self::Argmax(ids) => ids.len(),
-            Self::Logits(rows) => rows.len(),
-        }
-    }
-
-    /// The full rows; `None` when only argmaxes were fetched (a greedy step).
+    /// The full rows; `None` when only tokens were fetched.
     pub(crate) fn logits(&self) -> Option<&[Vec<f32>]> {
         match self {
-            Self::Argmax(_) => None,
+            Self::Tokens(_) => None,
             Self::Logits(rows) => Some(rows),
         }
     }
+}
+
+/// Each row's own token: the argmax when `sampling` is greedy (`uniforms` unused), else row
+/// r's draw with `uniforms[r]` ([`sample_rows_at`]).
+pub(crate) fn row_tokens(
+    logits: &Tensor,
+    sampling: &SamplingParams,
+    uniforms: &[f64],
+) -> Result<Vec<u32>> {
+    if sampling.is_greedy() {
+        argmax_rows(logits)
+    } else {
+        sample_rows_at(logits, sampling, uniforms)
+    }
+}
+
+/// Whether sampled rows of `logits` are drawn where they are: on a device, unless
+/// [`crate::device::set_device_sampling`] sends them to the host.
+pub(crate) fn draws_on_device(logits: &Tensor) -> bool {
+    !logits.device().is_cpu() && device_sampling()
+}
+
+/// Row r's token drawn from its warped law (`sampling::probs`) by inverse CDF at
+/// `uniforms[r]` (`sampling::sample_at`): on the device when the rows are there
+/// (`kestrel_kernels::sample_rows`, which takes the uniform as f32), else on the host.
+/// `sampling` must not be greedy.
+pub(crate) fn sample_rows_at(
+    logits: &Tensor,
+    sampling: &SamplingParams,
+    uniforms: &[f64],
+) -> Result<Vec<u32>> {
+    if draws_on_device(logits) {
+        let u: Vec<f32> = uniforms.iter().map(|&u| u as f32).collect();
+        let u = Tensor::from_vec(u, uniforms.len(), logits.device())?;
+        return Ok(kestrel_kernels::sample_rows(
+            logits,
+            &u,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+        )?
+        .to_vec1::<u32>()?);
+    }
+    Ok(logits
+        .to_vec2::<f32>()?
+        .iter()
+        .zip(uniforms)
+        .map(|(row, &u)| sampling::sample_at(&sampling::probs(row, sampling), u))
+        .collect())
 }
 
 /// Each row's argmax by the host rule ([`sampling::argmax`]): on the host for CPU tensors, on

@@ -19,7 +19,6 @@ use crate::generate::{
     count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
-use crate::logit_rows::LogitRows;
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
@@ -287,7 +286,8 @@ impl Decoder for EagleDecoder<'_> {
                 .collect();
             let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, false)?;
             let logits = model.logits(&model.final_hidden(&tapped)?)?;
-            let target = LogitRows::fetch(&logits, params.sampling.is_greedy())?;
+            let rule = self.options.acceptance;
+            let target = accept::target_rows(&logits, rule, &trees, &live, seqs, &params.sampling)?;
             let mut offset = 0;
             for ((&i, tree), &base_len) in live.iter().zip(&trees).zip(&bases) {
                 let n = tree.tokens.len();
