@@ -1,5 +1,5 @@
 //! The benchmark behind `spec-bench`: plain decoding against EAGLE-1, EAGLE-2 and
-//! draft-target decoding over a prompt set (MT-bench first turns by default), greedy, at
+//! draft-target decoding over a prompt set (MT-bench first turns by default), greedy or sampled, at
 //! several batch sizes, each mode run on the same prompts in the same process. Per (mode,
 //! batch size): tokens/s, step latency, time to first token, τ, peak memory and the roofline
 //! fraction against a copy bandwidth measured in the same process.
@@ -67,7 +67,9 @@ pub struct BenchArgs {
     pub batch_sizes: Option<String>,
     /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file), eagle2:N[:T[:L]]
     /// (top-k N, at most T draft nodes and L layers: spec-run's
-    /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers), draft_target:K (needs --draft_engine_dir), verify:T (T-token verification step vs a
+    /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers),
+    /// draft_target:K[:logits] (needs --draft_engine_dir; `logits`: speculative sampling,
+    /// else token matching), verify:T (T-token verification step vs a
     /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
     /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
     #[arg(long)]
@@ -99,6 +101,24 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
+    /// Sampling temperature (0: greedy, the default). Sampled speculative modes keep the
+    /// target's distribution but not plain decoding's tokens, so their outputs are compared
+    /// by digest only.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep the top-k logits when sampling (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus mass kept when sampling (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sampled sequences' random streams (spec-run --random_seed).
+    #[arg(long, default_value_t = 0)]
+    pub random_seed: u64,
+    /// Where sampled steps on a GPU draw tokens and accept drafts: `on` (the device; only
+    /// tokens cross) or `off` (the rows go to the host), to measure what the kernels save.
+    #[arg(long, default_value = "on")]
+    pub device_sampling: String,
     /// Before timing a mode at a batch size, run it once on the first batch for this many
     /// tokens, so that one-time costs (a GPU driver compiling kernels on first use) stay out
     /// of its figures; 0 times the first run cold.
@@ -116,12 +136,15 @@ enum ModeSpec {
         max_draft_len: Option<usize>,
         num_layers: Option<usize>,
     },
-    DraftTarget(usize),
+    DraftTarget {
+        k: usize,
+        use_logits: bool,
+    },
     Verify(usize),
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K or verify:T, comma-separated";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits] or verify:T, comma-separated";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -154,7 +177,16 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                     num_layers,
                 }
             }
-            "draft_target" => ModeSpec::DraftTarget(count(name, arg, spec)?),
+            "draft_target" => {
+                let (k, rule) = arg.split_once(':').unwrap_or((arg, ""));
+                if !matches!(rule, "" | "logits") {
+                    bail!("--modes {spec}: draft_target takes K or K:logits");
+                }
+                ModeSpec::DraftTarget {
+                    k: count(name, k, spec)?,
+                    use_logits: rule == "logits",
+                }
+            }
             "verify" => ModeSpec::Verify(count(name, arg, spec)?),
             _ => bail!("unknown mode '{spec}' in --modes: {MODES_HELP}"),
         };
@@ -345,6 +377,11 @@ pub struct BenchReport {
     pub cuda_graph_failure: Option<String>,
     /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
     pub eagle_draft_vocab: Option<String>,
+    /// How every mode picked its tokens (greedy: temperature 0).
+    pub sampling: SamplingParams,
+    /// Whether sampled steps drew their tokens and accepted drafts on the device
+    /// (`--device_sampling`; false on the CPU).
+    pub device_sampling: bool,
     pub results: Vec<ModeResult>,
 }
 
@@ -539,7 +576,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
         if let Some((spec, _)) = modes
             .iter()
-            .find(|(_, m)| matches!(m, ModeSpec::DraftTarget(_)))
+            .find(|(_, m)| matches!(m, ModeSpec::DraftTarget { .. }))
         {
             if args.draft_engine_dir.is_none() {
                 bail!("--modes {spec} needs --draft_engine_dir");
@@ -559,6 +596,19 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         other => bail!("--dependent_launch {other}: expected on or off"),
     };
     kestrel_runtime::device::set_dependent_launch(dependent_launch);
+    let device_sampling = match args.device_sampling.as_str() {
+        "on" => true,
+        "off" => false,
+        other => bail!("--device_sampling {other}: expected on or off"),
+    };
+    kestrel_runtime::device::set_device_sampling(device_sampling);
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.random_seed,
+    };
+    sampling.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let device = kestrel_runtime::device::parse(&args.device)?;
     let device_name = measure::device_name(&device);
     let mut probe = MemProbe::new(&device)?;
@@ -655,7 +705,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
 
     let params = GenerationParams {
         max_output_len: args.max_output_len,
-        sampling: SamplingParams::greedy(),
+        sampling,
         end_ids: engine.config.eos_token_ids(),
     };
     let mut results: Vec<ModeResult> = Vec::new();
@@ -777,7 +827,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     };
                     (&engine, eagle_mode(&engine, &flags, false)?)
                 }
-                ModeSpec::DraftTarget(k) => {
+                ModeSpec::DraftTarget { k, use_logits } => {
                     let draft = draft
                         .as_ref()
                         .context("draft_target needs --draft_engine_dir")?;
@@ -788,7 +838,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             draft,
                             options: DraftTargetOptions {
                                 draft_len: *k,
-                                use_logits: false,
+                                use_logits: *use_logits,
                             },
                         },
                     )
@@ -840,8 +890,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             let prompt_tokens: usize = batch_prompts.iter().map(Vec::len).sum();
             let bytes_total =
                 shape_of.batch_steps as f64 * sizes.weight_bytes as f64 + shape_of.kv_read_bytes;
+            // Sampled speculation keeps the target's distribution, not plain decoding's draws.
             let (speedup, same) = match &plain {
-                Some((base, plain_ids)) => (Some(tokens_per_s / base), Some(&ids == plain_ids)),
+                Some((base, plain_ids)) => (
+                    Some(tokens_per_s / base),
+                    sampling.is_greedy().then(|| &ids == plain_ids),
+                ),
                 None => (None, None),
             };
             if *mode == ModeSpec::Plain {
@@ -924,6 +978,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         max_output_len: args.max_output_len,
         cuda_graphs: device.is_cuda() && !args.no_cuda_graphs,
         dependent_launch: kestrel_runtime::device::dependent_launch_on(&device)?,
+        sampling,
+        device_sampling: device.is_cuda() && device_sampling,
         cuda_graph_failure: engine
             .cuda_graph_failure()
             .or_else(|| draft.as_ref().and_then(Engine::cuda_graph_failure)),
@@ -938,6 +994,28 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     })
 }
 
+impl BenchReport {
+    /// `greedy`, or the sampling flags and where the draws were made.
+    fn sampling_label(&self) -> String {
+        let s = &self.sampling;
+        if s.is_greedy() {
+            return "greedy".into();
+        }
+        format!(
+            "sampled (temperature {}, top_k {}, top_p {}, seed {}; drawn on the {})",
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.seed,
+            if self.device_sampling {
+                "device"
+            } else {
+                "host"
+            }
+        )
+    }
+}
+
 fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
     v.map_or("-".into(), f)
 }
@@ -946,14 +1024,15 @@ impl BenchReport {
     pub fn print(&self) {
         const MIB: f64 = 1024.0 * 1024.0;
         println!(
-            "spec-bench: {} on {} ({}), {}, {} prompts, batch sizes {:?}, up to {} new tokens, greedy",
+            "spec-bench: {} on {} ({}), {}, {} prompts, batch sizes {:?}, up to {} new tokens, {}",
             self.source,
             self.device,
             self.device_name,
             self.dtype,
             self.num_prompts,
             self.batch_sizes,
-            self.max_output_len
+            self.max_output_len,
+            self.sampling_label()
         );
         println!(
             "weights {:.1} MiB, KV {:.1} KiB/token, copy bandwidth {:.1} GB/s (read + write), load {:.2} s",
@@ -1062,7 +1141,7 @@ mod tests {
     #[test]
     fn modes_parse() {
         let m = parse_modes(
-            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,verify:64",
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,verify:64",
         )
         .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
@@ -1081,7 +1160,14 @@ mod tests {
                     max_draft_len: Some(16),
                     num_layers: Some(3)
                 },
-                ModeSpec::DraftTarget(3),
+                ModeSpec::DraftTarget {
+                    k: 3,
+                    use_logits: false
+                },
+                ModeSpec::DraftTarget {
+                    k: 2,
+                    use_logits: true
+                },
                 ModeSpec::Verify(64)
             ]
         );
@@ -1096,6 +1182,10 @@ mod tests {
         assert_eq!(
             parse_modes("eagle2:8:16:3:2").unwrap_err().to_string(),
             "--modes eagle2:8:16:3:2: eagle2 takes at most N:T:L"
+        );
+        assert_eq!(
+            parse_modes("draft_target:4:exact").unwrap_err().to_string(),
+            "--modes draft_target:4:exact: draft_target takes K or K:logits"
         );
         assert!(parse_modes("beam").is_err());
     }
