@@ -206,6 +206,54 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
 }
 
 #[test]
+fn sampled_runs_are_recorded_and_repeat_with_their_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let json = tmp.path().join("bench.json");
+    let prompts = prompts(tmp.path());
+    let run = |seed: &str| {
+        let report = bench_ok(
+            &[
+                "--engine_dir",
+                s(&engine),
+                "--prompts",
+                s(&prompts),
+                "--max_output_len",
+                "12",
+                "--batch_sizes",
+                "1",
+                "--modes",
+                "plain,eagle1:[[0],[1]]",
+                "--temperature",
+                "1.5",
+                "--top_k",
+                "12",
+                "--random_seed",
+                seed,
+            ],
+            &json,
+        );
+        let sampling = &report["sampling"];
+        assert!((sampling["temperature"].as_f64().unwrap() - 1.5).abs() < 1e-6);
+        assert_eq!(sampling["top_k"], 12);
+        assert_eq!(sampling["seed"].as_u64().unwrap().to_string(), seed);
+        // Sampling on the device applies to GPUs only.
+        assert_eq!(report["device_sampling"], false);
+        let rs = results(&report);
+        // Sampled speculation keeps the target's distribution, not plain decoding's draws:
+        // no equality with plain is claimed.
+        assert!(rs[1]["same_output_as_plain"].is_null(), "{}", rs[1]);
+        assert!(rs[1]["mean_accepted_len"].as_f64().unwrap() >= 1.0);
+        rs.iter()
+            .map(|r| r["output_digest"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let first = run("5");
+    assert_eq!(run("5"), first, "the same seed draws the same tokens");
+    assert_ne!(run("6"), first, "another seed draws others");
+}
+
+#[test]
 fn random_weights_of_a_real_shape_run_plain_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("random.json");
@@ -320,6 +368,23 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--dependent_launch", "maybe"]),
         "--dependent_launch maybe: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--device_sampling", "maybe"]),
+        "--device_sampling maybe: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--top_p", "0"]),
+        "top_p must be in (0, 1] (1 = disabled), got 0"
+    );
+    assert_eq!(
+        bench_error(&[
+            "--random_weights",
+            "tiny",
+            "--modes",
+            "draft_target:2:exact"
+        ]),
+        "--modes draft_target:2:exact: draft_target takes K or K:logits"
     );
     assert_eq!(
         bench_error(&[]),
