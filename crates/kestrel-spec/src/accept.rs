@@ -85,6 +85,38 @@ pub struct ChainAcceptance {
     pub tokens: Vec<u32>,
 }
 
+impl TreeAcceptance {
+    /// The outcome of a walk from the root that accepted `accepted_nodes` (root first, each a
+    /// child of the one before) and drew `bonus_token` after them, as
+    /// [`exact_tree_sampling`] (or a device doing its walk) ends.
+    pub fn from_walk(
+        tree: &TreeBuffers,
+        tree_tokens: &[u32],
+        accepted_nodes: Vec<usize>,
+        bonus_token: u32,
+    ) -> Self {
+        let accepted_len = accepted_nodes.len().saturating_sub(1);
+        let path_index = tree
+            .retrieve_paths()
+            .iter()
+            .position(|path| path.starts_with(&accepted_nodes))
+            .unwrap_or(0);
+        let mut tokens: Vec<u32> = accepted_nodes
+            .iter()
+            .skip(1)
+            .map(|&i| tree_tokens[i])
+            .collect();
+        tokens.push(bonus_token);
+        TreeAcceptance {
+            path_index,
+            accepted_nodes,
+            accepted_len,
+            bonus_token,
+            tokens,
+        }
+    }
+}
+
 impl ChainAcceptance {
     /// How many uniforms [`draft_target`] drew for this outcome of `k` drafts: a test per
     /// draft up to and including the first rejection, then one draw (the residual's or the
@@ -414,24 +446,12 @@ pub fn exact_tree_sampling(
         }
         break sample_f64(&p, rng);
     };
-    let accepted_len = accepted_nodes.len() - 1;
-    let path_index = tree
-        .retrieve_paths()
-        .iter()
-        .position(|path| path.starts_with(&accepted_nodes))
-        .unwrap_or(0);
-    let mut tokens: Vec<u32> = accepted_nodes[1..]
-        .iter()
-        .map(|&i| tree_tokens[i])
-        .collect();
-    tokens.push(bonus_token);
-    Ok(TreeAcceptance {
-        path_index,
+    Ok(TreeAcceptance::from_walk(
+        tree,
+        tree_tokens,
         accepted_nodes,
-        accepted_len,
         bonus_token,
-        tokens,
-    })
+    ))
 }
 
 /// Draft-target speculative sampling (Leviathan et al. 2023) for a chain of γ drafts.
