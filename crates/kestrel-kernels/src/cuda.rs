@@ -481,13 +481,19 @@ impl CustomOp1 for ArgMax {
     }
 }
 
-/// `kestrel_sample_f32`: one token id a row of f32 logits, drawn at `1 / inv_t` temperature
-/// after top-k (0: none) and top-p (≥ 1: none) filtering, with the row's uniform (the second
-/// input, f32 `[rows]`).
+/// `kestrel_sample_f32` (top-k, top-p) or `kestrel_sample_typical_f32`: one token id a row of
+/// f32 logits, drawn at `1 / inv_t` temperature from the filtered law with the row's uniform
+/// (the second input, f32 `[rows]`).
 pub(crate) struct Sample {
     pub inv_t: f32,
-    pub top_k: usize,
-    pub top_p: f32,
+    pub filter: SampleFilter,
+}
+
+pub(crate) enum SampleFilter {
+    /// Top-k (0: none), then top-p (≥ 1: none).
+    TopKP { top_k: usize, top_p: f32 },
+    /// Typical acceptance's cut at posterior threshold ε.
+    Typical { eps: f32 },
 }
 
 impl candle_core::CustomOp2 for Sample {
@@ -515,7 +521,11 @@ impl candle_core::CustomOp2 for Sample {
         let r = RowIds::new(s, l)?;
         let uniforms = view::<f32>(u, ul, "uniforms")?;
         if r.any() {
-            let func = load_kernel(&r.dev, "kestrel_sample_f32")?;
+            let name = match self.filter {
+                SampleFilter::TopKP { .. } => "kestrel_sample_f32",
+                SampleFilter::Typical { .. } => "kestrel_sample_typical_f32",
+            };
+            let func = load_kernel(&r.dev, name)?;
             let mut b = func.builder();
             b.arg(&r.logits);
             b.arg(&uniforms);
@@ -523,9 +533,20 @@ impl candle_core::CustomOp2 for Sample {
             b.arg(&r.vocab);
             b.arg(&self.inv_t);
             // Beyond the vocabulary top-k keeps everything, as 0 does.
-            b.arg(&i32::try_from(self.top_k).unwrap_or(0));
-            b.arg(&self.top_p);
-            // SAFETY: argument types match kestrel_sample_f32; one uniform a row (lib.rs).
+            let top_k = match self.filter {
+                SampleFilter::TopKP { top_k, .. } => i32::try_from(top_k).unwrap_or(0),
+                SampleFilter::Typical { .. } => 0,
+            };
+            match &self.filter {
+                SampleFilter::TopKP { top_p, .. } => {
+                    b.arg(&top_k);
+                    b.arg(top_p);
+                }
+                SampleFilter::Typical { eps } => {
+                    b.arg(eps);
+                }
+            }
+            // SAFETY: argument types match the kernel picked above; one uniform a row (lib.rs).
             unsafe { b.launch(r.cfg()) }?;
         }
         Ok(r.finish())
@@ -636,6 +657,157 @@ impl CustomOp1 for ChainAccept {
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev),
             Shape::from((self.n_seq, 2)),
+        ))
+    }
+}
+
+/// `kestrel_draw_children_f32` over a level's draft logits (first input) with each
+/// sequence's uniforms (second): `[rows · k + n_seq]` u32, the rows' columns then each
+/// sequence's uniforms used.
+pub(crate) struct DrawChildren {
+    pub laws: Tensor,
+    pub n_seq: usize,
+    pub width: usize,
+    pub k: usize,
+    pub inv_t: f32,
+}
+
+impl candle_core::CustomOp2 for DrawChildren {
+    fn name(&self) -> &'static str {
+        "kestrel-draw-children"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel draw_children runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let (rows, columns) = l.shape().dims2()?;
+        let logits = view::<f32>(s, l, "draft logits")?;
+        let uniforms = view::<f32>(u, ul, "uniforms")?;
+        cuda_storage!(ls, ll = self.laws, "draft laws");
+        let laws = view::<u32>(ls, ll, "draft laws")?;
+        let len = rows * self.k + self.n_seq;
+        // SAFETY: every row's k picks and every sequence's count are written.
+        let out = unsafe { dev.alloc::<u32>(len)? };
+        let func = load_kernel(&dev, "kestrel_draw_children_f32")?;
+        let mut b = func.builder();
+        b.arg(&logits);
+        b.arg(&laws);
+        b.arg(&uniforms);
+        b.arg(&out);
+        let (v, n_seq, width, k) = (
+            i32_arg(columns, "draft columns")?,
+            i32_arg(self.n_seq, "sequences")?,
+            i32_arg(self.width, "expanded nodes")?,
+            i32_arg(self.k, "children")?,
+        );
+        b.arg(&v);
+        b.arg(&n_seq);
+        b.arg(&width);
+        b.arg(&k);
+        b.arg(&self.inv_t);
+        // SAFETY: argument types match kestrel_draw_children_f32; draw_children (lib.rs)
+        // checked rows = n_seq · width, k ≤ TREE_MAX_CHILDREN and width · k uniforms each.
+        unsafe { b.launch(launch_cfg((self.n_seq as u32, 1), 1024)) }?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(len)))
+    }
+}
+
+/// `kestrel_tree_accept_f32` over its metadata (the input): `[n_seq, 3 + nmax]` u32.
+pub(crate) struct TreeAccept {
+    pub p: Tensor,
+    pub p_laws: Tensor,
+    pub q: Tensor,
+    pub q_laws: Tensor,
+    pub col_of: Option<Tensor>,
+    pub n_seq: usize,
+    pub nmax: usize,
+    pub inv_t: f32,
+    pub sampled: bool,
+}
+
+impl CustomOp1 for TreeAccept {
+    fn name(&self) -> &'static str {
+        "kestrel-tree-accept"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel tree acceptance runs on CUDA only")
+    }
+
+    fn cuda_fwd(&self, m: &CudaStorage, ml: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = m.device().clone();
+        let vocab = self.p.dim(1)?;
+        let columns = self.q.dim(1)?;
+        cuda_storage!(ps, pl = self.p, "target logits");
+        cuda_storage!(pls, pll = self.p_laws, "target laws");
+        cuda_storage!(qs, ql = self.q, "draft logits");
+        cuda_storage!(qls, qll = self.q_laws, "draft laws");
+        let meta = view::<u32>(m, ml, "tree metadata")?;
+        let width = 3 + self.nmax;
+        // SAFETY: one block per sequence writes its row's header and accepted nodes; the rest
+        // of the row is never read.
+        let out = unsafe { dev.alloc::<u32>(self.n_seq * width)? };
+        let func = load_kernel(&dev, "kestrel_tree_accept_f32")?;
+        let mut b = func.builder();
+        let p = view::<f32>(ps, pl, "target logits")?;
+        let p_laws = view::<u32>(pls, pll, "target laws")?;
+        let q = view::<f32>(qs, ql, "draft logits")?;
+        let q_laws = view::<u32>(qls, qll, "draft laws")?;
+        b.arg(&p);
+        b.arg(&p_laws);
+        b.arg(&q);
+        b.arg(&q_laws);
+        let col_storage = self.col_of.as_ref().map(|c| c.storage_and_layout());
+        let col_view = match &col_storage {
+            Some((g, l)) => {
+                let Storage::Cuda(c) = &**g else {
+                    bail!("draft column table is not on the CUDA device")
+                };
+                Some(view::<u32>(c, l, "draft column table")?)
+            }
+            None => None,
+        };
+        let null = 0u64;
+        match &col_view {
+            Some(c) => b.arg(c),
+            None => b.arg(&null), // no table: column = token
+        };
+        b.arg(&meta);
+        b.arg(&out);
+        let (v, vq, n_seq, nmax) = (
+            i32_arg(vocab, "vocabulary")?,
+            i32_arg(columns, "draft columns")?,
+            i32_arg(self.n_seq, "sequences")?,
+            i32_arg(self.nmax, "nodes")?,
+        );
+        let sampled = i32::from(self.sampled);
+        b.arg(&v);
+        b.arg(&vq);
+        b.arg(&n_seq);
+        b.arg(&nmax);
+        b.arg(&self.inv_t);
+        b.arg(&sampled);
+        // SAFETY: argument types match kestrel_tree_accept_f32; tree_accept (lib.rs) checked
+        // every node, row, child and uniform against the tensors.
+        unsafe { b.launch(launch_cfg((self.n_seq as u32, 1), 1024)) }?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from((self.n_seq, width)),
         ))
     }
 }

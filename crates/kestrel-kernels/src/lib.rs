@@ -13,6 +13,9 @@
 //! - [`argmax_rows`]: greedy token ids of f32 logits rows, on the device.
 //! - [`sample_rows`]: sampled token ids of f32 logits rows (temperature, top-k, top-p) from
 //!   host-drawn uniforms, on the device.
+//! - [`sample_typical_rows`]: the target's token at verified nodes under typical acceptance.
+//! - [`draw_children`] / [`tree_accept`]: EAGLE's exact sampling on the device: a static
+//!   tree's children drawn without replacement, then tree rejection sampling.
 //! - [`chain_accept`]: draft-target speculative sampling (accept, residual, bonus) from the
 //!   target's and the draft's logits rows, on the device.
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
@@ -800,21 +803,7 @@ pub fn sample_rows(
     top_k: usize,
     top_p: f32,
 ) -> Result<Tensor> {
-    let (rows, _) = logits.dims2()?;
-    if logits.dtype() != DType::F32 || uniforms.dtype() != DType::F32 {
-        candle_core::bail!(
-            "sample_rows: f32 logits and uniforms expected, got {:?} and {:?}",
-            logits.dtype(),
-            uniforms.dtype()
-        );
-    }
-    if uniforms.dims() != [rows] {
-        candle_core::bail!(
-            "sample_rows: one uniform a row expected: logits {:?}, uniforms {:?}",
-            logits.dims(),
-            uniforms.dims()
-        );
-    }
+    check_uniforms(logits, uniforms, "sample_rows")?;
     check_warp(temperature, top_p, "sample_rows")?;
     #[cfg(feature = "cuda")]
     {
@@ -822,8 +811,7 @@ pub fn sample_rows(
             &uniforms.contiguous()?,
             &cuda::Sample {
                 inv_t: 1.0 / temperature,
-                top_k,
-                top_p,
+                filter: cuda::SampleFilter::TopKP { top_k, top_p },
             },
         )
     }
@@ -832,6 +820,61 @@ pub fn sample_rows(
         let _ = top_k;
         no_cuda("sample_rows")
     }
+}
+
+/// A token id for every row of f32 `logits: [rows, vocab]` drawn from typical acceptance's
+/// law (`kestrel_spec::accept::typical_probs`: `softmax(row / temperature)` less the tokens
+/// below `min(ε, √ε · exp(−H))`, the most likely always kept, renormalised) by inverse CDF
+/// at the row's uniform (`uniforms`: f32 `[rows]`) → u32 `[rows]`, as the host's
+/// `typical_tree` draws a node's target token from the same uniform. A row without a finite
+/// maximum gives [`argmax_rows`]'s id.
+pub fn sample_typical_rows(
+    logits: &Tensor,
+    uniforms: &Tensor,
+    temperature: f32,
+    posterior_threshold: f32,
+) -> Result<Tensor> {
+    check_uniforms(logits, uniforms, "sample_typical_rows")?;
+    check_warp(temperature, 1.0, "sample_typical_rows")?;
+    if !(posterior_threshold.is_finite() && posterior_threshold >= 0.0) {
+        candle_core::bail!(
+            "sample_typical_rows: posterior threshold {posterior_threshold} must be finite and >= 0"
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        logits.contiguous()?.apply_op2_no_bwd(
+            &uniforms.contiguous()?,
+            &cuda::Sample {
+                inv_t: 1.0 / temperature,
+                filter: cuda::SampleFilter::Typical {
+                    eps: posterior_threshold,
+                },
+            },
+        )
+    }
+    #[cfg(not(feature = "cuda"))]
+    no_cuda("sample_typical_rows")
+}
+
+/// f32 `logits: [rows, vocab]` and one f32 uniform a row.
+fn check_uniforms(logits: &Tensor, uniforms: &Tensor, what: &str) -> Result<()> {
+    let (rows, _) = logits.dims2()?;
+    if logits.dtype() != DType::F32 || uniforms.dtype() != DType::F32 {
+        candle_core::bail!(
+            "{what}: f32 logits and uniforms expected, got {:?} and {:?}",
+            logits.dtype(),
+            uniforms.dtype()
+        );
+    }
+    if uniforms.dims() != [rows] {
+        candle_core::bail!(
+            "{what}: one uniform a row expected: logits {:?}, uniforms {:?}",
+            logits.dims(),
+            uniforms.dims()
+        );
+    }
+    Ok(())
 }
 
 /// One sequence of a [`chain_accept`] call: its drafts and the rows that score them.
@@ -981,6 +1024,280 @@ pub fn chain_accept(
         let _ = (meta, top_k);
         no_cuda("chain_accept")
     }
+}
+
+/// Most children a node of [`tree_accept`] may try, and most a row of [`draw_children`] may
+/// draw (`TREE_MAX_CHILDREN` in logit_rows.cuh).
+pub const TREE_MAX_CHILDREN: usize = 64;
+
+/// "None" in [`tree_accept`]'s tables (`TREE_NONE` in logit_rows.cuh).
+const TREE_NONE: u32 = u32::MAX;
+
+/// `k` distinct draft columns for each row of f32 `logits: [n_seq · width, columns]` (row
+/// `s · width + j` is sequence s's j-th expanded node), each drawn by inverse CDF from the
+/// row's warped law (temperature, top-k, top-p, as [`sample_rows`]) less the columns drawn
+/// before it; when none is left, the row's first draw (0 for none) fills in and takes no
+/// uniform. Sequence s takes its uniforms from `uniforms[s]` (`width · k`, in order), as the
+/// host's draws without replacement take them from its stream. Returns each row's columns and
+/// each sequence's count of uniforms used.
+#[allow(clippy::too_many_arguments)]
+pub fn draw_children(
+    logits: &Tensor,
+    n_seq: usize,
+    width: usize,
+    k: usize,
+    uniforms: &[Vec<f32>],
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<(Vec<Vec<u32>>, Vec<usize>)> {
+    let (rows, columns) = logits.dims2()?;
+    if logits.dtype() != DType::F32
+        || rows != n_seq * width
+        || k == 0
+        || k > TREE_MAX_CHILDREN.min(columns)
+        || uniforms.len() != n_seq
+        || uniforms.iter().any(|u| u.len() != width * k)
+    {
+        candle_core::bail!(
+            "draw_children: f32 logits of {n_seq} × {width} rows and {n_seq} lists of {width} × {k} uniforms expected (k ≤ {}), got {:?} {:?}",
+            TREE_MAX_CHILDREN.min(columns),
+            logits.dims(),
+            logits.dtype()
+        );
+    }
+    check_warp(temperature, top_p, "draw_children")?;
+    if rows == 0 {
+        return Ok((Vec::new(), vec![0; n_seq]));
+    }
+    let flat: Vec<f32> = uniforms.concat();
+    let u = Tensor::from_vec(flat, n_seq * width * k, logits.device())?;
+    #[cfg(feature = "cuda")]
+    {
+        let inv_t = 1.0 / temperature;
+        let logits = logits.contiguous()?;
+        let laws = logits.apply_op1_no_bwd(&cuda::RowLaws {
+            inv_t,
+            top_k,
+            top_p,
+        })?;
+        let out = logits
+            .apply_op2_no_bwd(
+                &u,
+                &cuda::DrawChildren {
+                    laws,
+                    n_seq,
+                    width,
+                    k,
+                    inv_t,
+                },
+            )?
+            .to_vec1::<u32>()?;
+        let (picks, used) = out.split_at(rows * k);
+        Ok((
+            picks.chunks(k).map(<[u32]>::to_vec).collect(),
+            used.iter().map(|&n| n as usize).collect(),
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (u, top_k);
+        no_cuda("draw_children")
+    }
+}
+
+/// One sequence's verified tree for [`tree_accept`].
+#[derive(Debug, Clone)]
+pub struct TreeSeq<'a> {
+    /// The target's logits row of the root; node i's is `root_row + i`.
+    pub root_row: usize,
+    /// Node tokens, root first.
+    pub tokens: &'a [u32],
+    /// Each node's rank among its siblings (sampled children are tried while their ranks run
+    /// 0, 1, 2, …).
+    pub ranks: &'a [usize],
+    /// Each node's children, in the order they are tried.
+    pub children: Vec<&'a [usize]>,
+    /// Sampled children: each node's row of the draft logits (`None` for leaves). `None`
+    /// altogether: the children were fixed independently of the target (top-k).
+    pub draft_rows: Option<Vec<Option<u32>>>,
+    /// `tokens.len()` uniforms from the sequence's stream, used in order (a test per tried
+    /// child, then the bonus), as the host's `exact_tree_sampling` draws them.
+    pub uniforms: &'a [f32],
+}
+
+/// What [`tree_accept`] decided for a sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeOutcome {
+    /// The accepted nodes, root first.
+    pub accepted_nodes: Vec<usize>,
+    /// The token after the last of them.
+    pub bonus: u32,
+    /// Uniforms used.
+    pub uniforms_used: usize,
+}
+
+/// EAGLE's lossless tree rejection sampling on the device (the host's
+/// `kestrel_spec::accept::exact_tree_sampling`): from the root, each accepted node's children
+/// are tried in order against the target's warped law `p` at the node (rows of f32 `target`
+/// logits `[rows, vocab]`): a sampled child x with probability `min(1, p(x)/q(x))` against the
+/// draft's law `q` at the node (rows of `draft` logits `[rows, columns]`, column `c` being
+/// token `col_of`'s inverse: `col_of[token]` is its column or `u32::MAX`; `None`: column =
+/// token), a rejection leaving `p ← norm(max(0, p − q))`, `q ← q` without x; a child fixed in
+/// advance (`draft_rows: None`) with probability `p(x)`, a rejection zeroing `p(x)`. The bonus
+/// is drawn from the last node's `p`. Laws are warped as [`sample_rows`] warps them; only the
+/// outcomes cross to the host. A sampled child with probability 0 under its parent's draft
+/// law is an error naming the sequence and node.
+#[allow(clippy::too_many_arguments)]
+pub fn tree_accept(
+    target: &Tensor,
+    draft: Option<&Tensor>,
+    col_of: Option<&Tensor>,
+    seqs: &[TreeSeq<'_>],
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<Vec<TreeOutcome>> {
+    let (target_rows, vocab) = target.dims2()?;
+    let draft_dims = draft.map(Tensor::dims2).transpose()?;
+    let sampled = seqs.iter().any(|s| s.draft_rows.is_some());
+    if target.dtype() != DType::F32
+        || draft.is_some_and(|d| d.dtype() != DType::F32)
+        || (sampled && draft.is_none())
+        || col_of.is_some_and(|c| c.dims() != [vocab] || c.dtype() != DType::U32)
+    {
+        candle_core::bail!(
+            "tree_accept: f32 target {:?} and draft logits (for sampled children), and a u32 column table of {vocab} entries expected",
+            target.dims()
+        );
+    }
+    check_warp(temperature, top_p, "tree_accept")?;
+    for (s, seq) in seqs.iter().enumerate() {
+        let n = seq.tokens.len();
+        let fits = n > 0
+            && seq.root_row + n <= target_rows
+            && seq.ranks.len() == n
+            && seq.children.len() == n
+            && seq.uniforms.len() == n
+            && seq.children.iter().flat_map(|c| c.iter()).all(|&c| c < n)
+            && seq.children.iter().all(|c| c.len() <= TREE_MAX_CHILDREN)
+            && seq.tokens.iter().all(|&t| (t as usize) < vocab)
+            && seq.draft_rows.is_some() == sampled
+            && seq.draft_rows.as_ref().is_none_or(|rows| {
+                rows.len() == n
+                    && rows
+                        .iter()
+                        .flatten()
+                        .all(|&r| draft_dims.is_some_and(|(dr, _)| (r as usize) < dr))
+            });
+        if !fits {
+            candle_core::bail!(
+                "tree_accept: sequence {s} ({n} nodes, root row {}, {} uniforms) does not fit target {:?} / draft {:?} logits",
+                seq.root_row,
+                seq.uniforms.len(),
+                target.dims(),
+                draft_dims
+            );
+        }
+    }
+    if seqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let nmax = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
+    let meta = tree_accept_meta(seqs, nmax);
+    let meta = Tensor::from_vec(meta.clone(), meta.len(), target.device())?;
+    #[cfg(feature = "cuda")]
+    {
+        let inv_t = 1.0 / temperature;
+        let laws = |logits: &Tensor| {
+            logits.contiguous()?.apply_op1_no_bwd(&cuda::RowLaws {
+                inv_t,
+                top_k,
+                top_p,
+            })
+        };
+        let p = target.contiguous()?;
+        let p_laws = laws(&p)?;
+        let (q, q_laws) = match draft.filter(|_| sampled) {
+            Some(d) => (d.contiguous()?, laws(d)?),
+            None => (p.clone(), p_laws.clone()), // never read
+        };
+        let op = cuda::TreeAccept {
+            p,
+            p_laws,
+            q,
+            q_laws,
+            col_of: col_of.cloned(),
+            n_seq: seqs.len(),
+            nmax,
+            inv_t,
+            sampled,
+        };
+        let out = meta.apply_op1_no_bwd(&op)?.to_vec2::<u32>()?;
+        out.iter()
+            .enumerate()
+            .map(|(s, o)| {
+                if o[0] == TREE_NONE {
+                    candle_core::bail!(
+                        "tree_accept: node {} of sequence {s} (token {}) has probability 0 under its parent's draft law: it was not drawn from it",
+                        o[1],
+                        seqs[s].tokens[o[1] as usize]
+                    );
+                }
+                let accepted = o[0] as usize;
+                Ok(TreeOutcome {
+                    accepted_nodes: o[3..4 + accepted].iter().map(|&n| n as usize).collect(),
+                    bonus: o[1],
+                    uniforms_used: o[2] as usize,
+                })
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (meta, top_k);
+        no_cuda("tree_accept")
+    }
+}
+
+/// `kestrel_tree_accept_f32`'s metadata (layout in logit_rows.cuh).
+pub fn tree_accept_meta(seqs: &[TreeSeq<'_>], nmax: usize) -> Vec<u32> {
+    let n_seq = seqs.len();
+    let table = n_seq * nmax;
+    let mut meta = vec![0u32; 2 * n_seq + 6 * table + table];
+    let (head, rest) = meta.split_at_mut(2 * n_seq);
+    let (tokens, rest) = rest.split_at_mut(table);
+    let (ranks, rest) = rest.split_at_mut(table);
+    let (draft_rows, rest) = rest.split_at_mut(table);
+    let (child_at, rest) = rest.split_at_mut(table);
+    let (child_n, rest) = rest.split_at_mut(table);
+    let (children, uniforms) = rest.split_at_mut(table);
+    for (s, seq) in seqs.iter().enumerate() {
+        let n = seq.tokens.len();
+        let at = s * nmax;
+        head[s] = n as u32;
+        head[n_seq + s] = seq.root_row as u32;
+        tokens[at..at + n].copy_from_slice(seq.tokens);
+        let mut next = 0;
+        for i in 0..n {
+            ranks[at + i] = seq.ranks[i] as u32;
+            draft_rows[at + i] = seq
+                .draft_rows
+                .as_ref()
+                .and_then(|rows| rows[i])
+                .unwrap_or(TREE_NONE);
+            child_at[at + i] = next as u32;
+            child_n[at + i] = seq.children[i].len() as u32;
+            for &c in seq.children[i] {
+                children[at + next] = c as u32;
+                next += 1;
+            }
+        }
+        for (dst, u) in uniforms[at..].iter_mut().zip(seq.uniforms) {
+            *dst = u.to_bits();
+        }
+    }
+    meta
 }
 
 /// `CHAIN_ZERO_Q` in logit_rows.cuh: a draft the draft's law gives probability 0.

@@ -386,6 +386,58 @@ extern "C" __global__ void __launch_bounds__(1024)
     if (threadIdx.x == 0) out[blockIdx.x] = t;
 }
 
+// Typical acceptance's draw at a verified node (kestrel_spec::accept::typical_probs,
+// TensorRT-LLM's eagle_posterior_threshold ε): p = softmax(x / T), H = −Σ p ln p; tokens with
+// p below min(ε, √ε · exp(−H)) are dropped, the most likely kept, and a token is drawn from the
+// rest by inverse CDF at the row's uniform, as the host's sample_f64 draws it (in f64 there).
+// Top-k and top-p do not apply. One block of 1,024 threads a row: the maximum, then Σ w and
+// Σ w·ln w (w = exp((x − max) / T)) for the entropy, then the kept weights' sum and the walk.
+extern "C" __global__ void __launch_bounds__(1024)
+    kestrel_sample_typical_f32(const float *__restrict__ x, const float *__restrict__ uniforms,
+                               unsigned int *__restrict__ out, const int v, const float inv_t,
+                               const float eps) {
+    pdl_enter();
+    __shared__ float sv[32];
+    __shared__ unsigned int si[32];
+    __shared__ float chunk_sum[32];
+    const float *xr = x + (size_t)blockIdx.x * v;
+    float best = -INFINITY;
+    unsigned int idx = NO_INDEX;
+    for_row_batched(xr, v, [&](const float val, const int e) {
+        if (!isnan(val) && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
+        }
+    });
+    block_best(best, idx, sv, si);
+    if (idx == NO_INDEX) idx = 0; // all NaN: id 0, as on the host
+    if (!isfinite(best)) {
+        if (threadIdx.x == 0) out[blockIdx.x] = idx;
+        return;
+    }
+    // ln w = (x − max) / T, so H = ln Σw − Σ w ln w / Σ w; tokens of weight 0 add nothing.
+    auto log_w = [&](const int e, const int end) {
+        const float val = e < end ? xr[e] : NAN;
+        return isnan(val) ? -INFINITY : (val - best) * inv_t;
+    };
+    auto weight = [&](const int e, const int end) { return expf(log_w(e, end)); };
+    auto w_log_w = [&](const int e, const int end) {
+        const float lw = log_w(e, end);
+        const float w = expf(lw);
+        return w > 0.f ? w * lw : 0.f;
+    };
+    const float z = chunk_sums(weight, v, chunk_sum);
+    const float h = logf(z) - chunk_sums(w_log_w, v, chunk_sum) / z;
+    const float cut = fminf(eps, sqrtf(fmaxf(eps, 0.f)) * expf(-h)) * z; // in units of w
+    auto kept = [&](const int e, const int end) {
+        const float w = weight(e, end);
+        return w >= cut || e == (int)idx ? w : 0.f;
+    };
+    const float total = chunk_sums(kept, v, chunk_sum);
+    const unsigned int t = inverse_cdf(kept, v, uniforms[blockIdx.x], total, chunk_sum, idx);
+    if (threadIdx.x == 0) out[blockIdx.x] = t;
+}
+
 // ---------------------------------------------------------------------------------------
 // Draft-target speculative sampling on the device (kestrel_spec::accept::draft_target, Leviathan
 // et al. 2023): accept draft x_i with probability min(1, p_i(x_i)/q_i(x_i)); at the first
@@ -608,3 +660,248 @@ kestrel_topk_logp_f32(const float *__restrict__ x, unsigned int *__restrict__ ou
     }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// EAGLE's exact rejection sampling over a tree on the device (kestrel_spec::accept::
+// exact_tree_sampling, SpecInfer): from the root, at each accepted node with the target's law
+// p and, for sampled children, the draft's law q at that node, the children are tried in rank
+// order; child x is accepted with probability min(1, p(x)/q(x)) (sampled children; p(x) for
+// children fixed independently of the target, `deterministic`); on rejection p ← norm(max(0,
+// p − q)) and q ← q without x, renormalised (deterministic: p ← p without x). An accepted
+// child becomes the current node; when none is, or the node is a leaf, the bonus is drawn
+// from the current p. The draws use the sequence's host-drawn uniforms in the host's order
+// (a test per tried child, then the bonus).
+// The laws come from kestrel_row_laws_f32. A residual is never stored: p_j(v) is recomputed
+// from p_0(v), q_0(v) and the j rejections' constants (the rejected tokens, the residuals'
+// sums), which costs a pass over the row per rejection.
+// ---------------------------------------------------------------------------------------
+// Children a node may try (TREE_MAX_CHILDREN in lib.rs).
+#define TREE_MAX_CHILDREN 64
+// No draft row / no draft column.
+#define TREE_NONE 0xffffffffu
+
+struct LawRow {
+    const float *row;
+    RowLaw law;
+    float total;
+    __device__ __forceinline__ float prob(const unsigned int e) const { return law.prob(row, e, total); }
+};
+
+// A node's p and q after the rejections so far.
+struct Rejections {
+    unsigned int x[TREE_MAX_CHILDREN];  // the rejected tokens
+    unsigned int xc[TREE_MAX_CHILDREN]; // their draft columns
+    float p_sum[TREE_MAX_CHILDREN];     // the residual's sum after rejection i; ≤ 1e-12: p kept
+    float q_left[TREE_MAX_CHILDREN];    // q_0's mass left after removing x_0..x_i
+    int n;
+};
+
+template <bool SAMPLED>
+__device__ __forceinline__ float tree_p(const LawRow &p0, const LawRow &q0, const unsigned int *__restrict__ col_of,
+                                        const Rejections &rj, const unsigned int v) {
+    float p = p0.prob(v);
+    if (rj.n == 0) return p;
+    const unsigned int c = SAMPLED ? (col_of ? col_of[v] : v) : TREE_NONE;
+    const float q = (SAMPLED && c != TREE_NONE) ? q0.prob(c) : 0.f;
+    float q_left = 1.f;
+    bool removed = false;
+    for (int i = 0; i < rj.n; ++i) {
+        if (SAMPLED) {
+            const float qi = removed ? 0.f : q / q_left;
+            if (rj.p_sum[i] > 1e-12f) p = fmaxf(0.f, p - qi) / rj.p_sum[i];
+            removed |= v == rj.x[i];
+            q_left = rj.q_left[i];
+        } else {
+            p = v == rj.x[i] ? 0.f : p / rj.p_sum[i];
+        }
+    }
+    return p;
+}
+
+__device__ __forceinline__ float tree_q(const LawRow &q0, const unsigned int *__restrict__ col_of,
+                                        const Rejections &rj, const unsigned int v) {
+    const unsigned int c = col_of ? col_of[v] : v;
+    if (c == TREE_NONE) return 0.f;
+    for (int i = 0; i < rj.n; ++i)
+        if (v == rj.x[i]) return 0.f;
+    return q0.prob(c) / (rj.n ? rj.q_left[rj.n - 1] : 1.f);
+}
+
+// meta (u32), for n_seq sequences of at most nmax nodes (TreeAcceptMeta in lib.rs):
+//   [s]                                 sequence s's node count n
+//   [n_seq + s]                         its root's target row (node i's row: + i)
+//   [2·n_seq + s·nmax + i]              node i's token
+//   [2·n_seq + (n_seq + s)·nmax + i]    node i's rank among its siblings
+//   [2·n_seq + (2·n_seq + s)·nmax + i]  node i's draft row in q (TREE_NONE: none)
+//   [2·n_seq + (3·n_seq + s)·nmax + i]  node i's first child's slot in the children array
+//   [2·n_seq + (4·n_seq + s)·nmax + i]  node i's child count
+//   [2·n_seq + (5·n_seq + s)·nmax + j]  children, node by node, in rank order
+//   [2·n_seq + 6·n_seq·nmax + s·nmax + j]  uniform j's f32 bits (nmax of them)
+// out [n_seq, 3 + nmax]: accepted nodes after the root, the bonus token, uniforms used, then
+// the accepted nodes (root first). TREE_NONE as the count: a sampled child has probability 0
+// under its parent's draft law (out[1] = the child).
+extern "C" __global__ void __launch_bounds__(1024)
+    kestrel_tree_accept_f32(const float *__restrict__ p, const unsigned int *__restrict__ p_laws,
+                            const float *__restrict__ q, const unsigned int *__restrict__ q_laws,
+                            const unsigned int *__restrict__ col_of,
+                            const unsigned int *__restrict__ meta, unsigned int *__restrict__ out,
+                            const int v, const int vq, const int n_seq, const int nmax,
+                            const float inv_t, const int sampled) {
+    pdl_enter();
+    __shared__ float chunk_sum[32];
+    __shared__ Rejections rj;
+    const int s = blockIdx.x;
+    const unsigned int *node_tok = meta + 2 * n_seq + (size_t)s * nmax;
+    const unsigned int *node_rank = node_tok + (size_t)n_seq * nmax;
+    const unsigned int *node_q = node_rank + (size_t)n_seq * nmax;
+    const unsigned int *child_at = node_q + (size_t)n_seq * nmax;
+    const unsigned int *child_n = child_at + (size_t)n_seq * nmax;
+    const unsigned int *children = child_n + (size_t)n_seq * nmax;
+    const float *u = reinterpret_cast<const float *>(meta + 2 * n_seq + 6 * (size_t)n_seq * nmax +
+                                                     (size_t)s * nmax);
+    unsigned int *o = out + (size_t)s * (3 + nmax);
+    const unsigned int root_row = meta[n_seq + s];
+    unsigned int node = 0, accepted = 0, used = 0;
+    if (threadIdx.x == 0) o[3] = 0;
+    for (;;) {
+        LawRow p0{p + (size_t)(root_row + node) * v, RowLaw{}, 0.f};
+        p0.law = stored_law(p_laws, root_row + node, inv_t, p0.total);
+        const unsigned int q_row = node_q[node];
+        LawRow q0{nullptr, RowLaw{}, 0.f};
+        const bool with_q = sampled && q_row != TREE_NONE;
+        if (with_q) {
+            q0.row = q + (size_t)q_row * vq;
+            q0.law = stored_law(q_laws, q_row, inv_t, q0.total);
+        }
+        __syncthreads(); // every thread is done with the last node's rejections
+        if (threadIdx.x == 0) rj.n = 0;
+        __syncthreads();
+        unsigned int next = TREE_NONE;
+        const unsigned int n_children = min(child_n[node], (unsigned int)TREE_MAX_CHILDREN);
+        for (unsigned int j = 0; j < n_children && (sampled == 0 || with_q); ++j) {
+            const unsigned int c = children[child_at[node] + j];
+            if (sampled && node_rank[c] != j) break; // a missing rank ends the trials
+            const unsigned int x = node_tok[c];
+            float px, qx = 1.f;
+            if (sampled) {
+                px = tree_p<true>(p0, q0, col_of, rj, x);
+                qx = tree_q(q0, col_of, rj, x);
+                if (!(qx > 0.f)) {
+                    if (threadIdx.x == 0) {
+                        o[0] = TREE_NONE;
+                        o[1] = c;
+                    }
+                    return;
+                }
+            } else {
+                px = tree_p<false>(p0, q0, col_of, rj, x);
+            }
+            const float uj = u[used++];
+            if ((double)uj * (double)qx < (double)px) {
+                next = c;
+                break;
+            }
+            // Rejected: the residual's sum (and q's mass left) for the next child.
+            float p_sum, q_left = 0.f;
+            if (sampled) {
+                auto r = [&](const int e, const int end) {
+                    return e < end ? fmaxf(0.f, tree_p<true>(p0, q0, col_of, rj, e) - tree_q(q0, col_of, rj, e)) : 0.f;
+                };
+                p_sum = chunk_sums(r, v, chunk_sum);
+                // q's mass left once x is gone too, summed afresh over the draft's columns (as
+                // the host sums its q): exactly 0 once every kept token has been tried.
+                const unsigned int xc = col_of ? col_of[x] : x;
+                auto left = [&](const int c, const int end) {
+                    if (c >= end || (unsigned int)c == xc) return 0.f;
+                    for (int i = 0; i < rj.n; ++i)
+                        if ((unsigned int)c == rj.xc[i]) return 0.f;
+                    return q0.prob(c);
+                };
+                q_left = chunk_sums(left, vq, chunk_sum);
+            } else {
+                p_sum = 1.f - px;
+            }
+            __syncthreads(); // every thread has read rj
+            if (threadIdx.x == 0) {
+                rj.x[rj.n] = x;
+                rj.xc[rj.n] = sampled ? (col_of ? col_of[x] : x) : TREE_NONE;
+                rj.p_sum[rj.n] = p_sum;
+                rj.q_left[rj.n] = q_left;
+                rj.n += 1;
+            }
+            __syncthreads();
+            if (sampled && !(q_left / (rj.n > 1 ? rj.q_left[rj.n - 2] : 1.f) > 1e-12f)) break;
+        }
+        if (next == TREE_NONE) break;
+        node = next;
+        ++accepted;
+        if (threadIdx.x == 0) o[3 + accepted] = node;
+    }
+    // The bonus from the current p.
+    LawRow p0{p + (size_t)(root_row + node) * v, RowLaw{}, 0.f};
+    p0.law = stored_law(p_laws, root_row + node, inv_t, p0.total);
+    LawRow q0{nullptr, RowLaw{}, 0.f};
+    if (sampled && node_q[node] != TREE_NONE) {
+        q0.row = q + (size_t)node_q[node] * vq;
+        q0.law = stored_law(q_laws, node_q[node], inv_t, q0.total);
+    }
+    auto bonus = [&](const int e, const int end) {
+        if (e >= end) return 0.f;
+        return sampled ? tree_p<true>(p0, q0, col_of, rj, e) : tree_p<false>(p0, q0, col_of, rj, e);
+    };
+    const float total = chunk_sums(bonus, v, chunk_sum);
+    const unsigned int token = inverse_cdf(bonus, v, u[used++], total, chunk_sum, p0.law.idx);
+    if (threadIdx.x == 0) {
+        o[0] = accepted;
+        o[1] = token;
+        o[2] = used;
+    }
+}
+
+// Sampled children of a static tree's expanded nodes (kestrel-runtime's
+// sample_without_replacement): each row draws k distinct draft columns from its warped law, a
+// draw by inverse CDF over the weights of the columns not drawn yet; when none is left the
+// row's first draw (0 for none) fills in, taking no uniform. One block a sequence walks its
+// `width` rows (row s·width + j) in order, taking its uniforms (`uniforms`: [n_seq, width·k])
+// in the host's order; out: [rows, k] columns, then used[n_seq] uniforms.
+extern "C" __global__ void __launch_bounds__(1024)
+    kestrel_draw_children_f32(const float *__restrict__ x, const unsigned int *__restrict__ laws,
+                              const float *__restrict__ uniforms, unsigned int *__restrict__ out,
+                              const int v, const int n_seq, const int width, const int k,
+                              const float inv_t) {
+    pdl_enter();
+    __shared__ float chunk_sum[32];
+    __shared__ unsigned int drawn[TREE_MAX_CHILDREN];
+    const int s = blockIdx.x;
+    const float *u = uniforms + (size_t)s * width * k;
+    unsigned int used = 0;
+    for (int j = 0; j < width; ++j) {
+        const unsigned int r = s * width + j;
+        float total0;
+        const LawRow q{x + (size_t)r * v, stored_law(laws, r, inv_t, total0), 0.f};
+        int n = 0;
+        for (int d = 0; d < k; ++d) {
+            auto w = [&](const int e, const int end) {
+                if (e >= end) return 0.f;
+                for (int i = 0; i < n; ++i)
+                    if ((unsigned int)e == drawn[i]) return 0.f;
+                return q.law.one_hot() ? (e == (int)q.law.idx ? 1.f : 0.f) : q.law.weight(q.row, e, end);
+            };
+            const float total = chunk_sums(w, v, chunk_sum);
+            unsigned int t;
+            if (total > 0.f) {
+                t = inverse_cdf(w, v, u[used++], total, chunk_sum, q.law.idx);
+            } else {
+                t = n > 0 ? drawn[0] : 0u;
+            }
+            __syncthreads(); // every thread has read drawn
+            if (threadIdx.x == 0) {
+                out[(size_t)r * k + d] = t;
+                drawn[n] = t;
+            }
+            ++n;
+            __syncthreads();
+        }
+    }
+    if (threadIdx.x == 0) out[(size_t)n_seq * width * k + s] = used;
+}

@@ -11,9 +11,10 @@ use kestrel_kernels::{
     paged_attention, qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
     GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
-use kestrel_kernels::{chain_accept, ChainOutcome, ChainSeq};
-use kestrel_spec::accept::draft_target;
+use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
+use kestrel_spec::accept::{draft_target, exact_tree_sampling, DraftProposal};
 use kestrel_spec::sampling::{probs, sample_token, SamplingParams, SeqRng};
+use kestrel_spec::tree::{EagleTree, TreeLimits};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -706,6 +707,84 @@ fn sample_rows_follows_the_filtered_softmax() {
     }
 }
 
+/// `kestrel_kernels::sample_typical_rows` on the device.
+fn device_typical(x: &[f32], vocab: usize, uniforms: &[f32], t: f32, eps: f32) -> Vec<u32> {
+    let dev = gpu();
+    kestrel_kernels::sample_typical_rows(
+        &Tensor::from_slice(x, (uniforms.len(), vocab), &dev).unwrap(),
+        &Tensor::from_slice(uniforms, uniforms.len(), &dev).unwrap(),
+        t,
+        eps,
+    )
+    .unwrap()
+    .to_vec1::<u32>()
+    .unwrap()
+}
+
+#[test]
+fn sample_typical_rows_picks_the_hosts_token_from_the_same_draw() {
+    use kestrel_spec::accept::{typical_probs, TypicalParams};
+    let mut rng = ChaCha8Rng::seed_from_u64(53);
+    for vocab in [49_152usize, 1_003] {
+        let rows = 64;
+        // Scales from flat rows (every token above the cut) to peaked ones (one or two left).
+        let mut x: Vec<f32> = (0..rows)
+            .flat_map(|r| randn(&mut rng, vocab, 0.5 + 0.25 * (r % 16) as f32))
+            .collect();
+        // Row 0: NaNs; row 1: all -inf (the argmax, 0); row 2: one finite entry.
+        x[5] = f32::NAN;
+        x[vocab..2 * vocab].fill(f32::NEG_INFINITY);
+        x[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
+        x[2 * vocab + 7] = -1.0;
+        for (temperature, eps) in [(0.7f32, 0.09f32), (1.0, 0.3), (1.3, 0.01)] {
+            let params = TypicalParams {
+                posterior_threshold: eps,
+                temperature,
+            };
+            let what = format!("vocabulary {vocab}, temperature {temperature}, ε {eps}");
+            let uniforms: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect();
+            let got = device_typical(&x, vocab, &uniforms, temperature, eps);
+            assert_eq!(got[1], 0, "{what}: a row without a finite logit");
+            assert_eq!(got[2], 7, "{what}: one finite logit");
+            let mut differ = 0;
+            for r in 0..rows {
+                let row = &x[r * vocab..(r + 1) * vocab];
+                let p = typical_probs(row, &params);
+                let want = kestrel_spec::sampling::sample_at(&p, uniforms[r] as f64);
+                assert!(
+                    p[got[r] as usize] > 0.0 || p.iter().all(|&v| v == 0.0),
+                    "{what}, row {r}: {} is cut",
+                    got[r]
+                );
+                if got[r] == want {
+                    continue;
+                }
+                // Within rounding of a cumulative boundary, or of the cut.
+                let edge: f64 = p[..=got[r].min(want) as usize]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .sum();
+                let soft = kestrel_spec::sampling::softmax(row, temperature);
+                let h: f64 = -soft
+                    .iter()
+                    .filter(|&&v| v > 0.0)
+                    .map(|&v| v as f64 * (v as f64).ln())
+                    .sum::<f64>();
+                let cut = (eps as f64).min((eps as f64).sqrt() * (-h).exp());
+                let near_cut = soft.iter().any(|&v| ((v as f64) - cut).abs() < 1e-6);
+                assert!(
+                    (edge - uniforms[r] as f64).abs() < 1e-5 || near_cut,
+                    "{what}, row {r}: device {} host {want} for u = {}",
+                    got[r],
+                    uniforms[r]
+                );
+                differ += 1;
+            }
+            assert!(differ <= 2, "{what}: {differ} rows differ");
+        }
+    }
+}
+
 /// One sequence of a chain-acceptance case: its target rows (k + 1) and draft rows (k) as
 /// indices into the case's logits, its drafts and its k + 1 uniforms.
 struct Chain {
@@ -945,6 +1024,385 @@ fn chain_accept_emits_the_targets_distribution() {
                 counts[position]
             );
         }
+    }
+}
+
+/// kestrel-runtime's sample_without_replacement: k draws from `q`, each zeroing what it drew;
+/// once nothing is left the first draw (0 for none) fills in without a uniform.
+fn host_draws(q: &[f32], k: usize, rng: &mut SeqRng) -> Vec<u32> {
+    let mut q = q.to_vec();
+    let mut out = Vec::with_capacity(k);
+    for _ in 0..k {
+        if q.iter().all(|&x| x <= 0.0) {
+            out.push(out.first().copied().unwrap_or(0));
+            continue;
+        }
+        let t = kestrel_spec::sampling::sample(&q, rng);
+        q[t as usize] = 0.0;
+        out.push(t);
+    }
+    out
+}
+
+#[test]
+fn draw_children_draws_the_hosts_children_from_the_same_uniforms() {
+    let mut rng = ChaCha8Rng::seed_from_u64(59);
+    let (n_seq, width, k) = (6, 3, 4);
+    for columns in [4_096usize, 1_003] {
+        // top_k 2 and a tight top_p leave fewer than k tokens: the fillers take no uniform.
+        for (top_k, top_p) in [(0, 1.0), (2, 1.0), (0, 0.5), (20, 0.9)] {
+            let params = SamplingParams {
+                temperature: 0.8,
+                top_k,
+                top_p,
+                ..SamplingParams::default()
+            };
+            let what = format!("{columns} columns, top_k {top_k}, top_p {top_p}");
+            let x = randn(&mut rng, n_seq * width * columns, 3.0);
+            let mut want = Vec::new();
+            let mut want_used = Vec::new();
+            let mut uniforms = Vec::new();
+            for s in 0..n_seq {
+                let mut stream = SeqRng::new(13, s as u64);
+                let mut ahead = stream.clone();
+                uniforms.push(
+                    (0..width * k)
+                        .map(|_| ahead.uniform() as f32)
+                        .collect::<Vec<f32>>(),
+                );
+                let mut probe = stream.clone();
+                for j in 0..width {
+                    let q = probs(row(&x, columns, s * width + j), &params);
+                    want.push(host_draws(&q, k, &mut stream));
+                }
+                let mut used = 0;
+                while probe.uniform() != stream.clone().uniform() {
+                    used += 1;
+                }
+                want_used.push(used);
+            }
+            let dev = gpu();
+            let logits = Tensor::from_slice(&x, (n_seq * width, columns), &dev).unwrap();
+            let (got, used) = draw_children(
+                &logits,
+                n_seq,
+                width,
+                k,
+                &uniforms,
+                params.temperature,
+                params.top_k,
+                params.top_p,
+            )
+            .unwrap();
+            let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            assert!(
+                differ <= 1,
+                "{what}: {differ} rows differ: {got:?} vs {want:?}"
+            );
+            if differ == 0 {
+                assert_eq!(used, want_used, "{what}");
+            }
+            for picks in &got {
+                let mut distinct = picks.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                // Without replacement: k distinct columns while k are kept; top_k 2 keeps two
+                // (ties aside), so the rest repeat the first draw.
+                match top_k {
+                    0 if top_p == 1.0 => assert_eq!(distinct.len(), k, "{what}: {picks:?}"),
+                    2 => assert!(
+                        distinct.len() == 2 && picks[2..].iter().all(|&c| c == picks[0]),
+                        "{what}: {picks:?}"
+                    ),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+fn tree_limits() -> TreeLimits {
+    TreeLimits {
+        num_eagle_layers: 4,
+        max_non_leaves_per_layer: 10,
+        max_draft_len: 63,
+        max_top_k: 10,
+    }
+}
+
+/// A verified tree for the tree-acceptance tests: target logits for every node, draft logits
+/// (over `ids`' columns) for every non-leaf, tokens drawn from them without replacement (or
+/// their top-k when `deterministic`), and the host's inputs.
+struct TreeCase {
+    target: Vec<f32>,
+    draft: Vec<f32>,
+    draft_rows: Vec<Option<u32>>,
+    tokens: Vec<u32>,
+    target_probs: Vec<f32>,
+    draft_probs: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn tree_case(
+    tree: &EagleTree,
+    vocab: usize,
+    ids: &[u32],
+    params: &SamplingParams,
+    noise: f32,
+    deterministic: bool,
+    rng: &mut ChaCha8Rng,
+    stream: &mut SeqRng,
+) -> TreeCase {
+    let b = tree.buffers();
+    let n = b.num_nodes();
+    let target = randn(rng, n * vocab, 3.0);
+    let mut case = TreeCase {
+        target_probs: (0..n)
+            .flat_map(|i| probs(row(&target, vocab, i), params))
+            .collect(),
+        target,
+        draft: Vec::new(),
+        draft_rows: vec![None; n],
+        tokens: vec![0; n],
+        draft_probs: vec![0f32; n * vocab],
+    };
+    for node in 0..n {
+        let children = b.children(node);
+        if children.is_empty() {
+            continue;
+        }
+        // The draft row over ids' columns: the target's logits there plus noise.
+        let d_row: Vec<f32> = ids
+            .iter()
+            .map(|&t| case.target[node * vocab + t as usize] + noise * rng.random::<f32>())
+            .collect();
+        let q = probs(&d_row, params);
+        for (c, &t) in ids.iter().enumerate() {
+            case.draft_probs[node * vocab + t as usize] = q[c];
+        }
+        let picks: Vec<u32> = if deterministic {
+            let mut order: Vec<usize> = (0..ids.len()).collect();
+            order.sort_by(|&a, &b| q[b].total_cmp(&q[a]).then(a.cmp(&b)));
+            order.iter().map(|&c| c as u32).collect()
+        } else {
+            let k = children.iter().map(|&c| b.ranks()[c]).max().unwrap() + 1;
+            host_draws(&q, k, stream)
+        };
+        for &c in children {
+            case.tokens[c] = ids[picks[b.ranks()[c]] as usize];
+        }
+        case.draft_rows[node] = Some((case.draft.len() / ids.len()) as u32);
+        case.draft.extend(d_row);
+    }
+    case
+}
+
+#[test]
+fn tree_accept_gives_the_hosts_outcome_from_the_same_uniforms() {
+    let mut rng = ChaCha8Rng::seed_from_u64(61);
+    let trees = [
+        EagleTree::from_json(
+            "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0],[0,0,1]]",
+            &tree_limits(),
+        )
+        .unwrap(),
+        EagleTree::from_json("[[0],[1],[2],[3],[0,0],[0,0,0]]", &tree_limits()).unwrap(),
+    ];
+    let vocab = 1_003;
+    // The whole vocabulary as draft columns, or a draft vocabulary of 600 ids out of order.
+    let mut subset: Vec<u32> = (0..vocab as u32).rev().step_by(1).take(600).collect();
+    subset.rotate_left(17);
+    let all: Vec<u32> = (0..vocab as u32).collect();
+    for (ids, deterministic) in [(&all, false), (&subset, false), (&all, true)] {
+        for (top_k, top_p) in [(0, 1.0), (0, 0.9), (30, 1.0)] {
+            let params = SamplingParams {
+                temperature: 0.9,
+                top_k,
+                top_p,
+                ..SamplingParams::default()
+            };
+            let what = format!(
+                "{} draft columns, deterministic {deterministic}, top_k {top_k}, top_p {top_p}",
+                ids.len()
+            );
+            let mut target = Vec::new();
+            let mut draft = Vec::new();
+            let mut cases = Vec::new();
+            let mut root = 0;
+            for s in 0..32usize {
+                let tree = &trees[s % 2];
+                let mut stream = SeqRng::new(17, s as u64);
+                // Agreeing drafts, loose ones, and ones far off: every outcome occurs.
+                let noise = [0.0, 1.0, 4.0][s % 3];
+                let mut c = tree_case(
+                    tree,
+                    vocab,
+                    ids,
+                    &params,
+                    noise,
+                    deterministic,
+                    &mut rng,
+                    &mut stream,
+                );
+                let offset = (draft.len() / ids.len()) as u32;
+                c.draft_rows.iter_mut().flatten().for_each(|r| *r += offset);
+                target.extend_from_slice(&c.target);
+                draft.extend_from_slice(&c.draft);
+                let n = c.tokens.len();
+                let uniforms: Vec<f32> = {
+                    let mut ahead = stream.clone();
+                    (0..n).map(|_| ahead.uniform() as f32).collect()
+                };
+                let proposal = if deterministic {
+                    DraftProposal::Deterministic
+                } else {
+                    DraftProposal::WithoutReplacement {
+                        draft_probs: &c.draft_probs,
+                    }
+                };
+                let mut after = stream.clone();
+                let host = exact_tree_sampling(
+                    tree.buffers(),
+                    &c.tokens,
+                    &c.target_probs,
+                    vocab,
+                    proposal,
+                    &mut after,
+                )
+                .unwrap();
+                cases.push((tree, c, uniforms, host, stream, after, root));
+                root += n;
+            }
+            let dev = gpu();
+            let t = Tensor::from_slice(&target, (target.len() / vocab, vocab), &dev).unwrap();
+            let d = Tensor::from_slice(&draft, (draft.len() / ids.len(), ids.len()), &dev).unwrap();
+            let mut table = vec![u32::MAX; vocab];
+            for (c, &id) in ids.iter().enumerate() {
+                table[id as usize] = c as u32;
+            }
+            let col_of = Tensor::from_vec(table, vocab, &dev).unwrap();
+            let seqs: Vec<TreeSeq> = cases
+                .iter()
+                .map(|(tree, c, u, _, _, _, root)| {
+                    let b = tree.buffers();
+                    TreeSeq {
+                        root_row: *root,
+                        tokens: &c.tokens,
+                        ranks: b.ranks(),
+                        children: (0..b.num_nodes()).map(|i| b.children(i)).collect(),
+                        draft_rows: (!deterministic).then(|| c.draft_rows.clone()),
+                        uniforms: u,
+                    }
+                })
+                .collect();
+            let got = tree_accept(
+                &t,
+                (!deterministic).then_some(&d),
+                (ids.len() < vocab).then_some(&col_of),
+                &seqs,
+                params.temperature,
+                params.top_k,
+                params.top_p,
+            )
+            .unwrap();
+            let mut differ = 0;
+            for (s, ((_, _, _, host, stream, after, _), g)) in cases.iter().zip(&got).enumerate() {
+                if g.accepted_nodes == host.accepted_nodes && g.bonus == host.bonus_token {
+                    let mut advanced = stream.clone();
+                    for _ in 0..g.uniforms_used {
+                        advanced.uniform();
+                    }
+                    assert_eq!(
+                        advanced.uniform(),
+                        after.clone().uniform(),
+                        "{what}, sequence {s}: {} uniforms used",
+                        g.uniforms_used
+                    );
+                    continue;
+                }
+                differ += 1;
+                eprintln!("{what}, sequence {s}: device {g:?}, host {host:?}");
+            }
+            // f32 on the device against f64 on the host: only draws decided within rounding.
+            assert!(differ <= 1, "{what}: {differ} of 32 trees differ");
+        }
+    }
+}
+
+/// Lossless: the first emitted token of a tree whose root has three sampled children follows
+/// the target's law at the root, over 20,000 trees, with and without filters.
+#[test]
+fn tree_accept_emits_the_targets_distribution() {
+    let vocab = 8;
+    let draws = 20_000;
+    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+    let tree = EagleTree::from_json("[[0],[1],[2]]", &tree_limits()).unwrap();
+    let b = tree.buffers();
+    let p_root = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5];
+    let q_root = [1.5f32, 0.5, -1.0, 0.0, 0.5, 1.25, 0.5, -0.5];
+    for (top_k, top_p) in [(0, 1.0), (6, 1.0), (0, 0.85)] {
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k,
+            top_p,
+            ..SamplingParams::default()
+        };
+        let q = probs(&q_root, &params);
+        let mut rng = SeqRng::new(71, top_k as u64);
+        let mut target = Vec::new();
+        let trees: Vec<(Vec<u32>, Vec<f32>)> = (0..draws)
+            .map(|_| {
+                let picks = host_draws(&q, 3, &mut rng);
+                let mut tokens = vec![0u32];
+                tokens.extend(picks);
+                target.extend_from_slice(&p_root);
+                target.extend(std::iter::repeat_n(0.0f32, 3 * vocab)); // leaves: uniform
+                (tokens, (0..4).map(|_| rng.uniform() as f32).collect())
+            })
+            .collect();
+        let dev = gpu();
+        let t = Tensor::from_slice(&target, (target.len() / vocab, vocab), &dev).unwrap();
+        let d = Tensor::from_slice(&q_root, (1, vocab), &dev).unwrap();
+        let seqs: Vec<TreeSeq> = trees
+            .iter()
+            .enumerate()
+            .map(|(s, (tokens, u))| TreeSeq {
+                root_row: 4 * s,
+                tokens,
+                ranks: b.ranks(),
+                children: (0..4).map(|i| b.children(i)).collect(),
+                draft_rows: Some(vec![Some(0), None, None, None]),
+                uniforms: u,
+            })
+            .collect();
+        let got = tree_accept(&t, Some(&d), None, &seqs, params.temperature, top_k, top_p).unwrap();
+        let mut counts = [0f64; 8];
+        for ((tokens, _), g) in trees.iter().zip(&got) {
+            let first = match g.accepted_nodes.get(1) {
+                Some(&node) => tokens[node],
+                None => g.bonus,
+            };
+            counts[first as usize] += 1.0;
+        }
+        let p = probs(&p_root, &params);
+        let mut chi2 = 0.0;
+        let mut cells = 0;
+        for (&c, &pv) in counts.iter().zip(&p) {
+            if pv == 0.0 {
+                assert_eq!(
+                    c, 0.0,
+                    "top_k {top_k} top_p {top_p}: a filtered token emitted"
+                );
+                continue;
+            }
+            let e = pv as f64 * draws as f64;
+            chi2 += (c - e) * (c - e) / e;
+            cells += 1;
+        }
+        assert!(
+            chi2 < critical[cells - 2],
+            "top_k {top_k} top_p {top_p}: chi-square {chi2}: counts {counts:?}, probabilities {p:?}"
+        );
     }
 }
 
