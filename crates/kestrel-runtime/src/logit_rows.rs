@@ -78,6 +78,23 @@ impl LogitSlice<'_> {
     }
 }
 
+/// Row r's token under typical acceptance (`kestrel_spec::accept::typical_probs` at
+/// `temperature` and `posterior_threshold`) drawn at `uniforms[r]`, on the device
+/// (`kestrel_kernels::sample_typical_rows`); the rows must be on one ([`draws_on_device`]).
+pub(crate) fn typical_rows_at(
+    logits: &Tensor,
+    temperature: f32,
+    posterior_threshold: f32,
+    uniforms: &[f64],
+) -> Result<Vec<u32>> {
+    let u: Vec<f32> = uniforms.iter().map(|&u| u as f32).collect();
+    let u = Tensor::from_vec(u, uniforms.len(), logits.device())?;
+    Ok(
+        kestrel_kernels::sample_typical_rows(logits, &u, temperature, posterior_threshold)?
+            .to_vec1::<u32>()?,
+    )
+}
+
 /// Each row's own token: the argmax when `sampling` is greedy (`uniforms` unused), else row
 /// r's draw with `uniforms[r]` ([`sample_rows_at`]).
 pub(crate) fn row_tokens(

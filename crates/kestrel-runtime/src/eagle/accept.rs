@@ -1,8 +1,8 @@
 //! Choosing the accepted path of a verified tree, per the requested acceptance rule.
 
-use super::draft::DraftedTree;
+use super::draft::{DraftLaws, DraftedTree};
 use crate::error::{Result, RuntimeError};
-use crate::logit_rows::{row_tokens, LogitRows, LogitSlice};
+use crate::logit_rows::{draws_on_device, row_tokens, typical_rows_at, LogitRows, LogitSlice};
 use crate::sequence::Sequence;
 use crate::Acceptance;
 use candle_core::Tensor;
@@ -11,10 +11,11 @@ use kestrel_spec::sampling::{self, SamplingParams};
 use kestrel_spec::SeqRng;
 
 /// What `rule` needs of the verified trees' rows (`logits`, the `trees` of the sequences
-/// `live` in order): the target's own token at every node when matching tokens (its argmax
+/// `live` in order): the target's own token at every node when it matches tokens (its argmax
 /// when greedy, which every rule then is; a draw per node when sampling, with uniforms taken
-/// from each sequence's stream in node order, as the host drew them), or the full rows for
-/// typical and exact acceptance.
+/// from each sequence's stream in node order, as the host draws them: from the warped law for
+/// token matching, and on a device from typical acceptance's law), or the full rows (exact
+/// acceptance; typical acceptance on the CPU).
 pub(crate) fn target_rows(
     logits: &Tensor,
     rule: Acceptance,
@@ -23,7 +24,8 @@ pub(crate) fn target_rows(
     seqs: &mut [Sequence],
     params: &SamplingParams,
 ) -> Result<LogitRows> {
-    if !params.is_greedy() && rule != Acceptance::TokenMatch {
+    let typical_on_device = matches!(rule, Acceptance::Typical { .. }) && draws_on_device(logits);
+    if !params.is_greedy() && rule != Acceptance::TokenMatch && !typical_on_device {
         return LogitRows::logits(logits);
     }
     let mut uniforms = Vec::new();
@@ -32,7 +34,119 @@ pub(crate) fn target_rows(
             uniforms.extend((0..tree.tokens.len()).map(|_| seqs[i].rng.uniform()));
         }
     }
-    Ok(LogitRows::Tokens(row_tokens(logits, params, &uniforms)?))
+    Ok(LogitRows::Tokens(match rule {
+        Acceptance::Typical {
+            posterior_threshold,
+        } if !params.is_greedy() => {
+            typical_rows_at(logits, params.temperature, posterior_threshold, &uniforms)?
+        }
+        _ => row_tokens(logits, params, &uniforms)?,
+    }))
+}
+
+/// Every live sequence's acceptance of its verified tree (`logits`: the trees' rows, in
+/// order). Exact acceptance of sampled trees on a device runs there
+/// (`kestrel_kernels::tree_accept`: children drawn on the device have their laws in
+/// `device_laws`, a draft vocabulary its column table `col_of`), from uniforms taken ahead from
+/// copies of the streams, which then advance by the uniforms the walk used; every other case
+/// goes through [`target_rows`] and [`accept_tree`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accept_trees(
+    logits: &Tensor,
+    rule: Acceptance,
+    trees: &[DraftedTree],
+    live: &[usize],
+    seqs: &mut [Sequence],
+    params: &SamplingParams,
+    device_laws: Option<&Tensor>,
+    col_of: Option<&Tensor>,
+) -> Result<Vec<TreeAcceptance>> {
+    let host_laws = trees
+        .iter()
+        .any(|t| matches!(t.draft_laws, DraftLaws::Host(_)));
+    if rule == Acceptance::Exact && !params.is_greedy() && draws_on_device(logits) && !host_laws {
+        return exact_on_device(logits, trees, live, seqs, params, device_laws, col_of);
+    }
+    let target = target_rows(logits, rule, trees, live, seqs, params)?;
+    let mut offset = 0;
+    trees
+        .iter()
+        .zip(live)
+        .map(|(tree, &i)| {
+            let n = tree.tokens.len();
+            let acc = accept_tree(
+                tree,
+                target.slice(offset, n),
+                rule,
+                params,
+                &mut seqs[i].rng,
+            );
+            offset += n;
+            acc
+        })
+        .collect()
+}
+
+fn exact_on_device(
+    logits: &Tensor,
+    trees: &[DraftedTree],
+    live: &[usize],
+    seqs: &mut [Sequence],
+    params: &SamplingParams,
+    device_laws: Option<&Tensor>,
+    col_of: Option<&Tensor>,
+) -> Result<Vec<TreeAcceptance>> {
+    let uniforms: Vec<Vec<f32>> = trees
+        .iter()
+        .zip(live)
+        .map(|(tree, &i)| {
+            let mut ahead = seqs[i].rng.clone();
+            (0..tree.tokens.len())
+                .map(|_| ahead.uniform() as f32)
+                .collect()
+        })
+        .collect();
+    let mut root_row = 0;
+    let tree_seqs: Vec<kestrel_kernels::TreeSeq> = trees
+        .iter()
+        .zip(&uniforms)
+        .map(|(tree, u)| {
+            let n = tree.tokens.len();
+            let seq = kestrel_kernels::TreeSeq {
+                root_row,
+                tokens: &tree.tokens,
+                ranks: tree.buffers.ranks(),
+                children: (0..n).map(|i| tree.buffers.children(i)).collect(),
+                draft_rows: match &tree.draft_laws {
+                    DraftLaws::Device(rows) => Some(rows.clone()),
+                    _ => None,
+                },
+                uniforms: u,
+            };
+            root_row += n;
+            seq
+        })
+        .collect();
+    let outcomes = kestrel_kernels::tree_accept(
+        logits,
+        device_laws,
+        col_of,
+        &tree_seqs,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+    )?;
+    Ok(trees
+        .iter()
+        .zip(live)
+        .zip(outcomes)
+        .map(|((tree, &i), o)| {
+            for _ in 0..o.uniforms_used {
+                seqs[i].rng.uniform();
+            }
+            TreeAcceptance::from_walk(&tree.buffers, &tree.tokens, o.accepted_nodes, o.bonus)
+        })
+        .collect())
 }
 
 /// `target`: [`target_rows`]' rows for the tree's nodes, root first.
@@ -45,8 +159,9 @@ pub(crate) fn accept_tree(
 ) -> Result<TreeAcceptance> {
     let paths = tree.buffers.retrieve_paths();
     let outcome = if let Some(tokens) = target.tokens() {
-        // The target's own token at every node; drafts only guess them, so the committed
-        // tokens are exactly the target's (greedy: every rule is argmax matching).
+        // The target's own token at every node (drawn from typical acceptance's law under
+        // that rule); drafts only guess them, so the committed tokens are exactly the
+        // target's (greedy: every rule is argmax matching).
         accept::greedy_tree(&tree.tokens, tokens, paths)
     } else {
         let logits = target.logits().unwrap_or_default();
@@ -75,9 +190,14 @@ pub(crate) fn accept_tree(
                     .iter()
                     .flat_map(|r| sampling::probs(r, params))
                     .collect();
-                let proposal = match &tree.draft_probs {
-                    Some(q) => DraftProposal::WithoutReplacement { draft_probs: q },
-                    None => DraftProposal::Deterministic,
+                let proposal = match &tree.draft_laws {
+                    DraftLaws::Host(q) => DraftProposal::WithoutReplacement { draft_probs: q },
+                    DraftLaws::None => DraftProposal::Deterministic,
+                    DraftLaws::Device(_) => {
+                        return Err(RuntimeError::Engine(
+                            "exact acceptance: the draft laws are on the device but the target's rows on the host".into(),
+                        ))
+                    }
                 };
                 accept::exact_tree_sampling(
                     &tree.buffers,

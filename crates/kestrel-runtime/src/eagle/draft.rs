@@ -4,7 +4,7 @@
 use super::feed::{feed_trees, TreeFeed};
 use super::node_outputs::{NodeOutputs, NodeRef};
 use crate::error::{Result, RuntimeError};
-use crate::logit_rows::top_k_rows;
+use crate::logit_rows::{draws_on_device, top_k_rows};
 use candle_core::Tensor;
 use kestrel_model::{EagleHead, Llama, LmHeadRows, PagedKvCache, SeqId};
 use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
@@ -26,11 +26,22 @@ pub(crate) struct DraftRoot {
 }
 
 /// A drafted tree: node tokens (root first), its structure and, when the children were
-/// sampled, the draft distribution at every node (`num_nodes × vocab`, zero rows for leaves).
+/// sampled, the draft distribution at every node.
 pub(crate) struct DraftedTree<'t> {
     pub tokens: Vec<u32>,
     pub buffers: Cow<'t, TreeBuffers>,
-    pub draft_probs: Option<Vec<f32>>,
+    pub draft_laws: DraftLaws,
+}
+
+/// The laws a tree's children were drawn from, for exact acceptance.
+pub(crate) enum DraftLaws {
+    /// Fixed independently of the target (the head's top-k).
+    None,
+    /// `num_nodes × vocab` probabilities on the host (zero rows for leaves).
+    Host(Vec<f32>),
+    /// Each node's row of the step's draft logits on the device
+    /// ([`Drafter::device_laws`]); `None` for leaves.
+    Device(Vec<Option<u32>>),
 }
 
 /// How children are chosen from the head's distribution at a node.
@@ -48,6 +59,9 @@ pub(crate) struct Drafter<'a> {
     pub cache: &'a mut PagedKvCache,
     /// Candidates come from these tokens only (`EagleOptions::draft_vocab`).
     pub draft_vocab: Option<&'a DraftVocab>,
+    /// Sampled children drawn on the device: the levels' draft logits, in order
+    /// ([`DraftLaws::Device`] rows count through them).
+    pub device_laws: Vec<Tensor>,
 }
 
 /// The tokens a head drafts from, and the LM head's rows for them.
@@ -55,6 +69,8 @@ pub(crate) struct DraftVocab {
     /// Logits column j is token `ids[j]`.
     pub ids: Vec<u32>,
     pub rows: LmHeadRows,
+    /// On a device, every token's column (`u32::MAX` outside), for exact acceptance there.
+    pub col_of: Option<Tensor>,
 }
 
 impl Drafter<'_> {
@@ -98,10 +114,8 @@ impl Drafter<'_> {
         let vocab = self.base.config().vocab_size;
         let mut tokens: Vec<Vec<u32>> = roots.iter().map(|r| vec![r.token; n]).collect();
         let mut outputs = NodeOutputs::new(roots, n)?;
-        let mut probs: Vec<Option<Vec<f32>>> = roots
-            .iter()
-            .map(|_| matches!(choice, ChildChoice::Sample(_)).then(|| vec![0f32; n * vocab]))
-            .collect();
+        let mut laws: Vec<DraftLaws> = roots.iter().map(|_| DraftLaws::None).collect();
+        let mut device_rows = 0;
         for level in buf.draft_levels() {
             let nodes = expanded(roots.len(), &level.expand);
             // The expanded nodes' outputs: the root's, or those of this level's feed.
@@ -147,22 +161,43 @@ impl Drafter<'_> {
                     .map(|(ids, _)| ids)
                     .collect(),
                 ChildChoice::Sample(params) => {
-                    let rows = self.logits(&rows)?.to_vec2::<f32>()?;
-                    let mut picked = Vec::with_capacity(rows.len());
-                    for (row, logits) in rows.iter().enumerate() {
-                        let (s, node) = (row / width, level.expand[row % width]);
-                        let q = sampling::probs(logits, params);
-                        let columns = sample_without_replacement(&q, level.top_k, rngs[s]);
-                        picked.push(columns.into_iter().map(|c| self.token(c)).collect());
-                        if let Some(p) = probs[s].as_mut() {
-                            // Tokens outside a draft vocabulary keep probability 0.
-                            let p = &mut p[node * vocab..(node + 1) * vocab];
-                            for (c, &qc) in q.iter().enumerate() {
-                                p[self.token(c as u32) as usize] = qc;
+                    let logits = self.logits(&rows)?;
+                    if draws_on_device(&logits) {
+                        let picked =
+                            self.draw_on_device(&logits, width, level.top_k, params, rngs)?;
+                        for (row, s) in (0..picked.len()).map(|r| (r, r / width)) {
+                            let node = level.expand[row % width];
+                            if !matches!(laws[s], DraftLaws::Device(_)) {
+                                laws[s] = DraftLaws::Device(vec![None; n]);
+                            }
+                            if let DraftLaws::Device(at) = &mut laws[s] {
+                                at[node] = Some((device_rows + row) as u32);
                             }
                         }
+                        device_rows += picked.len();
+                        self.device_laws.push(logits);
+                        picked
+                    } else {
+                        let rows = logits.to_vec2::<f32>()?;
+                        let mut picked = Vec::with_capacity(rows.len());
+                        for (row, logits) in rows.iter().enumerate() {
+                            let (s, node) = (row / width, level.expand[row % width]);
+                            let q = sampling::probs(logits, params);
+                            let columns = sample_without_replacement(&q, level.top_k, rngs[s]);
+                            picked.push(columns.into_iter().map(|c| self.token(c)).collect());
+                            if !matches!(laws[s], DraftLaws::Host(_)) {
+                                laws[s] = DraftLaws::Host(vec![0f32; n * vocab]);
+                            }
+                            if let DraftLaws::Host(p) = &mut laws[s] {
+                                // Tokens outside a draft vocabulary keep probability 0.
+                                let p = &mut p[node * vocab..(node + 1) * vocab];
+                                for (c, &qc) in q.iter().enumerate() {
+                                    p[self.token(c as u32) as usize] = qc;
+                                }
+                            }
+                        }
+                        picked
                     }
-                    picked
                 }
             };
             for (s, children) in children.chunks(width).enumerate() {
@@ -173,12 +208,52 @@ impl Drafter<'_> {
         }
         Ok(tokens
             .into_iter()
-            .zip(probs)
-            .map(|(tokens, draft_probs)| DraftedTree {
+            .zip(laws)
+            .map(|(tokens, draft_laws)| DraftedTree {
                 tokens,
                 buffers: Cow::Borrowed(buf),
-                draft_probs,
+                draft_laws,
             })
+            .collect())
+    }
+
+    /// `k` children of every row of a level's draft `logits` (`width` rows a sequence), drawn
+    /// without replacement on the device (`kestrel_kernels::draw_children`) from uniforms taken
+    /// ahead from copies of the sequences' streams, which then advance by the draws made, as
+    /// [`sample_without_replacement`] draws on the host.
+    fn draw_on_device(
+        &self,
+        logits: &Tensor,
+        width: usize,
+        k: usize,
+        params: &SamplingParams,
+        rngs: &mut [&mut SeqRng],
+    ) -> Result<Vec<Vec<u32>>> {
+        let uniforms: Vec<Vec<f32>> = rngs
+            .iter()
+            .map(|rng| {
+                let mut ahead = (**rng).clone();
+                (0..width * k).map(|_| ahead.uniform() as f32).collect()
+            })
+            .collect();
+        let (columns, used) = kestrel_kernels::draw_children(
+            logits,
+            rngs.len(),
+            width,
+            k,
+            &uniforms,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+        )?;
+        for (rng, used) in rngs.iter_mut().zip(used) {
+            for _ in 0..used {
+                rng.uniform();
+            }
+        }
+        Ok(columns
+            .into_iter()
+            .map(|row| row.into_iter().map(|c| self.token(c)).collect())
             .collect())
     }
 
@@ -258,7 +333,7 @@ impl Drafter<'_> {
                 Ok(DraftedTree {
                     tokens: tree.tokens,
                     buffers: Cow::Owned(buffers),
-                    draft_probs: None,
+                    draft_laws: DraftLaws::None,
                 })
             })
             .collect()

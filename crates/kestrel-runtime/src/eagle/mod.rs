@@ -241,6 +241,7 @@ impl Decoder for EagleDecoder<'_> {
                 base: model,
                 cache: &mut self.head_cache,
                 draft_vocab: self.draft_vocab.as_ref(),
+                device_laws: Vec::new(),
             };
             let trees = match (&self.options.tree, &self.dynamic) {
                 (EagleTreeKind::Static(tree), _) => {
@@ -261,6 +262,11 @@ impl Decoder for EagleDecoder<'_> {
                 }
                 (EagleTreeKind::Dynamic { .. }, Some(cfg)) => drafter.draft_dynamic(cfg, &roots)?,
                 (EagleTreeKind::Dynamic { .. }, None) => unreachable!("validated in new"),
+            };
+            let device_laws = match drafter.device_laws.len() {
+                0 => None,
+                1 => drafter.device_laws.pop(),
+                _ => Some(Tensor::cat(&drafter.device_laws, 0)?),
             };
             timings.draft_s += draft_start.elapsed().as_secs_f64();
 
@@ -286,19 +292,21 @@ impl Decoder for EagleDecoder<'_> {
                 .collect();
             let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, false)?;
             let logits = model.logits(&model.final_hidden(&tapped)?)?;
-            let rule = self.options.acceptance;
-            let target = accept::target_rows(&logits, rule, &trees, &live, seqs, &params.sampling)?;
+            let accepted = accept::accept_trees(
+                &logits,
+                self.options.acceptance,
+                &trees,
+                &live,
+                seqs,
+                &params.sampling,
+                device_laws.as_ref(),
+                self.draft_vocab.as_ref().and_then(|v| v.col_of.as_ref()),
+            )?;
             let mut offset = 0;
-            for ((&i, tree), &base_len) in live.iter().zip(&trees).zip(&bases) {
+            for (((&i, tree), &base_len), acc) in live.iter().zip(&trees).zip(&bases).zip(accepted)
+            {
                 let n = tree.tokens.len();
                 let s = &mut seqs[i];
-                let acc = accept::accept_tree(
-                    tree,
-                    target.slice(offset, n),
-                    self.options.acceptance,
-                    &params.sampling,
-                    &mut s.rng,
-                )?;
                 self.base_cache
                     .compact(base_ids[i], base_len, &acc.accepted_nodes)?;
                 let kept_rows: Vec<u32> = acc
@@ -392,5 +400,15 @@ fn draft_vocab(engine: &Engine, tree: &EagleTreeKind, n: usize) -> Result<DraftV
         None => (0..n as u32).collect(),
     };
     let rows = engine.model.lm_head_rows(&ids)?;
-    Ok(DraftVocab { ids, rows })
+    // Exact acceptance on a device looks the draft's column of a token up there.
+    let col_of = if engine.device.is_cpu() {
+        None
+    } else {
+        let mut table = vec![u32::MAX; vocab];
+        for (c, &t) in ids.iter().enumerate() {
+            table[t as usize] = c as u32;
+        }
+        Some(Tensor::from_vec(table, vocab, &engine.device)?)
+    };
+    Ok(DraftVocab { ids, rows, col_of })
 }
