@@ -251,6 +251,53 @@ fn sampled_runs_are_recorded_and_repeat_with_their_seed() {
     let first = run("5");
     assert_eq!(run("5"), first, "the same seed draws the same tokens");
     assert_ne!(run("6"), first, "another seed draws others");
+    // EAGLE's acceptance rule is spec-run's flag, and the report says which ran.
+    for (flags, named) in [
+        (["--eagle_sampling", "exact"], Some("exact")),
+        (["--eagle_posterior_threshold", "0.09"], None),
+    ] {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--prompts",
+            s(&prompts),
+            "--max_output_len",
+            "12",
+            "--batch_sizes",
+            "1",
+            "--modes",
+            "eagle1:[[0],[1],[0,0]],eagle2:2",
+            "--temperature",
+            "0.9",
+        ];
+        args.extend(flags);
+        let report = bench_ok(&args, &json);
+        assert_eq!(report["eagle_sampling"].as_str(), named);
+        assert_eq!(
+            report["eagle_posterior_threshold"].is_null(),
+            named.is_some()
+        );
+        for r in results(&report) {
+            assert!(r["mean_accepted_len"].as_f64().unwrap() >= 1.0, "{r}");
+        }
+    }
+    let out = exec(
+        BENCH,
+        &[
+            "--engine_dir",
+            s(&engine),
+            "--prompts",
+            s(&prompts),
+            "--modes",
+            "eagle1",
+            "--eagle_sampling",
+            "maybe",
+        ],
+    );
+    assert_eq!(
+        one_line_error("spec-bench", &out),
+        "unknown --eagle_sampling 'maybe': expected token_match, typical or exact"
+    );
 }
 
 #[test]

@@ -115,6 +115,13 @@ pub struct BenchArgs {
     /// Seed of the sampled sequences' random streams (spec-run --random_seed).
     #[arg(long, default_value_t = 0)]
     pub random_seed: u64,
+    /// How sampled EAGLE modes accept drafts (spec-run's flag): token_match (default),
+    /// typical (with --eagle_posterior_threshold) or exact.
+    #[arg(long)]
+    pub eagle_sampling: Option<String>,
+    /// Typical acceptance's threshold ε (spec-run's flag).
+    #[arg(long)]
+    pub eagle_posterior_threshold: Option<f32>,
     /// Where sampled steps on a GPU draw tokens and accept drafts: `on` (the device; only
     /// tokens cross) or `off` (the rows go to the host), to measure what the kernels save.
     #[arg(long, default_value = "on")]
@@ -382,6 +389,9 @@ pub struct BenchReport {
     /// Whether sampled steps drew their tokens and accepted drafts on the device
     /// (`--device_sampling`; false on the CPU).
     pub device_sampling: bool,
+    /// `--eagle_sampling` and `--eagle_posterior_threshold`: how sampled EAGLE modes accepted.
+    pub eagle_sampling: Option<String>,
+    pub eagle_posterior_threshold: Option<f32>,
     pub results: Vec<ModeResult>,
 }
 
@@ -809,6 +819,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         ModeSpec::Eagle1(tree) => EagleFlags {
                             eagle_choices: tree.clone(),
                             eagle_draft_vocab: args.eagle_draft_vocab,
+                            eagle_sampling: args.eagle_sampling.clone(),
+                            eagle_posterior_threshold: args.eagle_posterior_threshold,
                             ..EagleFlags::default()
                         },
                         ModeSpec::Eagle2 {
@@ -821,6 +833,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             eagle_dynamic_tree_max_draft_len: *max_draft_len,
                             eagle_dynamic_tree_num_layers: *num_layers,
                             eagle_draft_vocab: args.eagle_draft_vocab,
+                            eagle_sampling: args.eagle_sampling.clone(),
+                            eagle_posterior_threshold: args.eagle_posterior_threshold,
                             ..EagleFlags::default()
                         },
                         _ => unreachable!(),
@@ -980,6 +994,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         dependent_launch: kestrel_runtime::device::dependent_launch_on(&device)?,
         sampling,
         device_sampling: device.is_cuda() && device_sampling,
+        eagle_sampling: args.eagle_sampling.clone(),
+        eagle_posterior_threshold: args.eagle_posterior_threshold,
         cuda_graph_failure: engine
             .cuda_graph_failure()
             .or_else(|| draft.as_ref().and_then(Engine::cuda_graph_failure)),
