@@ -8,8 +8,10 @@
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a && bash tools/gpu/spec_sampling_h200.sh tests
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
 #   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/spec_sampling_h200.sh run
-# Slot c also carries cpu_sampled.json: `spec-bench` on the CPU with the f32 command below
-# (the engines built here from the same GGUF and head). Results: $OUT/*.json, $OUT/summary.txt.
+#   ... && bash tools/gpu/spec_sampling_h200.sh tree   # EAGLE's exact and typical acceptance
+# Slot c also carries cpu_sampled.json (and for `tree`, cpu_exact.json and cpu_typical.json):
+# `spec-bench` on the CPU with the f32 commands below (the engines built here from the same
+# GGUF and head). Results: $OUT/*.json, $OUT/summary.txt (summary_tree.txt).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
@@ -26,7 +28,7 @@ engine() {
     { echo "engine $3 failed"; exit 1; }
 }
 
-case ${1:?usage: spec_sampling_h200.sh tests|run} in
+case ${1:?usage: spec_sampling_h200.sh tests|run|tree} in
 tests)
   run_gpu_tests
   ;;
@@ -64,7 +66,29 @@ run)
   $B/spec-bench --engine_dir $E/eng_e16 --draft_engine_dir $E/eng_d16 --device cuda:0 \
     --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1 \
     --modes "$MODES" --eagle_draft_vocab 4096 --output_json "$OUT/bf16_greedy.json" > /dev/null || echo "greedy failed"
-  python3 "$here/spec_sampling_summary.py" "$OUT" "$S/cpu_sampled.json" | tee "$OUT/summary.txt"
+  python3 "$here/spec_sampling_summary.py" "$OUT" "$S" run | tee "$OUT/summary.txt"
+  ;;
+tree)
+  # EAGLE's exact rejection sampling (children drawn without replacement on static trees; the
+  # head's top-k on EAGLE-2's) and typical acceptance, on the device against the host; then
+  # f32 against the CPU's cpu_exact.json / cpu_typical.json (carried in slot c).
+  [ -d $E/eng_e16 ] || engine bfloat16 eagle $E/eng_e16 $HEAD
+  [ -d $E/eng_e32 ] || engine float32 eagle $E/eng_e32 $HEAD
+  head -3 tools/gpu/mt_bench_first20.jsonl > $E/first3.jsonl
+  head -10 tools/gpu/mt_bench_first20.jsonl > $E/first10.jsonl
+  TREE_MODES="plain,eagle1:$HEAD/tree_h200.json,eagle1:small_8,eagle2:4:4:1"
+  for rule in exact typical; do
+    flags=(--eagle_sampling exact); [ $rule = typical ] && flags=(--eagle_posterior_threshold 0.09)
+    $B/spec-bench --engine_dir $E/eng_e32 --device cuda:0 --prompts $E/first3.jsonl --num_prompts 3 \
+      --max_output_len 32 --batch_sizes 1 --modes "$TREE_MODES" --eagle_draft_vocab 4096 "${SAMPLING[@]}" \
+      "${flags[@]}" --warmup_tokens 0 --output_json "$OUT/gpu_f32_$rule.json" > /dev/null || echo "f32 $rule failed"
+    for run in on off; do
+      $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 --prompts $E/first10.jsonl --num_prompts 10 \
+        --max_output_len 128 --batch_sizes 1 --modes "$TREE_MODES" --eagle_draft_vocab 4096 "${SAMPLING[@]}" \
+        "${flags[@]}" --device_sampling $run --output_json "$OUT/bf16_${rule}_$run.json" > /dev/null || echo "bf16 $rule $run failed"
+    done
+  done
+  python3 "$here/spec_sampling_summary.py" "$OUT" "$S" tree | tee "$OUT/summary_tree.txt"
   ;;
 *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
