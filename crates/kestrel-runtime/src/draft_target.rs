@@ -443,10 +443,6 @@ impl<'e> DraftTargetDecoder<'e> {
         params: &GenerationParams,
     ) -> Result<Vec<ChainAcceptance>> {
         let sampling = &params.sampling;
-        let peek = |s: &Sequence, n: usize| {
-            let mut ahead = s.rng.clone();
-            (0..n).map(|_| ahead.uniform()).collect::<Vec<f64>>()
-        };
         let on_device = !sampling.is_greedy() && draws_on_device(logits);
         if self.options.use_logits && on_device {
             if let Some(draft_logits) = &proposals.device_logits {
@@ -460,7 +456,8 @@ impl<'e> DraftTargetDecoder<'e> {
                 proposals
                     .list
                     .iter()
-                    .flat_map(|prop| peek(&seqs[prop.index], prop.k + 1))
+                    .flat_map(|prop| seqs[prop.index].rng.peek_f32(prop.k + 1))
+                    .map(f64::from)
                     .collect()
             };
             LogitRows::Tokens(row_tokens(logits, sampling, &uniforms)?)
@@ -476,9 +473,7 @@ impl<'e> DraftTargetDecoder<'e> {
             let acceptance = self.accept(prop, target_rows, s, params)?;
             if !sampling.is_greedy() && target_rows.tokens().is_some() {
                 // The host would have drawn one uniform per target token taken.
-                for _ in 0..acceptance.tokens.len() {
-                    s.rng.uniform();
-                }
+                s.rng.skip(acceptance.tokens.len());
             }
             out.push(acceptance);
         }
@@ -498,10 +493,7 @@ impl<'e> DraftTargetDecoder<'e> {
         let uniforms: Vec<Vec<f32>> = proposals
             .list
             .iter()
-            .map(|prop| {
-                let mut ahead = seqs[prop.index].rng.clone();
-                (0..=prop.k).map(|_| ahead.uniform() as f32).collect()
-            })
+            .map(|prop| seqs[prop.index].rng.peek_f32(prop.k + 1))
             .collect();
         let mut target_row = 0;
         let chains: Vec<kestrel_kernels::ChainSeq> = proposals
@@ -543,10 +535,9 @@ impl<'e> DraftTargetDecoder<'e> {
                     accepted_len: o.accepted,
                     tokens,
                 };
-                let s = &mut seqs[prop.index];
-                for _ in 0..acceptance.speculative_uniforms(prop.k) {
-                    s.rng.uniform();
-                }
+                seqs[prop.index]
+                    .rng
+                    .skip(acceptance.speculative_uniforms(prop.k));
                 acceptance
             })
             .collect())

@@ -244,6 +244,18 @@ impl SeqRng {
     pub fn uniform(&mut self) -> f64 {
         self.0.random::<f64>()
     }
+    /// The next `n` uniforms as f32 (a device's draws), leaving the stream where it is: a
+    /// caller that hands them to a device then [`skip`](Self::skip)s what the device used.
+    pub fn peek_f32(&self, n: usize) -> Vec<f32> {
+        let mut ahead = self.clone();
+        (0..n).map(|_| ahead.uniform() as f32).collect()
+    }
+    /// Moves the stream past `n` uniforms.
+    pub fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.uniform();
+        }
+    }
     /// The underlying generator (for other `rand` APIs).
     pub fn inner(&mut self) -> &mut ChaCha12Rng {
         &mut self.0
@@ -370,6 +382,12 @@ mod tests {
         };
         assert_eq!(a, b);
         assert_ne!(a, c);
+        // peek_f32 leaves the stream alone; skip moves it past what was peeked.
+        let mut r = SeqRng::new(7, 0);
+        let peeked = r.peek_f32(3);
+        assert_eq!(peeked, a[..3].iter().map(|&u| u as f32).collect::<Vec<_>>());
+        r.skip(3);
+        assert_eq!(r.uniform(), a[3]);
     }
 
     #[test]

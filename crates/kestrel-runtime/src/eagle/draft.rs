@@ -229,13 +229,7 @@ impl Drafter<'_> {
         params: &SamplingParams,
         rngs: &mut [&mut SeqRng],
     ) -> Result<Vec<Vec<u32>>> {
-        let uniforms: Vec<Vec<f32>> = rngs
-            .iter()
-            .map(|rng| {
-                let mut ahead = (**rng).clone();
-                (0..width * k).map(|_| ahead.uniform() as f32).collect()
-            })
-            .collect();
+        let uniforms: Vec<Vec<f32>> = rngs.iter().map(|rng| rng.peek_f32(width * k)).collect();
         let (columns, used) = kestrel_kernels::draw_children(
             logits,
             rngs.len(),
@@ -247,9 +241,7 @@ impl Drafter<'_> {
             params.top_p,
         )?;
         for (rng, used) in rngs.iter_mut().zip(used) {
-            for _ in 0..used {
-                rng.uniform();
-            }
+            rng.skip(used);
         }
         Ok(columns
             .into_iter()
