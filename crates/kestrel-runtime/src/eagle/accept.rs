@@ -99,12 +99,7 @@ fn exact_on_device(
     let uniforms: Vec<Vec<f32>> = trees
         .iter()
         .zip(live)
-        .map(|(tree, &i)| {
-            let mut ahead = seqs[i].rng.clone();
-            (0..tree.tokens.len())
-                .map(|_| ahead.uniform() as f32)
-                .collect()
-        })
+        .map(|(tree, &i)| seqs[i].rng.peek_f32(tree.tokens.len()))
         .collect();
     let mut root_row = 0;
     let tree_seqs: Vec<kestrel_kernels::TreeSeq> = trees
@@ -141,9 +136,7 @@ fn exact_on_device(
         .zip(live)
         .zip(outcomes)
         .map(|((tree, &i), o)| {
-            for _ in 0..o.uniforms_used {
-                seqs[i].rng.uniform();
-            }
+            seqs[i].rng.skip(o.uniforms_used);
             TreeAcceptance::from_walk(&tree.buffers, &tree.tokens, o.accepted_nodes, o.bonus)
         })
         .collect())
