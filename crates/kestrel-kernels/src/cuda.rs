@@ -4,7 +4,7 @@
 //! by module name) and launched on candle's stream, so the kernels are ordered with candle's
 //! own work and no synchronisation is needed.
 
-use crate::launch::load_kernel;
+use crate::launch::{load_kernel, Args};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 use candle_core::cuda::{CudaDType, WrapErr};
@@ -532,14 +532,10 @@ impl candle_core::CustomOp2 for Sample {
             b.arg(&r.out);
             b.arg(&r.vocab);
             b.arg(&self.inv_t);
-            // Beyond the vocabulary top-k keeps everything, as 0 does.
-            let top_k = match self.filter {
-                SampleFilter::TopKP { top_k, .. } => i32::try_from(top_k).unwrap_or(0),
-                SampleFilter::Typical { .. } => 0,
-            };
             match &self.filter {
-                SampleFilter::TopKP { top_p, .. } => {
-                    b.arg(&top_k);
+                SampleFilter::TopKP { top_k, top_p } => {
+                    // Beyond the vocabulary top-k keeps everything, as 0 does.
+                    b.arg(&i32::try_from(*top_k).unwrap_or(0));
                     b.arg(top_p);
                 }
                 SampleFilter::Typical { eps } => {
@@ -599,13 +595,34 @@ impl CustomOp1 for RowLaws {
     }
 }
 
-/// `kestrel_chain_accept_f32` over its metadata (the input): `[n_seq, 2]` u32, each
-/// sequence's accepted count and next token.
-pub(crate) struct ChainAccept {
+/// The target's and the draft's logits with their laws ([`RowLaws`]), the first four
+/// parameters of the acceptance kernels.
+pub(crate) struct Laws {
     pub p: Tensor,
     pub p_laws: Tensor,
     pub q: Tensor,
     pub q_laws: Tensor,
+}
+
+impl Laws {
+    /// Passes p, p's laws, q, q's laws (a kernel parameter holds the address itself).
+    fn push_args(&self, b: &mut Args<'_>) -> Result<()> {
+        cuda_storage!(ps, pl = self.p, "target logits");
+        cuda_storage!(pls, pll = self.p_laws, "target laws");
+        cuda_storage!(qs, ql = self.q, "draft logits");
+        cuda_storage!(qls, qll = self.q_laws, "draft laws");
+        b.arg(&view::<f32>(ps, pl, "target logits")?);
+        b.arg(&view::<u32>(pls, pll, "target laws")?);
+        b.arg(&view::<f32>(qs, ql, "draft logits")?);
+        b.arg(&view::<u32>(qls, qll, "draft laws")?);
+        Ok(())
+    }
+}
+
+/// `kestrel_chain_accept_f32` over its metadata (the input): `[n_seq, 2]` u32, each
+/// sequence's accepted count and next token.
+pub(crate) struct ChainAccept {
+    pub laws: Laws,
     pub n_seq: usize,
     pub kmax: usize,
     pub inv_t: f32,
@@ -622,24 +639,13 @@ impl CustomOp1 for ChainAccept {
 
     fn cuda_fwd(&self, m: &CudaStorage, ml: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = m.device().clone();
-        let vocab = self.p.dim(1)?;
-        cuda_storage!(ps, pl = self.p, "target logits");
-        cuda_storage!(pls, pll = self.p_laws, "target laws");
-        cuda_storage!(qs, ql = self.q, "draft logits");
-        cuda_storage!(qls, qll = self.q_laws, "draft laws");
+        let vocab = self.laws.p.dim(1)?;
         let meta = view::<u32>(m, ml, "chain metadata")?;
         // SAFETY: one block per sequence writes its two words.
         let out = unsafe { dev.alloc::<u32>(self.n_seq * 2)? };
         let func = load_kernel(&dev, "kestrel_chain_accept_f32")?;
         let mut b = func.builder();
-        let p = view::<f32>(ps, pl, "target logits")?;
-        let p_laws = view::<u32>(pls, pll, "target laws")?;
-        let q = view::<f32>(qs, ql, "draft logits")?;
-        let q_laws = view::<u32>(qls, qll, "draft laws")?;
-        b.arg(&p);
-        b.arg(&p_laws);
-        b.arg(&q);
-        b.arg(&q_laws);
+        self.laws.push_args(&mut b)?;
         b.arg(&meta);
         b.arg(&out);
         let (v, n_seq, kmax) = (
@@ -729,10 +735,7 @@ impl candle_core::CustomOp2 for DrawChildren {
 
 /// `kestrel_tree_accept_f32` over its metadata (the input): `[n_seq, 3 + nmax]` u32.
 pub(crate) struct TreeAccept {
-    pub p: Tensor,
-    pub p_laws: Tensor,
-    pub q: Tensor,
-    pub q_laws: Tensor,
+    pub laws: Laws,
     pub col_of: Option<Tensor>,
     pub n_seq: usize,
     pub nmax: usize,
@@ -751,12 +754,8 @@ impl CustomOp1 for TreeAccept {
 
     fn cuda_fwd(&self, m: &CudaStorage, ml: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = m.device().clone();
-        let vocab = self.p.dim(1)?;
-        let columns = self.q.dim(1)?;
-        cuda_storage!(ps, pl = self.p, "target logits");
-        cuda_storage!(pls, pll = self.p_laws, "target laws");
-        cuda_storage!(qs, ql = self.q, "draft logits");
-        cuda_storage!(qls, qll = self.q_laws, "draft laws");
+        let vocab = self.laws.p.dim(1)?;
+        let columns = self.laws.q.dim(1)?;
         let meta = view::<u32>(m, ml, "tree metadata")?;
         let width = 3 + self.nmax;
         // SAFETY: one block per sequence writes its row's header and accepted nodes; the rest
@@ -764,14 +763,7 @@ impl CustomOp1 for TreeAccept {
         let out = unsafe { dev.alloc::<u32>(self.n_seq * width)? };
         let func = load_kernel(&dev, "kestrel_tree_accept_f32")?;
         let mut b = func.builder();
-        let p = view::<f32>(ps, pl, "target logits")?;
-        let p_laws = view::<u32>(pls, pll, "target laws")?;
-        let q = view::<f32>(qs, ql, "draft logits")?;
-        let q_laws = view::<u32>(qls, qll, "draft laws")?;
-        b.arg(&p);
-        b.arg(&p_laws);
-        b.arg(&q);
-        b.arg(&q_laws);
+        self.laws.push_args(&mut b)?;
         let col_storage = self.col_of.as_ref().map(|c| c.storage_and_layout());
         let col_view = match &col_storage {
             Some((g, l)) => {

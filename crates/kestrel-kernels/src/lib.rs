@@ -985,18 +985,8 @@ pub fn chain_accept(
     #[cfg(feature = "cuda")]
     {
         let inv_t = 1.0 / temperature;
-        let laws = |logits: &Tensor| {
-            logits.contiguous()?.apply_op1_no_bwd(&cuda::RowLaws {
-                inv_t,
-                top_k,
-                top_p,
-            })
-        };
         let op = cuda::ChainAccept {
-            p: target.contiguous()?,
-            p_laws: laws(target)?,
-            q: draft.contiguous()?,
-            q_laws: laws(draft)?,
+            laws: laws(target, Some(draft), inv_t, top_k, top_p)?,
             n_seq: seqs.len(),
             kmax,
             inv_t,
@@ -1075,12 +1065,7 @@ pub fn draw_children(
     #[cfg(feature = "cuda")]
     {
         let inv_t = 1.0 / temperature;
-        let logits = logits.contiguous()?;
-        let laws = logits.apply_op1_no_bwd(&cuda::RowLaws {
-            inv_t,
-            top_k,
-            top_p,
-        })?;
+        let (logits, laws) = with_laws(logits, inv_t, top_k, top_p)?;
         let out = logits
             .apply_op2_no_bwd(
                 &u,
@@ -1209,24 +1194,8 @@ pub fn tree_accept(
     #[cfg(feature = "cuda")]
     {
         let inv_t = 1.0 / temperature;
-        let laws = |logits: &Tensor| {
-            logits.contiguous()?.apply_op1_no_bwd(&cuda::RowLaws {
-                inv_t,
-                top_k,
-                top_p,
-            })
-        };
-        let p = target.contiguous()?;
-        let p_laws = laws(&p)?;
-        let (q, q_laws) = match draft.filter(|_| sampled) {
-            Some(d) => (d.contiguous()?, laws(d)?),
-            None => (p.clone(), p_laws.clone()), // never read
-        };
         let op = cuda::TreeAccept {
-            p,
-            p_laws,
-            q,
-            q_laws,
+            laws: laws(target, draft.filter(|_| sampled), inv_t, top_k, top_p)?,
             col_of: col_of.cloned(),
             n_seq: seqs.len(),
             nmax,
@@ -1298,6 +1267,41 @@ pub fn tree_accept_meta(seqs: &[TreeSeq<'_>], nmax: usize) -> Vec<u32> {
         }
     }
     meta
+}
+
+/// `logits` (contiguous) and each of its rows' warped law (`kestrel_row_laws_f32`).
+#[cfg(feature = "cuda")]
+fn with_laws(logits: &Tensor, inv_t: f32, top_k: usize, top_p: f32) -> Result<(Tensor, Tensor)> {
+    let logits = logits.contiguous()?;
+    let laws = logits.apply_op1_no_bwd(&cuda::RowLaws {
+        inv_t,
+        top_k,
+        top_p,
+    })?;
+    Ok((logits, laws))
+}
+
+/// The target's and the draft's rows with their laws for the acceptance kernels; without a
+/// draft the target stands in for it, never read.
+#[cfg(feature = "cuda")]
+fn laws(
+    target: &Tensor,
+    draft: Option<&Tensor>,
+    inv_t: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<cuda::Laws> {
+    let (p, p_laws) = with_laws(target, inv_t, top_k, top_p)?;
+    let (q, q_laws) = match draft {
+        Some(d) => with_laws(d, inv_t, top_k, top_p)?,
+        None => (p.clone(), p_laws.clone()),
+    };
+    Ok(cuda::Laws {
+        p,
+        p_laws,
+        q,
+        q_laws,
+    })
 }
 
 /// `CHAIN_ZERO_Q` in logit_rows.cuh: a draft the draft's law gives probability 0.

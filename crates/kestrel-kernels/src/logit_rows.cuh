@@ -270,20 +270,29 @@ struct RowLaw {
     }
 };
 
+// The row's largest logit and its id (all NaN: id 0, as on the host's argmax); every thread
+// gets them. `sv`/`si`: 32 entries of shared memory each.
+__device__ void row_best(const float *__restrict__ xr, const int v, float &best,
+                         unsigned int &idx, float *sv, unsigned int *si) {
+    best = -INFINITY;
+    idx = NO_INDEX;
+    // The order is total, so the result does not depend on who saw what.
+    for_row_batched(xr, v, [&](const float val, const int e) {
+        if (!isnan(val) && beats(val, e, best, idx)) {
+            best = val;
+            idx = e;
+        }
+    });
+    block_best(best, idx, sv, si);
+    if (idx == NO_INDEX) idx = 0;
+}
+
 // The row's law; every thread gets it. `sv`/`si`: 32 entries of shared memory each.
 __device__ RowLaw row_law(const float *__restrict__ xr, const int v, const float inv_t,
                           const int top_k, const float top_p, SelectScratch &sc, float *sv,
                           unsigned int *si) {
     RowLaw law{-INFINITY, NO_INDEX, inv_t, Kept{0u, 0u, 0xffffffffu}};
-    // The order is total, so the result does not depend on who saw what.
-    for_row_batched(xr, v, [&](const float val, const int e) {
-        if (!isnan(val) && beats(val, e, law.best, law.idx)) {
-            law.best = val;
-            law.idx = e;
-        }
-    });
-    block_best(law.best, law.idx, sv, si);
-    if (law.idx == NO_INDEX) law.idx = 0; // all NaN: id 0, as on the host
+    row_best(xr, v, law.best, law.idx, sv, si);
     if (law.one_hot()) return law;
     // Fixed-point masses: a row's sum fits 64 bits, a lane's 46 (radix_select's halves).
     const MassScale ms{law.best, inv_t, exp2((double)min(46, 62 - (32 - __clz(v))))};
@@ -401,16 +410,9 @@ extern "C" __global__ void __launch_bounds__(1024)
     __shared__ unsigned int si[32];
     __shared__ float chunk_sum[32];
     const float *xr = x + (size_t)blockIdx.x * v;
-    float best = -INFINITY;
-    unsigned int idx = NO_INDEX;
-    for_row_batched(xr, v, [&](const float val, const int e) {
-        if (!isnan(val) && beats(val, e, best, idx)) {
-            best = val;
-            idx = e;
-        }
-    });
-    block_best(best, idx, sv, si);
-    if (idx == NO_INDEX) idx = 0; // all NaN: id 0, as on the host
+    float best;
+    unsigned int idx;
+    row_best(xr, v, best, idx, sv, si);
     if (!isfinite(best)) {
         if (threadIdx.x == 0) out[blockIdx.x] = idx;
         return;

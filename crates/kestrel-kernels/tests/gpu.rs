@@ -664,12 +664,33 @@ fn sample_rows_picks_the_hosts_token_from_the_same_draw() {
     }
 }
 
+/// Counts of the tokens drawn against probabilities `probs` (8 tokens): a token of
+/// probability 0 never drawn, and χ² under the critical value at p = 0.001.
+fn assert_follows(counts: &[f64; 8], probs: &[f32], what: &str) {
+    // χ² critical values at p = 0.001 for 1..=7 degrees of freedom.
+    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+    let n: f64 = counts.iter().sum();
+    let mut chi2 = 0.0;
+    let mut cells = 0;
+    for (&c, &p) in counts.iter().zip(probs) {
+        if p == 0.0 {
+            assert_eq!(c, 0.0, "{what}: a filtered token was drawn");
+            continue;
+        }
+        let e = p as f64 * n;
+        chi2 += (c - e) * (c - e) / e;
+        cells += 1;
+    }
+    assert!(
+        chi2 < critical[cells - 2],
+        "{what}: chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
+    );
+}
+
 #[test]
 fn sample_rows_follows_the_filtered_softmax() {
     let logits = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5];
     let draws = 20_000;
-    // χ² critical values at p = 0.001 for 1..=7 degrees of freedom.
-    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
     for (top_k, top_p) in [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.7)] {
         let params = SamplingParams {
             temperature: 0.9,
@@ -686,24 +707,7 @@ fn sample_rows_follows_the_filtered_softmax() {
             counts[t as usize] += 1.0;
         }
         let probs = kestrel_spec::sampling::probs(&logits, &params);
-        let mut chi2 = 0.0;
-        let mut cells = 0;
-        for (&c, &p) in counts.iter().zip(&probs) {
-            if p == 0.0 {
-                assert_eq!(
-                    c, 0.0,
-                    "top_k {top_k} top_p {top_p}: a filtered token was drawn"
-                );
-                continue;
-            }
-            let e = p as f64 * draws as f64;
-            chi2 += (c - e) * (c - e) / e;
-            cells += 1;
-        }
-        assert!(
-            chi2 < critical[cells - 2],
-            "top_k {top_k} top_p {top_p}: chi-square {chi2}: counts {counts:?}, probabilities {probs:?}"
-        );
+        assert_follows(&counts, &probs, &format!("top_k {top_k} top_p {top_p}"));
     }
 }
 
@@ -957,7 +961,6 @@ fn chain_accept_refuses_a_draft_its_law_excludes() {
 fn chain_accept_emits_the_targets_distribution() {
     let vocab = 8;
     let draws = 20_000;
-    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
     let p_rows: [[f32; 8]; 3] = [
         [0.0, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5],
         [1.0, -2.0, 0.3, 0.3, 0.9, 1.7, -0.2, 0.0],
@@ -1001,27 +1004,11 @@ fn chain_accept_emits_the_targets_distribution() {
                 counts[position][t as usize] += 1.0;
             }
         }
-        for position in 0..2 {
-            let p = probs(&p_rows[position], &params);
-            let n: f64 = counts[position].iter().sum();
-            let mut chi2 = 0.0;
-            let mut cells = 0;
-            for (&c, &pv) in counts[position].iter().zip(&p) {
-                if pv == 0.0 {
-                    assert_eq!(
-                        c, 0.0,
-                        "top_k {top_k} top_p {top_p}: a filtered token emitted"
-                    );
-                    continue;
-                }
-                let e = pv as f64 * n;
-                chi2 += (c - e) * (c - e) / e;
-                cells += 1;
-            }
-            assert!(
-                chi2 < critical[cells - 2],
-                "top_k {top_k} top_p {top_p}, token {position}: chi-square {chi2}: counts {:?}, probabilities {p:?}",
-                counts[position]
+        for (position, counts) in counts.iter().enumerate() {
+            assert_follows(
+                counts,
+                &probs(&p_rows[position], &params),
+                &format!("top_k {top_k} top_p {top_p}, token {position}"),
             );
         }
     }
@@ -1335,7 +1322,6 @@ fn tree_accept_gives_the_hosts_outcome_from_the_same_uniforms() {
 fn tree_accept_emits_the_targets_distribution() {
     let vocab = 8;
     let draws = 20_000;
-    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
     let tree = EagleTree::from_json("[[0],[1],[2]]", &tree_limits()).unwrap();
     let b = tree.buffers();
     let p_root = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.25, -0.5, 1.5];
@@ -1384,24 +1370,10 @@ fn tree_accept_emits_the_targets_distribution() {
             };
             counts[first as usize] += 1.0;
         }
-        let p = probs(&p_root, &params);
-        let mut chi2 = 0.0;
-        let mut cells = 0;
-        for (&c, &pv) in counts.iter().zip(&p) {
-            if pv == 0.0 {
-                assert_eq!(
-                    c, 0.0,
-                    "top_k {top_k} top_p {top_p}: a filtered token emitted"
-                );
-                continue;
-            }
-            let e = pv as f64 * draws as f64;
-            chi2 += (c - e) * (c - e) / e;
-            cells += 1;
-        }
-        assert!(
-            chi2 < critical[cells - 2],
-            "top_k {top_k} top_p {top_p}: chi-square {chi2}: counts {counts:?}, probabilities {p:?}"
+        assert_follows(
+            &counts,
+            &probs(&p_root, &params),
+            &format!("top_k {top_k} top_p {top_p}"),
         );
     }
 }
