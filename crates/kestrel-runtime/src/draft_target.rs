@@ -558,14 +558,7 @@ impl<'e> DraftTargetDecoder<'e> {
         };
         let rows = match target_rows {
             LogitSlice::Tokens(tokens) => {
-                let matched = prop
-                    .tokens
-                    .iter()
-                    .zip(tokens)
-                    .take_while(|(d, t)| d == t)
-                    .count();
-                return draft_target_token_match(&prop.tokens[..matched], &tokens[..=matched])
-                    .map_err(bad);
+                return draft_target_token_match(&prop.tokens, tokens).map_err(bad);
             }
             LogitSlice::Logits(rows) => rows,
         };
