@@ -1,11 +1,41 @@
-//! Turning spec-run's decoding flags into a [`DecodeMode`], with the conflicts named.
+//! Turning spec-run's decoding flags into a [`DecodeMode`], with the conflicts named, and its
+//! sampling flags into [`SamplingParams`] (spec-bench takes the same ones).
 
 use anyhow::{bail, Context, Result};
 use kestrel_core::SpeculativeMode;
 use kestrel_runtime::{Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine};
 use kestrel_spec::tree::{TreeLimits, DEFAULT_MAX_TOP_K, DEFAULT_PRESET};
-use kestrel_spec::EagleTree;
+use kestrel_spec::{EagleTree, SamplingParams};
 use std::path::Path;
+
+/// How tokens are picked, as spec-run and spec-bench spell it.
+#[derive(clap::Args, Debug, Clone)]
+#[command(rename_all = "snake_case")]
+pub struct SamplingFlags {
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus mass kept (1 disables top-p).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sequences' random streams (sequence i of a request takes stream i).
+    #[arg(long, default_value_t = 0)]
+    pub random_seed: u64,
+}
+
+impl SamplingFlags {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.random_seed,
+        }
+    }
+}
 
 /// spec-run's EAGLE flags, as TensorRT-LLM's run.py spells them.
 #[derive(Debug, Clone, Default)]

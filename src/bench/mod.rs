@@ -12,7 +12,7 @@ pub mod measure;
 pub mod shapes;
 pub mod verify;
 
-use crate::decoding::{eagle_mode, EagleFlags};
+use crate::decoding::{eagle_mode, EagleFlags, SamplingFlags};
 use crate::prompts::read_prompt_file;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -101,20 +101,11 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
-    /// Sampling temperature (0: greedy, the default). Sampled speculative modes keep the
+    /// spec-run's sampling flags (greedy by default). Sampled speculative modes keep the
     /// target's distribution but not plain decoding's tokens, so their outputs are compared
     /// by digest only.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Keep the top-k logits when sampling (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus mass kept when sampling (1: all).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Seed of the sampled sequences' random streams (spec-run --random_seed).
-    #[arg(long, default_value_t = 0)]
-    pub random_seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
     /// How sampled EAGLE modes accept drafts (spec-run's flag): token_match (default),
     /// typical (with --eagle_posterior_threshold) or exact.
     #[arg(long)]
@@ -612,12 +603,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         other => bail!("--device_sampling {other}: expected on or off"),
     };
     kestrel_runtime::device::set_device_sampling(device_sampling);
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.random_seed,
-    };
+    let sampling = args.sampling.params();
     sampling.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let device = kestrel_runtime::device::parse(&args.device)?;
     let device_name = measure::device_name(&device);

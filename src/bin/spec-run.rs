@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kestrel::cli::exit_on_error;
-use kestrel::decoding::{eagle_mode, EagleFlags};
+use kestrel::decoding::{eagle_mode, EagleFlags, SamplingFlags};
 use kestrel::draft_config::DraftTargetModelConfig;
 use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
@@ -12,7 +12,6 @@ use kestrel_runtime::{
     generate_with, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     TextCodec, TokenSink,
 };
-use kestrel_spec::SamplingParams;
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -40,16 +39,8 @@ struct Args {
     chat: bool,
     #[arg(long, default_value_t = 64)]
     max_output_len: usize,
-    /// 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// 0 disables top-k.
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    random_seed: u64,
+    #[command(flatten)]
+    sampling: SamplingFlags,
     /// Stop id; defaults to the model's eos ids.
     #[arg(long)]
     end_id: Option<u32>,
@@ -196,12 +187,7 @@ fn run(args: Args) -> Result<()> {
     };
     let params = GenerationParams {
         max_output_len: args.max_output_len,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.random_seed,
-        },
+        sampling: args.sampling.params(),
         end_ids,
     };
     let eagle_flags = EagleFlags {
