@@ -16,6 +16,7 @@ use crate::llama::{check_cache, check_supported, layer_dims, Llama, OutputRows};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
+use crate::step_ids::StepIds;
 use crate::weights::{MapSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
@@ -271,16 +272,42 @@ impl EagleHead {
         batch: &[EagleSeqInput],
         cache: &mut PagedKvCache,
     ) -> Result<Tensor> {
+        self.forward_with(base, batch, None, cache)
+    }
+
+    /// [`EagleHead::forward`] over token ids already on the head's device: `ids`, u32
+    /// `[Σ n]`, the inputs' tokens in batch order (drafted nodes, which then never cross to the
+    /// host between draft levels). The inputs carry no host tokens (`tokens` empty): their
+    /// counts come from `positions`. The ids are not checked against the vocabulary, so they
+    /// must come from the model's own rows.
+    pub fn forward_device_ids(
+        &self,
+        base: &Llama,
+        batch: &[EagleSeqInput],
+        ids: &Tensor,
+        cache: &mut PagedKvCache,
+    ) -> Result<Tensor> {
+        self.forward_with(base, batch, Some(ids), cache)
+    }
+
+    fn forward_with(
+        &self,
+        base: &Llama,
+        batch: &[EagleSeqInput],
+        device_ids: Option<&Tensor>,
+        cache: &mut PagedKvCache,
+    ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
-            return rayon::scope(|_| self.forward_impl(base, batch, cache));
+            return rayon::scope(|_| self.forward_impl(base, batch, device_ids, cache));
         }
-        self.forward_impl(base, batch, cache)
+        self.forward_impl(base, batch, device_ids, cache)
     }
 
     fn forward_impl(
         &self,
         base: &Llama,
         batch: &[EagleSeqInput],
+        device_ids: Option<&Tensor>,
         cache: &mut PagedKvCache,
     ) -> Result<Tensor> {
         let c = &self.cfg.llama;
@@ -295,17 +322,11 @@ impl EagleHead {
         if base.config().hidden_size != c.hidden_size {
             return Err(invalid("EAGLE head and base model differ in hidden_size"));
         }
-        let mut tokens = Vec::new();
+        let inputs = batch.iter().map(|s| (s.seq, s.tokens, s.positions.len()));
+        let step_ids = StepIds::of(inputs, device_ids)?;
         let mut feats = Vec::with_capacity(batch.len());
         for s in batch {
-            let n = s.tokens.len();
-            if s.positions.len() != n {
-                return Err(invalid(format!(
-                    "sequence {:?}: {n} tokens but {} positions",
-                    s.seq,
-                    s.positions.len()
-                )));
-            }
+            let n = s.positions.len();
             if s.features.dims() != [n, c.hidden_size] {
                 return Err(invalid(format!(
                     "sequence {:?}: features have shape {:?}, expected [{n}, {}]",
@@ -314,14 +335,13 @@ impl EagleHead {
                     c.hidden_size
                 )));
             }
-            tokens.extend_from_slice(s.tokens);
             feats.push(s.features.to_dtype(self.dtype)?);
         }
         let steps: Vec<StepSeq> = batch
             .iter()
             .map(|s| StepSeq {
                 seq: s.seq,
-                n: s.tokens.len(),
+                n: s.positions.len(),
                 positions: s.positions,
                 mask: s.mask,
                 output_rows: &s.output_rows,
@@ -330,7 +350,7 @@ impl EagleHead {
         let portable = !(self.cpu_kernels && self.device.is_cpu());
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
         let mut plan = plan_step(&steps, cache, &self.device, portable, cuda, false)?;
-        Llama::check_tokens(&tokens, c.vocab_size)?;
+        step_ids.check(c.vocab_size)?;
         let feats = if feats.len() == 1 {
             feats.pop().expect("one")
         } else {
@@ -339,7 +359,7 @@ impl EagleHead {
         let commit = std::mem::take(&mut plan.commit);
         let kv: &PagedKvCache = cache;
         let out = if plan.graphable() && self.graphs.active() {
-            let inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            let inputs = plan.graph_inputs(step_ids.host(), &self.rope)?;
             let cache_id = kv.pools(0).0.id();
             let run = |ids: &Tensor, step: &Step, feats: Option<&Tensor>| {
                 let feats = feats.ok_or_else(|| invalid("graphed head step without features"))?;
@@ -348,6 +368,7 @@ impl EagleHead {
             self.graphs.run(
                 cache_id,
                 &inputs,
+                step_ids.device(),
                 Some(&feats),
                 self.dtype,
                 &self.device,
@@ -355,8 +376,7 @@ impl EagleHead {
             )?
         } else {
             let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
-            let ids = Tensor::from_slice(&tokens, tokens.len(), &self.device)?;
-            self.run_layer(&ids, &feats, &step, kv)?
+            self.run_layer(&step_ids.on(&self.device)?, &feats, &step, kv)?
         };
         for (seq, len) in commit {
             cache.set_len(seq, len)?;

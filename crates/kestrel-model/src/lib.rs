@@ -27,6 +27,7 @@ mod rope;
 mod row_gemm;
 mod step;
 mod step_graph;
+mod step_ids;
 pub mod unshard;
 mod weights;
 

@@ -9,6 +9,7 @@ use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
+use crate::step_ids::StepIds;
 use crate::unshard;
 use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
@@ -53,6 +54,23 @@ pub struct SeqInput<'a> {
     /// Every new token always sees all of the sequence's previously cached slots.
     pub mask: Option<&'a [bool]>,
     pub output_rows: OutputRows,
+}
+
+/// Feature taps: strictly increasing decoder layers of a `layers`-layer model (at most 128,
+/// the width of a graph layout's tap mask).
+fn check_taps(taps: &[usize], layers: usize) -> Result<()> {
+    if let Some(w) = taps.windows(2).find(|w| w[0] >= w[1]) {
+        return Err(invalid(format!(
+            "feature taps must be strictly increasing, found {} then {}",
+            w[0], w[1]
+        )));
+    }
+    if let Some(&l) = taps.iter().find(|&&l| l >= layers.min(128)) {
+        return Err(invalid(format!(
+            "feature tap {l} is not a decoder layer of this {layers}-layer model"
+        )));
+    }
+    Ok(())
 }
 
 pub(crate) fn check_cache(
@@ -384,16 +402,6 @@ impl Llama {
         Ok(cache)
     }
 
-    /// Token ids must be inside the vocabulary (a bad id would read past the embedding).
-    pub(crate) fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
-        match tokens.iter().find(|&&t| t as usize >= vocab) {
-            Some(&bad) => Err(invalid(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// Runs one step over the batch; returns the final-normed hidden states of the
     /// requested rows of all sequences, concatenated: `[total_rows, hidden]`.
     ///
@@ -401,14 +409,14 @@ impl Llama {
     /// matrix-vector kernel on CPU, so a row's result does not depend on the step's other
     /// rows: decode and tree-verification steps must use this.
     pub fn forward(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
-        self.forward_with(batch, cache, true, &[])
+        self.forward_with(batch, None, cache, true, &[])
     }
 
     /// [`Llama::forward`] for prompts: projections take GEMM, which prefills much faster.
     /// Every decoding mode must run a prompt through this same call, so that the cached K/V
     /// and the first token agree across modes.
     pub fn forward_prompt(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
-        self.forward_with(batch, cache, false, &[])
+        self.forward_with(batch, None, cache, false, &[])
     }
 
     /// [`Llama::forward`] (`prompt = false`) or [`Llama::forward_prompt`] whose rows also
@@ -424,24 +432,31 @@ impl Llama {
         taps: &[usize],
         prompt: bool,
     ) -> Result<Tensor> {
-        if let Some(w) = taps.windows(2).find(|w| w[0] >= w[1]) {
-            return Err(invalid(format!(
-                "feature taps must be strictly increasing, found {} then {}",
-                w[0], w[1]
-            )));
-        }
-        if let Some(&l) = taps.iter().find(|&&l| l >= self.layers.len().min(128)) {
-            return Err(invalid(format!(
-                "feature tap {l} is not a decoder layer of this {}-layer model",
-                self.layers.len()
-            )));
-        }
-        self.forward_with(batch, cache, !prompt, taps)
+        check_taps(taps, self.layers.len())?;
+        self.forward_with(batch, None, cache, !prompt, taps)
+    }
+
+    /// [`Llama::forward_tapped`] of a decode or verification step (not a prompt) whose token
+    /// ids are already on the model's device: `ids`, u32 `[Σ n]`, the inputs' tokens in batch
+    /// order (a drafted tree's, which then never cross to the host before verification). The
+    /// inputs carry no host tokens (`tokens` empty): their counts come from `positions`. The
+    /// ids are not checked against the vocabulary, so they must come from the model's own
+    /// rows (a top-k over its logits).
+    pub fn forward_tapped_device_ids(
+        &self,
+        batch: &[SeqInput],
+        ids: &Tensor,
+        cache: &mut PagedKvCache,
+        taps: &[usize],
+    ) -> Result<Tensor> {
+        check_taps(taps, self.layers.len())?;
+        self.forward_with(batch, Some(ids), cache, true, taps)
     }
 
     fn forward_with(
         &self,
         batch: &[SeqInput],
+        device_ids: Option<&Tensor>,
         cache: &mut PagedKvCache,
         matvec: bool,
         taps: &[usize],
@@ -449,14 +464,15 @@ impl Llama {
         if self.device.is_cpu() && self.cpu_kernels {
             // One hop into rayon's pool per step, so the kernels' parallel loops join on
             // worker threads instead of blocking the caller on a lock per operation.
-            return rayon::scope(|_| self.forward_impl(batch, cache, matvec, taps));
+            return rayon::scope(|_| self.forward_impl(batch, device_ids, cache, matvec, taps));
         }
-        self.forward_impl(batch, cache, matvec, taps)
+        self.forward_impl(batch, device_ids, cache, matvec, taps)
     }
 
     fn forward_impl(
         &self,
         batch: &[SeqInput],
+        device_ids: Option<&Tensor>,
         cache: &mut PagedKvCache,
         matvec: bool,
         taps: &[usize],
@@ -469,23 +485,13 @@ impl Llama {
             self.dtype,
             "model",
         )?;
-        let mut tokens = Vec::new();
-        for s in batch {
-            if s.tokens.len() != s.positions.len() {
-                return Err(invalid(format!(
-                    "sequence {:?}: {} tokens but {} positions",
-                    s.seq,
-                    s.tokens.len(),
-                    s.positions.len()
-                )));
-            }
-            tokens.extend_from_slice(s.tokens);
-        }
+        let inputs = batch.iter().map(|s| (s.seq, s.tokens, s.positions.len()));
+        let step_ids = StepIds::of(inputs, device_ids)?;
         let steps: Vec<StepSeq> = batch
             .iter()
             .map(|s| StepSeq {
                 seq: s.seq,
-                n: s.tokens.len(),
+                n: s.positions.len(),
                 positions: s.positions,
                 mask: s.mask,
                 output_rows: &s.output_rows,
@@ -494,16 +500,17 @@ impl Llama {
         let portable = !(self.cpu_kernels && self.device.is_cpu());
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
         let mut plan = plan_step(&steps, cache, &self.device, portable, cuda, !matvec)?;
-        Self::check_tokens(&tokens, self.cfg.vocab_size)?;
+        step_ids.check(self.cfg.vocab_size)?;
         let commit = std::mem::take(&mut plan.commit);
         let kv: &PagedKvCache = cache;
         let out = if matvec && plan.graphable() && self.graphs.active() {
-            let mut inputs = plan.graph_inputs(&tokens, &self.rope)?;
+            let mut inputs = plan.graph_inputs(step_ids.host(), &self.rope)?;
             inputs.layout.taps = taps.iter().fold(0u128, |m, &l| m | (1 << l));
             let cache_id = kv.pools(0).0.id();
             self.graphs.run(
                 cache_id,
                 &inputs,
+                step_ids.device(),
                 None,
                 self.dtype,
                 &self.device,
@@ -511,8 +518,7 @@ impl Llama {
             )?
         } else {
             let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
-            let ids = Tensor::from_slice(&tokens, tokens.len(), &self.device)?;
-            self.run_layers(&ids, &step, kv, matvec, taps)?
+            self.run_layers(&step_ids.on(&self.device)?, &step, kv, matvec, taps)?
         };
         for (seq, len) in commit {
             cache.set_len(seq, len)?;

@@ -132,10 +132,15 @@ impl StepGraphs {
     /// `compute(ids, step, input)` over `inputs` and an optional device tensor `input` (its
     /// shape fixed by the layout), through the graph of their layout when there is one (else
     /// eagerly, capturing the layout once it recurs); `cache`: the KV cache's identity.
+    /// `device_ids` (u32 `[n_tok]`), when given, are the step's token ids: they overwrite the
+    /// placeholders at the head of `inputs.u32s` on the device, so ids that never left it
+    /// (drafted tokens) need no round trip through the host.
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
         cache: TensorId,
         inputs: &GraphInputs,
+        device_ids: Option<&Tensor>,
         input: Option<&Tensor>,
         dtype: DType,
         device: &Device,
@@ -153,6 +158,7 @@ impl StepGraphs {
         let graphs = &mut *g;
         if let Some(c) = graphs.entries.get_mut(&inputs.layout) {
             kestrel_kernels::upload_into(&c.u32s, 0, &inputs.u32s)?;
+            place_ids(&c.u32s, device_ids)?;
             kestrel_kernels::upload_into(&c.f32s, 0, &inputs.f32s)?;
             if let (Some(buf), Some(x)) = (&c.input, input) {
                 buf.slice_set(&x.contiguous()?, 0, 0)?;
@@ -169,11 +175,11 @@ impl StepGraphs {
         *seen += 1;
         if *seen < CAPTURE_AFTER || g.entries.len() >= MAX_GRAPHS {
             drop(g);
-            return eager(inputs, input, dtype, device, &compute);
+            return eager(inputs, device_ids, input, dtype, device, &compute);
         }
         g.seen.remove(&layout);
         let started = std::time::Instant::now();
-        let (u32s, f32s) = upload(inputs, device)?;
+        let (u32s, f32s) = upload(inputs, device_ids, device)?;
         let input = match input {
             Some(x) => Some(x.copy()?),
             None => None,
@@ -212,22 +218,37 @@ impl StepGraphs {
     }
 }
 
-fn upload(inputs: &GraphInputs, device: &Device) -> Result<(Tensor, Tensor)> {
+fn upload(
+    inputs: &GraphInputs,
+    device_ids: Option<&Tensor>,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let u32s = Tensor::from_slice(&inputs.u32s, inputs.u32s.len(), device)?;
+    place_ids(&u32s, device_ids)?;
     Ok((
-        Tensor::from_slice(&inputs.u32s, inputs.u32s.len(), device)?,
+        u32s,
         Tensor::from_slice(&inputs.f32s, inputs.f32s.len(), device)?,
     ))
+}
+
+/// Copies `device_ids` over the token-id placeholders that open a step's `u32s`.
+fn place_ids(u32s: &Tensor, device_ids: Option<&Tensor>) -> Result<()> {
+    if let Some(ids) = device_ids {
+        u32s.slice_set(&ids.contiguous()?, 0, 0)?;
+    }
+    Ok(())
 }
 
 /// The step without a graph, from the same packed inputs.
 fn eager(
     inputs: &GraphInputs,
+    device_ids: Option<&Tensor>,
     input: Option<&Tensor>,
     dtype: DType,
     device: &Device,
     compute: &impl Fn(&Tensor, &Step, Option<&Tensor>) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let (u32s, f32s) = upload(inputs, device)?;
+    let (u32s, f32s) = upload(inputs, device_ids, device)?;
     let (ids, step) = inputs.layout.step(&u32s, &f32s, dtype)?;
     compute(&ids, &step, input)
 }

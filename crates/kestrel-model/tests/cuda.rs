@@ -282,8 +282,9 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
 
 /// `reps` verification steps of the same tree shape on one cache, each rolled back after it
 /// (a rejected tree): the third is captured, the later ones replay its graph. Returns every
-/// step's hidden states.
-fn repeated_tree_steps(m: &Llama, reps: usize) -> Vec<Vec<Vec<f32>>> {
+/// step's hidden states. With `device_ids`, each step's tokens go to the device first and the
+/// step reads them there (`forward_tapped_device_ids`), as drafted trees are verified.
+fn repeated_tree_steps(m: &Llama, reps: usize, device_ids: bool) -> Vec<Vec<Vec<f32>>> {
     let (mut cache, seqs) = prefilled(m);
     let prompts = prompts();
     // Root 0; 1 and 2 under 0; 3 under 1. Output rows 1 and 3 only (an EAGLE-2 selection).
@@ -309,13 +310,19 @@ fn repeated_tree_steps(m: &Llama, reps: usize) -> Vec<Vec<Vec<f32>>> {
         let batch: Vec<SeqInput> = (0..seqs.len())
             .map(|i| SeqInput {
                 seq: seqs[i],
-                tokens: &tokens[i],
+                tokens: if device_ids { &[] } else { &tokens[i] },
                 positions: &pos[i],
                 mask: Some(&mask),
                 output_rows: OutputRows::Rows(vec![1, 3]),
             })
             .collect();
-        out.push(rows(&m.forward(&batch, &mut cache).unwrap()));
+        let h = if device_ids {
+            let ids = candle_core::Tensor::new(tokens.concat().as_slice(), m.device()).unwrap();
+            m.forward_tapped_device_ids(&batch, &ids, &mut cache, &[])
+        } else {
+            m.forward(&batch, &mut cache)
+        };
+        out.push(rows(&h.unwrap()));
         for (s, p) in seqs.iter().zip(&prompts) {
             cache.truncate(*s, p.len()).unwrap();
         }
@@ -327,13 +334,22 @@ fn repeated_tree_steps(m: &Llama, reps: usize) -> Vec<Vec<Vec<f32>>> {
 fn cuda_graph_tree_steps_equal_eager_steps() {
     for (name, cfg) in all_cfgs() {
         let (graphed, eager) = graphed_and_eager(&cfg, DType::F32);
-        let got = repeated_tree_steps(&graphed, 5);
-        let want = repeated_tree_steps(&eager, 5);
+        let got = repeated_tree_steps(&graphed, 5, false);
+        let want = repeated_tree_steps(&eager, 5, false);
         assert_eq!(graphed.cuda_graph_failure(), None, "{name}");
         assert_eq!(graphed.cuda_graph_count(), 1, "{name}");
         for (rep, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_same_bits(g, w, &format!("{name}, tree step {rep}"));
         }
+        // Token ids already on the device: eager, captured and replayed steps alike.
+        let (graphed, eager) = graphed_and_eager(&cfg, DType::F32);
+        for (m, how) in [(&graphed, "graphed"), (&eager, "eager")] {
+            let got = repeated_tree_steps(m, 5, true);
+            for (rep, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_same_bits(g, w, &format!("{name}, {how} tree step {rep}, device ids"));
+            }
+        }
+        assert_eq!(graphed.cuda_graph_count(), 1, "{name}");
     }
 }
 
@@ -350,7 +366,8 @@ fn cuda_graph_head_steps_equal_eager_steps() {
         h.set_cuda_graphs(graphs);
         h
     };
-    let run = |h: &EagleHead| -> Vec<Vec<Vec<f32>>> {
+    // With `device_ids`, each step's token goes to the device first (a drafted node's).
+    let run = |h: &EagleHead, device_ids: bool| -> Vec<Vec<Vec<f32>>> {
         let mut cache = h.new_cache(64, 4).unwrap();
         let seq = cache.add_sequence();
         let mut out = Vec::new();
@@ -360,25 +377,37 @@ fn cuda_graph_head_steps_equal_eager_steps() {
                     .unwrap()
                     .affine(0.1 * step as f64 - 0.2, 0.0)
                     .unwrap();
+            let token = [(step * 11 + 3) % 61];
             let input = EagleSeqInput {
                 seq,
-                tokens: &[(step * 11 + 3) % 61],
+                tokens: if device_ids { &[] } else { &token },
                 features: feats,
                 positions: &[step],
                 mask: None,
                 output_rows: OutputRows::All,
             };
-            out.push(rows(&h.forward(&base, &[input], &mut cache).unwrap()));
+            let h = if device_ids {
+                let ids = candle_core::Tensor::new(&token, &dev).unwrap();
+                h.forward_device_ids(&base, &[input], &ids, &mut cache)
+            } else {
+                h.forward(&base, &[input], &mut cache)
+            };
+            out.push(rows(&h.unwrap()));
         }
         out
     };
     let graphed = head(true);
-    let got = run(&graphed);
-    let want = run(&head(false));
+    let got = run(&graphed, false);
+    let want = run(&head(false), false);
     assert_eq!(graphed.cuda_graph_failure(), None);
     assert_eq!(graphed.cuda_graph_count(), 1);
     for (step, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_same_bits(g, w, &format!("head step {step}"));
+    }
+    for (h, how) in [(head(true), "graphed"), (head(false), "eager")] {
+        for (step, (g, w)) in run(&h, true).iter().zip(&want).enumerate() {
+            assert_same_bits(g, w, &format!("{how} head step {step}, device ids"));
+        }
     }
 }
 
@@ -525,7 +554,7 @@ fn dependent_launch_changes_no_bits() {
                 m.set_cuda_kernels(CudaKernels::all());
                 m.set_cuda_graphs(graphs);
                 let (tokens, hidden) = greedy(&m, &prompts(), 12);
-                let trees = repeated_tree_steps(&m, 4);
+                let trees = repeated_tree_steps(&m, 4, false);
                 assert_eq!(m.cuda_graph_failure(), None);
                 (tokens, hidden, trees)
             };

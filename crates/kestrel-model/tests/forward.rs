@@ -708,3 +708,92 @@ fn tapped_rows_are_the_final_rows_then_each_layer_state() {
         );
     }
 }
+
+/// A verification step over token ids already on the device gives, bit for bit, the step over
+/// the same ids from the host (a batch of two trees, with taps), and the cache ends alike.
+/// Inputs that mix the two, or ids of the wrong shape or type, are refused by name.
+#[test]
+fn device_token_ids_give_the_host_ids_step() {
+    use candle_core::Tensor;
+    for (name, cfg) in all_cfgs() {
+        let (m, _) = model(&cfg);
+        let taps = [0usize];
+        let mask = [
+            true, false, false, false, //
+            true, true, false, false, //
+            true, false, true, false, //
+            true, true, false, true,
+        ];
+        let trees = [toks(4, 5), toks(4, 9)];
+        let run = |device: bool| -> (Vec<Vec<f32>>, Vec<usize>) {
+            let mut cache = m.new_cache(32, 4).unwrap();
+            let seqs = [cache.add_sequence(), cache.add_sequence()];
+            feed(&m, &mut cache, seqs[0], &toks(5, 1));
+            feed(&m, &mut cache, seqs[1], &toks(3, 2));
+            let pos: Vec<Vec<u32>> = [5u32, 3]
+                .iter()
+                .map(|&b| [0u32, 1, 1, 2].iter().map(|d| b + d).collect())
+                .collect();
+            let batch: Vec<SeqInput> = (0..2)
+                .map(|i| SeqInput {
+                    seq: seqs[i],
+                    tokens: if device { &[] } else { &trees[i] },
+                    positions: &pos[i],
+                    mask: Some(&mask),
+                    output_rows: OutputRows::All,
+                })
+                .collect();
+            let out = if device {
+                let ids = Tensor::new(trees.concat().as_slice(), &Device::Cpu).unwrap();
+                m.forward_tapped_device_ids(&batch, &ids, &mut cache, &taps)
+            } else {
+                m.forward_tapped(&batch, &mut cache, &taps, false)
+            };
+            let lens = seqs.iter().map(|&s| cache.seq_len(s).unwrap()).collect();
+            (rows(&out.unwrap()), lens)
+        };
+        let (want, want_lens) = run(false);
+        let (got, got_lens) = run(true);
+        assert_eq!(got, want, "{name}");
+        assert_eq!(got_lens, want_lens, "{name}");
+        assert_eq!(got_lens, vec![9, 7], "{name}");
+
+        let mut cache = m.new_cache(8, 4).unwrap();
+        let s = cache.add_sequence();
+        let input = |tokens: &'static [u32]| SeqInput {
+            seq: s,
+            tokens,
+            positions: &[0, 1],
+            mask: None,
+            output_rows: OutputRows::All,
+        };
+        let ids = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
+        let err = m
+            .forward_tapped_device_ids(&[input(&[1, 2])], &ids, &mut cache, &[])
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("invalid input: sequence {s:?}: host tokens given with the step's ids on the device"),
+            "{name}"
+        );
+        let three = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+        let err = m
+            .forward_tapped_device_ids(&[input(&[])], &three, &mut cache, &[])
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid input: device token ids: expected u32 [2], got U32 [3]",
+            "{name}"
+        );
+        let floats = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
+        let err = m
+            .forward_tapped_device_ids(&[input(&[])], &floats, &mut cache, &[])
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid input: device token ids: expected u32 [2], got F32 [2]",
+            "{name}"
+        );
+        assert_eq!(cache.seq_len(s).unwrap(), 0, "{name}");
+    }
+}
