@@ -25,6 +25,22 @@ pub fn device_sampling() -> bool {
     DEVICE_SAMPLING.load(Ordering::Relaxed)
 }
 
+static DRAFT_ON_DEVICE: AtomicBool = AtomicBool::new(true);
+
+/// Where EAGLE's static trees keep their top-k drafted tokens: where the head runs (the
+/// default: no level waits for the device, and the tokens cross once, with the target's,
+/// after verification) or, switched off, on the host, fetched after every level as before,
+/// for comparisons in one process (`spec-bench --draft_on_device off`). The tokens are the
+/// same either way.
+pub fn set_draft_on_device(enabled: bool) {
+    DRAFT_ON_DEVICE.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`set_draft_on_device`] keeps drafted tokens on the device.
+pub fn draft_on_device() -> bool {
+    DRAFT_ON_DEVICE.load(Ordering::Relaxed)
+}
+
 /// `cpu`, or `cuda:N` / `cuda` (ordinal 0) in a build with the `cuda` feature.
 pub fn parse(spec: &str) -> Result<Device> {
     if spec == "cpu" {

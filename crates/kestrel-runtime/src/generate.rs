@@ -124,7 +124,7 @@ fn batch_end(
 
 /// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order:
 /// the argmax when greedy, else a draw with one uniform from each sequence's stream, on the
-/// device when the rows are there (`logit_rows::sample_rows_at`: one id a row crosses, not
+/// device when the rows are there (`logit_rows::row_tokens`: one id a row crosses, not
 /// the row).
 pub(crate) fn sample_rows(
     logits: &Tensor,

@@ -12,7 +12,7 @@
 //! Sampled steps that need only the target's own token at each row (plain decoding, EAGLE's
 //! and draft-target's token matching) draw it the same way: the host draws each row's uniform
 //! from its sequence's stream, in the order the host path would, and on a device
-//! `kestrel_kernels::sample_rows` picks the token there ([`sample_rows_at`]), so again one id
+//! `kestrel_kernels::sample_rows` picks the token there ([`sample_row_ids`]), so again one id
 //! a row crosses and the same seed gives the host's tokens (rounding at a CDF boundary
 //! aside). Only the lossless tree rejection sampling and typical acceptance still need the
 //! rows ([`LogitRows::logits`]).
@@ -78,34 +78,77 @@ impl LogitSlice<'_> {
     }
 }
 
+/// Token ids, one per row: picked on the host, or on the device and not fetched yet, so that
+/// they can cross together with other ids of the step ([`RowIds::fetch_with`]).
+pub(crate) enum RowIds {
+    Host(Vec<u32>),
+    /// u32 `[rows]`.
+    Device(Tensor),
+}
+
+impl RowIds {
+    pub(crate) fn fetch(self) -> Result<Vec<u32>> {
+        Ok(self.fetch_with(None)?.0)
+    }
+
+    /// The ids, and those of `also` (u32 ids, on the device when these are there): in one
+    /// copy when both are on the device.
+    pub(crate) fn fetch_with(self, also: Option<&Tensor>) -> Result<(Vec<u32>, Vec<u32>)> {
+        let fetch = |t: &Tensor| -> Result<Vec<u32>> { Ok(t.flatten_all()?.to_vec1::<u32>()?) };
+        match (self, also) {
+            (RowIds::Device(ids), Some(also)) => {
+                let n = ids.dim(0)?;
+                let mut all = fetch(&Tensor::cat(&[&ids, &also.flatten_all()?], 0)?)?;
+                let also = all.split_off(n);
+                Ok((all, also))
+            }
+            (RowIds::Device(ids), None) => Ok((fetch(&ids)?, Vec::new())),
+            (RowIds::Host(ids), also) => {
+                Ok((ids, also.map(fetch).transpose()?.unwrap_or_default()))
+            }
+        }
+    }
+}
+
 /// Row r's token under typical acceptance (`kestrel_spec::accept::typical_probs` at
 /// `temperature` and `posterior_threshold`) drawn at `uniforms[r]`, on the device
 /// (`kestrel_kernels::sample_typical_rows`); the rows must be on one ([`draws_on_device`]).
-pub(crate) fn typical_rows_at(
+pub(crate) fn typical_row_ids(
     logits: &Tensor,
     temperature: f32,
     posterior_threshold: f32,
     uniforms: &[f64],
-) -> Result<Vec<u32>> {
+) -> Result<RowIds> {
     let u: Vec<f32> = uniforms.iter().map(|&u| u as f32).collect();
     let u = Tensor::from_vec(u, uniforms.len(), logits.device())?;
-    Ok(
-        kestrel_kernels::sample_typical_rows(logits, &u, temperature, posterior_threshold)?
-            .to_vec1::<u32>()?,
-    )
+    Ok(RowIds::Device(kestrel_kernels::sample_typical_rows(
+        logits,
+        &u,
+        temperature,
+        posterior_threshold,
+    )?))
 }
 
 /// Each row's own token: the argmax when `sampling` is greedy (`uniforms` unused), else row
-/// r's draw with `uniforms[r]` ([`sample_rows_at`]).
+/// r's draw with `uniforms[r]` ([`sample_row_ids`]).
 pub(crate) fn row_tokens(
     logits: &Tensor,
     sampling: &SamplingParams,
     uniforms: &[f64],
 ) -> Result<Vec<u32>> {
+    row_ids(logits, sampling, uniforms)?.fetch()
+}
+
+/// [`row_tokens`], left on the device when picked there.
+pub(crate) fn row_ids(
+    logits: &Tensor,
+    sampling: &SamplingParams,
+    uniforms: &[f64],
+) -> Result<RowIds> {
     if sampling.is_greedy() {
-        argmax_rows(logits)
+        argmax_row_ids(logits)
     } else {
-        sample_rows_at(logits, sampling, uniforms)
+        sample_row_ids(logits, sampling, uniforms)
     }
 }
 
@@ -119,42 +162,41 @@ pub(crate) fn draws_on_device(logits: &Tensor) -> bool {
 /// `uniforms[r]` (`sampling::sample_at`): on the device when the rows are there
 /// (`kestrel_kernels::sample_rows`, which takes the uniform as f32), else on the host.
 /// `sampling` must not be greedy.
-pub(crate) fn sample_rows_at(
-    logits: &Tensor,
-    sampling: &SamplingParams,
-    uniforms: &[f64],
-) -> Result<Vec<u32>> {
+fn sample_row_ids(logits: &Tensor, sampling: &SamplingParams, uniforms: &[f64]) -> Result<RowIds> {
     if draws_on_device(logits) {
         let u: Vec<f32> = uniforms.iter().map(|&u| u as f32).collect();
         let u = Tensor::from_vec(u, uniforms.len(), logits.device())?;
-        return Ok(kestrel_kernels::sample_rows(
+        return Ok(RowIds::Device(kestrel_kernels::sample_rows(
             logits,
             &u,
             sampling.temperature,
             sampling.top_k,
             sampling.top_p,
-        )?
-        .to_vec1::<u32>()?);
+        )?));
     }
-    Ok(logits
-        .to_vec2::<f32>()?
-        .iter()
-        .zip(uniforms)
-        .map(|(row, &u)| sampling::sample_at(&sampling::probs(row, sampling), u))
-        .collect())
+    Ok(RowIds::Host(
+        logits
+            .to_vec2::<f32>()?
+            .iter()
+            .zip(uniforms)
+            .map(|(row, &u)| sampling::sample_at(&sampling::probs(row, sampling), u))
+            .collect(),
+    ))
 }
 
 /// Each row's argmax by the host rule ([`sampling::argmax`]): on the host for CPU tensors, on
 /// the device otherwise.
-pub(crate) fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+fn argmax_row_ids(logits: &Tensor) -> Result<RowIds> {
     if logits.device().is_cpu() {
-        return Ok(logits
-            .to_vec2::<f32>()?
-            .iter()
-            .map(|r| sampling::argmax(r))
-            .collect());
+        return Ok(RowIds::Host(
+            logits
+                .to_vec2::<f32>()?
+                .iter()
+                .map(|r| sampling::argmax(r))
+                .collect(),
+        ));
     }
-    Ok(kestrel_kernels::argmax_rows(logits)?.to_vec1::<u32>()?)
+    Ok(RowIds::Device(kestrel_kernels::argmax_rows(logits)?))
 }
 
 /// Each row's `k` best tokens, best first, with their log-probabilities under softmax(row):
@@ -179,6 +221,23 @@ pub(crate) fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec
             )
         })
         .collect())
+}
+
+/// Each row's `k` best token ids (at most the row's width), best first in the host's order
+/// ([`top_k`]), as u32 `[rows, k]` where the rows are: on a device they never leave it.
+pub(crate) fn top_k_ids(logits: &Tensor, k: usize) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let k = k.clamp(1, vocab.max(1));
+    if logits.device().is_cpu() || k > kestrel_kernels::TOP_K_MAX {
+        let ids: Vec<u32> = top_k_rows(logits, k)?
+            .into_iter()
+            .flat_map(|(ids, _)| ids)
+            .collect();
+        return Ok(Tensor::from_vec(ids, (rows, k), logits.device())?);
+    }
+    Ok(kestrel_kernels::top_k_logp(logits, k)?
+        .narrow(1, 0, k)?
+        .contiguous()?)
 }
 
 /// The k largest entries, best first (lower token id first on ties).

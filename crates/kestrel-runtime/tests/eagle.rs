@@ -605,3 +605,76 @@ fn eagle_needs_an_engine_with_a_head() {
         )
     );
 }
+
+/// Static trees keep their top-k drafted tokens where the head runs, unless
+/// `set_draft_on_device(false)` fetches them after every level: either way the same drafts
+/// are proposed and accepted (greedy output alone would hide wrong drafts, so the acceptance
+/// counts are compared too), greedy and sampled, token matching and typical acceptance, with
+/// and without a draft vocabulary. (Other tests of this binary may run while the switch is
+/// off; both paths are lossless, so they pass either way.)
+#[test]
+fn drafted_tokens_on_the_device_or_fetched_per_level_are_the_same_drafts() {
+    use kestrel_runtime::device::set_draft_on_device;
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let mode = |acceptance: Acceptance, draft_vocab: Option<usize>| {
+        DecodeMode::Eagle(EagleOptions {
+            tree: EagleTreeKind::Static(EagleTree::from_preset("mc_sim_7b_63", &limits()).unwrap()),
+            acceptance,
+            draft_vocab,
+        })
+    };
+    let typical = Acceptance::Typical {
+        posterior_threshold: 0.09,
+    };
+    let sampled = GenerationParams {
+        sampling: SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 9,
+        },
+        ..greedy(32)
+    };
+    let prompts = prompts();
+    for (name, mode, params) in [
+        ("greedy", mode(Acceptance::TokenMatch, None), greedy(32)),
+        (
+            "greedy, draft vocabulary",
+            mode(Acceptance::TokenMatch, Some(cfg.vocab_size / 2)),
+            greedy(32),
+        ),
+        (
+            "token match",
+            mode(Acceptance::TokenMatch, None),
+            sampled.clone(),
+        ),
+        ("typical", mode(typical, None), sampled.clone()),
+    ] {
+        let outcome = |on: bool| {
+            set_draft_on_device(on);
+            let out = run(&engine, &mode, &prompts, &params);
+            set_draft_on_device(true);
+            out.iter()
+                .map(|o| {
+                    (
+                        o.output_ids.clone(),
+                        o.stats.steps,
+                        o.stats.accepted_draft_tokens,
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let on = outcome(true);
+        assert_eq!(outcome(false), on, "{name}");
+        let accepted: usize = on.iter().map(|o| o.2).sum();
+        let steps: usize = on.iter().map(|o| o.1).sum();
+        // Drafts that often agree, so that wrong ones would show.
+        assert!(
+            2 * accepted > steps,
+            "{name}: {accepted} drafts accepted in {steps} steps"
+        );
+    }
+}

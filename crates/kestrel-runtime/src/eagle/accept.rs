@@ -2,7 +2,7 @@
 
 use super::draft::{DraftLaws, DraftedTree};
 use crate::error::{Result, RuntimeError};
-use crate::logit_rows::{draws_on_device, row_tokens, typical_rows_at, LogitRows, LogitSlice};
+use crate::logit_rows::{draws_on_device, row_ids, typical_row_ids, LogitRows, LogitSlice, RowIds};
 use crate::sequence::Sequence;
 use crate::Acceptance;
 use candle_core::Tensor;
@@ -15,7 +15,9 @@ use kestrel_spec::SeqRng;
 /// when greedy, which every rule then is; a draw per node when sampling, with uniforms taken
 /// from each sequence's stream in node order, as the host draws them: from the warped law for
 /// token matching, and on a device from typical acceptance's law), or the full rows (exact
-/// acceptance; typical acceptance on the CPU).
+/// acceptance; typical acceptance on the CPU). Also returns the values of `drafted` (the
+/// trees' tokens, when they were drafted where the rows are), fetched in the same copy as the
+/// target's tokens.
 pub(crate) fn target_rows(
     logits: &Tensor,
     rule: Acceptance,
@@ -23,29 +25,35 @@ pub(crate) fn target_rows(
     live: &[usize],
     seqs: &mut [Sequence],
     params: &SamplingParams,
-) -> Result<LogitRows> {
+    drafted: Option<&Tensor>,
+) -> Result<(LogitRows, Vec<u32>)> {
     let typical_on_device = matches!(rule, Acceptance::Typical { .. }) && draws_on_device(logits);
     if !params.is_greedy() && rule != Acceptance::TokenMatch && !typical_on_device {
-        return LogitRows::logits(logits);
+        let rows = LogitRows::logits(logits)?;
+        return Ok((rows, RowIds::Host(Vec::new()).fetch_with(drafted)?.1));
     }
     let mut uniforms = Vec::new();
     if !params.is_greedy() {
         for (tree, &i) in trees.iter().zip(live) {
-            uniforms.extend((0..tree.tokens.len()).map(|_| seqs[i].rng.uniform()));
+            uniforms.extend((0..tree.buffers.num_nodes()).map(|_| seqs[i].rng.uniform()));
         }
     }
-    Ok(LogitRows::Tokens(match rule {
+    let ids = match rule {
         Acceptance::Typical {
             posterior_threshold,
         } if !params.is_greedy() => {
-            typical_rows_at(logits, params.temperature, posterior_threshold, &uniforms)?
+            typical_row_ids(logits, params.temperature, posterior_threshold, &uniforms)?
         }
-        _ => row_tokens(logits, params, &uniforms)?,
-    }))
+        _ => row_ids(logits, params, &uniforms)?,
+    };
+    let (target, drafted) = ids.fetch_with(drafted)?;
+    Ok((LogitRows::Tokens(target), drafted))
 }
 
 /// Every live sequence's acceptance of its verified tree (`logits`: the trees' rows, in
-/// order). Exact acceptance of sampled trees on a device runs there
+/// order). Trees drafted on the device have their tokens in `drafted` (u32, tree after tree)
+/// and none yet on the host: they are filled in here, from the copy that brings the target's
+/// tokens. Exact acceptance of sampled trees on a device runs there
 /// (`kestrel_kernels::tree_accept`: children drawn on the device have their laws in
 /// `device_laws`, a draft vocabulary its column table `col_of`), from uniforms taken ahead from
 /// copies of the streams, which then advance by the uniforms the walk used; every other case
@@ -54,7 +62,8 @@ pub(crate) fn target_rows(
 pub(crate) fn accept_trees(
     logits: &Tensor,
     rule: Acceptance,
-    trees: &[DraftedTree],
+    trees: &mut [DraftedTree],
+    drafted: Option<&Tensor>,
     live: &[usize],
     seqs: &mut [Sequence],
     params: &SamplingParams,
@@ -65,9 +74,11 @@ pub(crate) fn accept_trees(
         .iter()
         .any(|t| matches!(t.draft_laws, DraftLaws::Host(_)));
     if rule == Acceptance::Exact && !params.is_greedy() && draws_on_device(logits) && !host_laws {
+        fill_tokens(trees, RowIds::Host(Vec::new()).fetch_with(drafted)?.1);
         return exact_on_device(logits, trees, live, seqs, params, device_laws, col_of);
     }
-    let target = target_rows(logits, rule, trees, live, seqs, params)?;
+    let (target, drafted) = target_rows(logits, rule, trees, live, seqs, params, drafted)?;
+    fill_tokens(trees, drafted);
     let mut offset = 0;
     trees
         .iter()
@@ -85,6 +96,20 @@ pub(crate) fn accept_trees(
             acc
         })
         .collect()
+}
+
+/// Gives trees drafted on the device their tokens (`drafted`, tree after tree; empty when
+/// the trees were drafted on the host and have them).
+fn fill_tokens(trees: &mut [DraftedTree], drafted: Vec<u32>) {
+    if drafted.is_empty() {
+        return;
+    }
+    let mut rest = drafted.as_slice();
+    for tree in trees {
+        let (mine, others) = rest.split_at(tree.buffers.num_nodes());
+        tree.tokens = mine.to_vec();
+        rest = others;
+    }
 }
 
 fn exact_on_device(

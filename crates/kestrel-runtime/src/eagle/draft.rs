@@ -3,8 +3,10 @@
 
 use super::feed::{feed_trees, TreeFeed};
 use super::node_outputs::{NodeOutputs, NodeRef};
+use super::node_tokens::{Children, NodeTokens};
+use crate::device::draft_on_device;
 use crate::error::{Result, RuntimeError};
-use crate::logit_rows::{draws_on_device, top_k_rows};
+use crate::logit_rows::{draws_on_device, top_k_ids, top_k_rows};
 use candle_core::Tensor;
 use kestrel_model::{EagleHead, Llama, LmHeadRows, PagedKvCache, SeqId};
 use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
@@ -25,8 +27,17 @@ pub(crate) struct DraftRoot {
     pub output: Tensor,
 }
 
-/// A drafted tree: node tokens (root first), its structure and, when the children were
-/// sampled, the draft distribution at every node.
+/// A batch's drafted trees.
+pub(crate) struct DraftedTrees<'t> {
+    pub trees: Vec<DraftedTree<'t>>,
+    /// The trees' tokens (u32, tree after tree) when they were drafted where the head runs;
+    /// the trees then hold none until acceptance fetches them with the target's.
+    pub device_tokens: Option<Tensor>,
+}
+
+/// A drafted tree: node tokens (root first; empty until fetched when they were drafted on
+/// the device), its structure and, when the children were sampled, the draft distribution at
+/// every node.
 pub(crate) struct DraftedTree<'t> {
     pub tokens: Vec<u32>,
     pub buffers: Cow<'t, TreeBuffers>,
@@ -68,6 +79,8 @@ pub(crate) struct Drafter<'a> {
 pub(crate) struct DraftVocab {
     /// Logits column j is token `ids[j]`.
     pub ids: Vec<u32>,
+    /// `ids` on the engine's device, where top-k columns become tokens.
+    pub ids_tensor: Tensor,
     pub rows: LmHeadRows,
     /// On a device, every token's column (`u32::MAX` outside), for exact acceptance there.
     pub col_of: Option<Tensor>,
@@ -88,6 +101,18 @@ impl Drafter<'_> {
         self.draft_vocab.map_or(c, |v| v.ids[c as usize])
     }
 
+    /// The `k` best tokens of each head output, u32 `[rows, k]` where the outputs are.
+    fn top_k_ids(&self, rows: &Tensor, k: usize) -> Result<Tensor> {
+        let columns = top_k_ids(&self.logits(rows)?, k)?;
+        Ok(match self.draft_vocab {
+            Some(v) => v
+                .ids_tensor
+                .index_select(&columns.flatten_all()?, 0)?
+                .reshape(columns.dims())?,
+            None => columns,
+        })
+    }
+
     /// The `k` best tokens of each head output with their log-probabilities (over the
     /// draft vocabulary).
     fn top_k(&self, rows: &Tensor, k: usize) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
@@ -102,17 +127,25 @@ impl Drafter<'_> {
         Ok(best)
     }
 
+    /// The static `tree` from every root. Top-k children stay where the head's logits are
+    /// ([`NodeTokens::pooled`], unless [`crate::device::set_draft_on_device`] turned that
+    /// off); sampled ones are drawn into host tokens.
     pub fn draft_static<'t>(
         &mut self,
         tree: &'t EagleTree,
         roots: &[DraftRoot],
         choice: &ChildChoice,
         rngs: &mut [&mut SeqRng],
-    ) -> Result<Vec<DraftedTree<'t>>> {
+    ) -> Result<DraftedTrees<'t>> {
         let buf = tree.buffers();
         let n = buf.num_nodes();
         let vocab = self.base.config().vocab_size;
-        let mut tokens: Vec<Vec<u32>> = roots.iter().map(|r| vec![r.token; n]).collect();
+        let pooled = matches!(choice, ChildChoice::TopK) && draft_on_device();
+        let mut tokens = if pooled {
+            NodeTokens::pooled(roots, n, roots[0].output.device())?
+        } else {
+            NodeTokens::host(roots, n)
+        };
         let mut outputs = NodeOutputs::new(roots, n)?;
         let mut laws: Vec<DraftLaws> = roots.iter().map(|_| DraftLaws::None).collect();
         let mut device_rows = 0;
@@ -134,35 +167,47 @@ impl Drafter<'_> {
                             .expect("expanded nodes are fed")
                     })
                     .collect();
+                let fed_tokens = tokens.feed(&fed)?;
                 let feeds: Vec<TreeFeed> = roots
                     .iter()
-                    .zip(&tokens)
-                    .map(|(r, t)| TreeFeed {
+                    .zip(fed_tokens.host)
+                    .map(|(r, tokens)| TreeFeed {
                         seq: r.seq,
                         committed: r.committed,
                         root_pos: r.root_pos,
                         nodes: fed.clone(),
-                        tokens: fed.iter().map(|&i| t[i]).collect(),
+                        tokens,
                         parents: fed.iter().map(|&i| buf.parents()[i].unwrap_or(0)).collect(),
                         depths: fed.iter().map(|&i| buf.depths()[i]).collect(),
                         want: want.clone(),
                     })
                     .collect();
-                let out = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+                let out = feed_trees(
+                    self.head,
+                    self.base,
+                    self.cache,
+                    &feeds,
+                    fed_tokens.device.as_ref(),
+                    &outputs,
+                )?;
                 outputs.set(&nodes, &out)?;
                 out
             };
             // Children of every expanded node, sequence-major (row = s · expanded + j).
             let width = level.expand.len();
-            let children: Vec<Vec<u32>> = match choice {
-                ChildChoice::TopK => self
-                    .top_k(&rows, level.top_k)?
-                    .into_iter()
-                    .map(|(ids, _)| ids)
-                    .collect(),
+            let children = match choice {
+                ChildChoice::TopK if pooled => {
+                    Children::Device(self.top_k_ids(&rows, level.top_k)?)
+                }
+                ChildChoice::TopK => Children::Host(
+                    self.top_k(&rows, level.top_k)?
+                        .into_iter()
+                        .map(|(ids, _)| ids)
+                        .collect(),
+                ),
                 ChildChoice::Sample(params) => {
                     let logits = self.logits(&rows)?;
-                    if draws_on_device(&logits) {
+                    Children::Host(if draws_on_device(&logits) {
                         let picked =
                             self.draw_on_device(&logits, width, level.top_k, params, rngs)?;
                         for (row, s) in (0..picked.len()).map(|r| (r, r / width)) {
@@ -197,24 +242,25 @@ impl Drafter<'_> {
                             }
                         }
                         picked
-                    }
+                    })
                 }
             };
-            for (s, children) in children.chunks(width).enumerate() {
-                for pick in &level.picks {
-                    tokens[s][pick.node] = children[pick.parent_slot][pick.rank];
-                }
-            }
+            tokens.place(children, width, &level.picks)?;
         }
-        Ok(tokens
-            .into_iter()
-            .zip(laws)
-            .map(|(tokens, draft_laws)| DraftedTree {
-                tokens,
-                buffers: Cow::Borrowed(buf),
-                draft_laws,
-            })
-            .collect())
+        let drafted = tokens.finish()?;
+        Ok(DraftedTrees {
+            trees: drafted
+                .host
+                .into_iter()
+                .zip(laws)
+                .map(|(tokens, draft_laws)| DraftedTree {
+                    tokens,
+                    buffers: Cow::Borrowed(buf),
+                    draft_laws,
+                })
+                .collect(),
+            device_tokens: drafted.device,
+        })
     }
 
     /// `k` children of every row of a level's draft `logits` (`width` rows a sequence), drawn
@@ -255,7 +301,7 @@ impl Drafter<'_> {
         &mut self,
         cfg: &DynamicTreeConfig,
         roots: &[DraftRoot],
-    ) -> Result<Vec<DraftedTree<'static>>> {
+    ) -> Result<DraftedTrees<'static>> {
         let bad = |e: kestrel_spec::DynamicTreeError| RuntimeError::InvalidRequest(e.to_string());
         let top = cfg.top_k;
         let mut builders = Vec::with_capacity(roots.len());
@@ -293,7 +339,7 @@ impl Drafter<'_> {
                     want,
                 });
             }
-            let out = feed_trees(self.head, self.base, self.cache, &feeds, &outputs)?;
+            let out = feed_trees(self.head, self.base, self.cache, &feeds, None, &outputs)?;
             let mut ids_per_seq = Vec::with_capacity(roots.len());
             let mut frontier_nodes: Vec<NodeRef> = Vec::new();
             for (s, b) in builders.iter().enumerate() {
@@ -316,7 +362,7 @@ impl Drafter<'_> {
                 b.push_layer(&toks, &lps).map_err(bad)?;
             }
         }
-        builders
+        let trees = builders
             .iter()
             .zip(roots)
             .map(|(b, r)| {
@@ -328,7 +374,11 @@ impl Drafter<'_> {
                     draft_laws: DraftLaws::None,
                 })
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok(DraftedTrees {
+            trees,
+            device_tokens: None,
+        })
     }
 }
 

@@ -21,6 +21,7 @@ pub(crate) struct TreeFeed {
     pub root_pos: usize,
     /// Nodes to feed (never the root), parents before children.
     pub nodes: Vec<usize>,
+    /// Their tokens; empty when they are on the device ([`feed_trees`]' `device_ids`).
     pub tokens: Vec<u32>,
     pub parents: Vec<usize>,
     pub depths: Vec<usize>,
@@ -30,12 +31,15 @@ pub(crate) struct TreeFeed {
 
 /// Runs one head forward over every sequence's feed (feed `s` grows tree `s` of `outputs`,
 /// which must hold the output of each fed node's parent: the feature it is paired with);
-/// returns the outputs of the wanted nodes, `[Σ want, hidden]`, feed by feed.
+/// returns the outputs of the wanted nodes, `[Σ want, hidden]`, feed by feed. The fed tokens
+/// are the feeds' own, or `device_ids` (u32, feed after feed) when they were drafted on the
+/// device, in which case the feeds carry none.
 pub(crate) fn feed_trees(
     head: &EagleHead,
     base: &Llama,
     cache: &mut PagedKvCache,
     feeds: &[TreeFeed],
+    device_ids: Option<&Tensor>,
     outputs: &NodeOutputs,
 ) -> Result<Tensor> {
     let positions: Vec<Vec<u32>> = feeds
@@ -62,7 +66,10 @@ pub(crate) fn feed_trees(
         });
         offset += f.nodes.len();
     }
-    let out = head.forward(base, &batch, cache)?;
+    let out = match device_ids {
+        Some(ids) => head.forward_device_ids(base, &batch, ids, cache)?,
+        None => head.forward(base, &batch, cache)?,
+    };
     for f in feeds {
         cache.truncate(f.seq, f.committed)?;
     }

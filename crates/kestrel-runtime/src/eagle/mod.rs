@@ -12,6 +12,7 @@ mod accept;
 mod draft;
 mod feed;
 mod node_outputs;
+mod node_tokens;
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
@@ -243,7 +244,7 @@ impl Decoder for EagleDecoder<'_> {
                 draft_vocab: self.draft_vocab.as_ref(),
                 device_laws: Vec::new(),
             };
-            let trees = match (&self.options.tree, &self.dynamic) {
+            let drafted = match (&self.options.tree, &self.dynamic) {
                 (EagleTreeKind::Static(tree), _) => {
                     let choice = if self.options.acceptance == Acceptance::Exact
                         && !params.sampling.is_greedy()
@@ -269,6 +270,7 @@ impl Decoder for EagleDecoder<'_> {
                 _ => Some(Tensor::cat(&drafter.device_laws, 0)?),
             };
             timings.draft_s += draft_start.elapsed().as_secs_f64();
+            let (mut trees, tree_tokens) = (drafted.trees, drafted.device_tokens);
 
             // Verify every tree in one target forward.
             let verify_start = Instant::now();
@@ -290,12 +292,18 @@ impl Decoder for EagleDecoder<'_> {
                     output_rows: OutputRows::All,
                 })
                 .collect();
-            let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, false)?;
+            let tapped = match &tree_tokens {
+                Some(ids) => {
+                    model.forward_tapped_device_ids(&batch, ids, &mut self.base_cache, taps)?
+                }
+                None => model.forward_tapped(&batch, &mut self.base_cache, taps, false)?,
+            };
             let logits = model.logits(&model.final_hidden(&tapped)?)?;
             let accepted = accept::accept_trees(
                 &logits,
                 self.options.acceptance,
-                &trees,
+                &mut trees,
+                tree_tokens.as_ref(),
                 &live,
                 seqs,
                 &params.sampling,
@@ -400,6 +408,7 @@ fn draft_vocab(engine: &Engine, tree: &EagleTreeKind, n: usize) -> Result<DraftV
         None => (0..n as u32).collect(),
     };
     let rows = engine.model.lm_head_rows(&ids)?;
+    let ids_tensor = Tensor::new(ids.as_slice(), &engine.device)?;
     // Exact acceptance on a device looks the draft's column of a token up there.
     let col_of = if engine.device.is_cpu() {
         None
@@ -410,5 +419,10 @@ fn draft_vocab(engine: &Engine, tree: &EagleTreeKind, n: usize) -> Result<DraftV
         }
         Some(Tensor::from_vec(table, vocab, &engine.device)?)
     };
-    Ok(DraftVocab { ids, rows, col_of })
+    Ok(DraftVocab {
+        ids,
+        ids_tensor,
+        rows,
+        col_of,
+    })
 }
