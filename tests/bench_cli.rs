@@ -205,6 +205,62 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
     );
 }
 
+/// `--draft_on_device` is recorded, and either way a run gives the same tokens and
+/// acceptance: greedy and sampled (token matching and typical acceptance), with a draft
+/// vocabulary. (The tiny head rarely agrees with its target; the runtime's EAGLE tests check
+/// the drafts themselves with an agreeing one.)
+#[test]
+fn drafted_tokens_on_the_device_or_the_host_give_the_same_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let json = tmp.path().join("bench.json");
+    let prompts = prompts(tmp.path());
+    let run = |on: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--prompts",
+            s(&prompts),
+            "--max_output_len",
+            "16",
+            "--batch_sizes",
+            "1,3",
+            "--modes",
+            "eagle1:[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]",
+            "--eagle_draft_vocab",
+            "8",
+            "--draft_on_device",
+            on,
+        ];
+        args.extend(extra);
+        let report = bench_ok(&args, &json);
+        assert_eq!(report["draft_on_device"], on == "on");
+        results(&report)
+            .iter()
+            .map(|r| {
+                (
+                    r["output_digest"].as_str().unwrap().to_string(),
+                    r["mean_accepted_len"].as_f64().unwrap(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let sampled = ["--temperature", "1.2", "--random_seed", "4"];
+    let typical = [
+        "--temperature",
+        "1.2",
+        "--random_seed",
+        "4",
+        "--eagle_posterior_threshold",
+        "0.2",
+    ];
+    for extra in [&[][..], &sampled, &typical] {
+        let on = run("on", extra);
+        assert_eq!(on.len(), 2, "{extra:?}");
+        assert_eq!(run("off", extra), on, "{extra:?}");
+    }
+}
+
 #[test]
 fn sampled_runs_are_recorded_and_repeat_with_their_seed() {
     let tmp = tempfile::tempdir().unwrap();
@@ -419,6 +475,10 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--device_sampling", "maybe"]),
         "--device_sampling maybe: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--draft_on_device", "yes"]),
+        "--draft_on_device yes: expected on or off"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--top_p", "0"]),

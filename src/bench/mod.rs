@@ -117,6 +117,11 @@ pub struct BenchArgs {
     /// tokens cross) or `off` (the rows go to the host), to measure what the kernels save.
     #[arg(long, default_value = "on")]
     pub device_sampling: String,
+    /// Where EAGLE's static trees keep their top-k drafted tokens: `on` (where the head runs;
+    /// no draft level waits for the device) or `off` (fetched to the host after every level),
+    /// to measure what the round trips cost. The output is the same.
+    #[arg(long, default_value = "on")]
+    pub draft_on_device: String,
     /// Before timing a mode at a batch size, run it once on the first batch for this many
     /// tokens, so that one-time costs (a GPU driver compiling kernels on first use) stay out
     /// of its figures; 0 times the first run cold.
@@ -380,10 +385,22 @@ pub struct BenchReport {
     /// Whether sampled steps drew their tokens and accepted drafts on the device
     /// (`--device_sampling`; false on the CPU).
     pub device_sampling: bool,
+    /// Whether EAGLE's static trees kept their top-k drafted tokens on the device
+    /// (`--draft_on_device`).
+    pub draft_on_device: bool,
     /// `--eagle_sampling` and `--eagle_posterior_threshold`: how sampled EAGLE modes accepted.
     pub eagle_sampling: Option<String>,
     pub eagle_posterior_threshold: Option<f32>,
     pub results: Vec<ModeResult>,
+}
+
+/// A switch flag's value: `on` or `off`.
+fn on_off(flag: &str, value: &str) -> Result<bool> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => bail!("{flag} {other}: expected on or off"),
+    }
 }
 
 /// Random token ids in `[0, vocab)`: the prompts of a random-weights run.
@@ -591,18 +608,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         "none" => Some(kestrel_model::CudaKernels::none()),
         other => bail!("--cuda_kernels {other}: expected plan, all or none"),
     };
-    let dependent_launch = match args.dependent_launch.as_str() {
-        "on" => true,
-        "off" => false,
-        other => bail!("--dependent_launch {other}: expected on or off"),
-    };
-    kestrel_runtime::device::set_dependent_launch(dependent_launch);
-    let device_sampling = match args.device_sampling.as_str() {
-        "on" => true,
-        "off" => false,
-        other => bail!("--device_sampling {other}: expected on or off"),
-    };
+    kestrel_runtime::device::set_dependent_launch(on_off(
+        "--dependent_launch",
+        &args.dependent_launch,
+    )?);
+    let device_sampling = on_off("--device_sampling", &args.device_sampling)?;
     kestrel_runtime::device::set_device_sampling(device_sampling);
+    let draft_on_device = on_off("--draft_on_device", &args.draft_on_device)?;
+    kestrel_runtime::device::set_draft_on_device(draft_on_device);
     let sampling = args.sampling.params();
     sampling.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let device = kestrel_runtime::device::parse(&args.device)?;
@@ -980,6 +993,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         dependent_launch: kestrel_runtime::device::dependent_launch_on(&device)?,
         sampling,
         device_sampling: device.is_cuda() && device_sampling,
+        draft_on_device,
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_posterior_threshold: args.eagle_posterior_threshold,
         cuda_graph_failure: engine
