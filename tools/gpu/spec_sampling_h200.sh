@@ -19,24 +19,15 @@ E=/tmp/spec_sampling; mkdir -p $E
 HEAD=heads/smollm2-eagle
 SAMPLING=(--temperature 0.8 --random_seed 3 --top_p 0.9)
 
-# engine DTYPE MODE DIR [HEAD]: SmolLM2 (+ the EAGLE head) built for the H200, batches up to 4.
-engine() {
-  local head=(); [ -n "${4:-}" ] && head=(--eagle_model_dir "$4" --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10)
-  $B/convert-checkpoint --gguf $S/smol.gguf "${head[@]}" --output_dir "$3.ckpt" --dtype "$1" --workers 16 > /dev/null &&
-    $B/spec-build --checkpoint_dir "$3.ckpt" --output_dir "$3" --target_device cuda:sm_90 \
-      --speculative_decoding_mode "$2" --max_batch_size 4 --max_input_len 1024 --max_seq_len 2048 > /dev/null ||
-    { echo "engine $3 failed"; exit 1; }
-}
-
 case ${1:?usage: spec_sampling_h200.sh tests|run|tree} in
 tests)
   run_gpu_tests
   ;;
 run)
-  engine float32 eagle $E/eng_e32 $HEAD
-  engine float32 none $E/eng_p32
-  engine bfloat16 eagle $E/eng_e16 $HEAD
-  engine bfloat16 none $E/eng_p16
+  smollm2_engine float32 eagle $E/eng_e32 $HEAD
+  smollm2_engine float32 none $E/eng_p32
+  smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
+  smollm2_engine bfloat16 none $E/eng_p16
   # f32 against the CPU: the same spec-bench command as cpu_sampled.json (the plain engine
   # drafts for itself, so speculative sampling meets p = q exactly and accepts every draft).
   head -3 tools/gpu/mt_bench_first20.jsonl > $E/first3.jsonl
@@ -72,8 +63,8 @@ tree)
   # EAGLE's exact rejection sampling (children drawn without replacement on static trees; the
   # head's top-k on EAGLE-2's) and typical acceptance, on the device against the host; then
   # f32 against the CPU's cpu_exact.json / cpu_typical.json (carried in slot c).
-  [ -d $E/eng_e16 ] || engine bfloat16 eagle $E/eng_e16 $HEAD
-  [ -d $E/eng_e32 ] || engine float32 eagle $E/eng_e32 $HEAD
+  [ -d $E/eng_e16 ] || smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
+  [ -d $E/eng_e32 ] || smollm2_engine float32 eagle $E/eng_e32 $HEAD
   head -3 tools/gpu/mt_bench_first20.jsonl > $E/first3.jsonl
   head -10 tools/gpu/mt_bench_first20.jsonl > $E/first10.jsonl
   TREE_MODES="plain,eagle1:$HEAD/tree_h200.json,eagle1:small_8,eagle2:4:4:1"
