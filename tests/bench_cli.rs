@@ -57,6 +57,10 @@ fn check_common(report: &Value) {
     assert!(report["weight_bytes"].as_u64().unwrap() > 0);
     assert!(report["kv_bytes_per_token"].as_u64().unwrap() > 0);
     assert!(!report["device_name"].as_str().unwrap().is_empty());
+    assert!(
+        report["memory_after_load_bytes"].as_u64().is_some(),
+        "{report}"
+    );
     for r in results(report) {
         assert!(r["step_latency_ms"].as_f64().unwrap() > 0.0, "{r}");
         let roof = r["roofline_fraction"].as_f64().unwrap();

@@ -367,6 +367,10 @@ pub struct BenchReport {
     pub copy_bytes: usize,
     pub memory_probe: String,
     pub memory_baseline_bytes: u64,
+    /// Use above the baseline once the engines are loaded, before any step (CUDA: the level
+    /// then; CPU: the peak so far): weights and what loading them left, against what the
+    /// runs add (KV pools, kernels loaded on first use, library workspaces, graphs).
+    pub memory_after_load_bytes: Option<u64>,
     pub load_s: f64,
     pub num_prompts: usize,
     pub batch_sizes: Vec<usize>,
@@ -669,6 +673,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         None => None,
     };
     let load_s = load_start.elapsed().as_secs_f64();
+    let memory_after_load = probe.peak_above_baseline();
     let modes = match explicit_modes {
         Some(m) => m,
         None => parse_modes(match (shape, engine.eagle.is_some(), draft.is_some()) {
@@ -985,6 +990,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         copy_bytes: args.copy_bytes,
         memory_probe: probe.kind.to_string(),
         memory_baseline_bytes: probe.baseline,
+        memory_after_load_bytes: memory_after_load,
         load_s,
         num_prompts: prompts.len(),
         batch_sizes,
