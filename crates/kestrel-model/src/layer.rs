@@ -48,28 +48,11 @@ impl Linear {
         }
     }
 
-    /// Concatenates the output rows of several linears into one.
-    fn fuse(parts: &[Linear]) -> Result<Self> {
-        let ws: Vec<&Tensor> = parts.iter().map(|l| &l.w).collect();
-        let w = Tensor::cat(&ws, 0)?;
-        let b = if parts.iter().all(|l| l.b.is_some()) {
-            let bs: Vec<&Tensor> = parts.iter().filter_map(|l| l.b.as_ref()).collect();
-            Some(Tensor::cat(&bs, 0)?)
-        } else {
-            None
-        };
-        Ok(Linear { w, b, gemv: false })
-    }
-
     pub fn tensors_mut<'a>(&'a mut self, out: &mut Vec<&'a mut Tensor>) {
         out.push(&mut self.w);
         if let Some(b) = &mut self.b {
             out.push(b);
         }
-    }
-
-    pub fn out_features(&self) -> usize {
-        self.w.dim(0).unwrap_or(0)
     }
 
     /// `x: [.., in]` → `[.., out]`.
@@ -133,16 +116,25 @@ pub(crate) enum Proj {
 }
 
 impl Proj {
-    fn new(parts: Vec<Linear>, fuse: bool) -> Result<Self> {
-        if fuse && parts.len() > 1 {
-            let sizes = parts.iter().map(Linear::out_features).collect();
-            Ok(Proj::Fused {
-                lin: Linear::fuse(&parts)?,
-                sizes,
-            })
-        } else {
-            Ok(Proj::Split(parts))
+    /// The bias-free projections `parts` (name, output features) of `inp` inputs: fused when
+    /// the source allows, their weights concatenated before they reach the device.
+    fn load(src: &dyn WeightSource, parts: &[(String, usize)], inp: usize) -> Result<Self> {
+        if src.fuse() && parts.len() > 1 {
+            let weights: Vec<(String, Vec<usize>)> = parts
+                .iter()
+                .map(|(name, out)| (format!("{name}.weight"), vec![*out, inp]))
+                .collect();
+            return Ok(Proj::Fused {
+                lin: Linear::no_bias(src.get_cat(&weights)?),
+                sizes: parts.iter().map(|(_, out)| *out).collect(),
+            });
         }
+        Ok(Proj::Split(
+            parts
+                .iter()
+                .map(|(name, out)| Linear::load(src, name, *out, inp, false))
+                .collect::<Result<_>>()?,
+        ))
     }
 
     fn tensors_mut<'a>(&'a mut self, out: &mut Vec<&'a mut Tensor>) {
@@ -742,7 +734,6 @@ impl DecoderLayer {
     ) -> Result<Self> {
         let h = d.hidden;
         let (q_out, kv_out) = (d.n_heads * d.head_dim, d.n_kv * d.head_dim);
-        let fuse = src.fuse();
         let input_norm = if input_norm {
             Some(RmsNorm::load(
                 src,
@@ -754,24 +745,26 @@ impl DecoderLayer {
             None
         };
         let a = format!("{prefix}.self_attn");
-        let qkv = Proj::new(
-            vec![
-                Linear::load(src, &format!("{a}.q_proj"), q_out, h, false)?,
-                Linear::load(src, &format!("{a}.k_proj"), kv_out, h, false)?,
-                Linear::load(src, &format!("{a}.v_proj"), kv_out, h, false)?,
+        let qkv = Proj::load(
+            src,
+            &[
+                (format!("{a}.q_proj"), q_out),
+                (format!("{a}.k_proj"), kv_out),
+                (format!("{a}.v_proj"), kv_out),
             ],
-            fuse,
+            h,
         )?;
         let o = Linear::load(src, &format!("{a}.o_proj"), h, q_out, false)?;
         let post_norm =
             RmsNorm::load(src, &format!("{prefix}.post_attention_layernorm"), h, d.eps)?;
         let m = format!("{prefix}.mlp");
-        let gate_up = Proj::new(
-            vec![
-                Linear::load(src, &format!("{m}.gate_proj"), d.intermediate, h, false)?,
-                Linear::load(src, &format!("{m}.up_proj"), d.intermediate, h, false)?,
+        let gate_up = Proj::load(
+            src,
+            &[
+                (format!("{m}.gate_proj"), d.intermediate),
+                (format!("{m}.up_proj"), d.intermediate),
             ],
-            fuse,
+            h,
         )?;
         let down = Linear::load(src, &format!("{m}.down_proj"), h, d.intermediate, false)?;
         Ok(DecoderLayer {

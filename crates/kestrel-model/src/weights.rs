@@ -15,6 +15,17 @@ pub(crate) trait WeightSource {
     /// Whether projections may be fused at load (not for trainable `Var`s, whose updates a
     /// fused copy would not see).
     fn fuse(&self) -> bool;
+    /// The tensors `parts` (name, shape) concatenated along their first dimension: a fused
+    /// projection's weight. Asked only of sources that [`WeightSource::fuse`]; by default the
+    /// parts are fetched (and created with `Init::Const(0)` where a source creates missing
+    /// tensors, which fusing sources do not) and concatenated on the device.
+    fn get_cat(&self, parts: &[(String, Vec<usize>)]) -> Result<Tensor> {
+        let ts = parts
+            .iter()
+            .map(|(name, shape)| self.get(name, shape, Init::Const(0.0)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&ts, 0)?)
+    }
     fn dtype(&self) -> DType;
     fn device(&self) -> &Device;
 }
@@ -24,6 +35,24 @@ pub(crate) struct MapSource<'a> {
     pub origin: &'a str,
     pub dtype: DType,
     pub device: &'a Device,
+}
+
+impl MapSource<'_> {
+    /// The map's tensor `name`, which must have `shape`; `None` when absent.
+    fn held(&self, name: &str, shape: &[usize]) -> Result<Option<&Tensor>> {
+        let Some(t) = self.map.get(name) else {
+            return Ok(None);
+        };
+        if t.dims() != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                origin: self.origin.to_string(),
+                expected: shape.to_vec(),
+                got: t.dims().to_vec(),
+            });
+        }
+        Ok(Some(t))
+    }
 }
 
 impl WeightSource for MapSource<'_> {
@@ -36,17 +65,9 @@ impl WeightSource for MapSource<'_> {
     }
 
     fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
-        let Some(t) = self.map.get(name) else {
+        let Some(t) = self.held(name, shape)? else {
             return Ok(None);
         };
-        if t.dims() != shape {
-            return Err(ModelError::ShapeMismatch {
-                name: name.to_string(),
-                origin: self.origin.to_string(),
-                expected: shape.to_vec(),
-                got: t.dims().to_vec(),
-            });
-        }
         Ok(Some(
             t.to_device(self.device)?
                 .to_dtype(self.dtype)?
@@ -56,6 +77,26 @@ impl WeightSource for MapSource<'_> {
 
     fn fuse(&self) -> bool {
         true
+    }
+
+    /// Concatenated where the map holds them (the host, for a loaded checkpoint) and moved
+    /// once: the device never holds the parts, whose freed memory would stay behind as holes
+    /// in CUDA's stream-ordered pool between the model's weights.
+    fn get_cat(&self, parts: &[(String, Vec<usize>)]) -> Result<Tensor> {
+        let ts = parts
+            .iter()
+            .map(|(name, shape)| {
+                self.held(name, shape)?
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        name: name.to_string(),
+                        origin: self.origin.to_string(),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&ts, 0)?
+            .to_device(self.device)?
+            .to_dtype(self.dtype)?
+            .contiguous()?)
     }
     fn dtype(&self) -> DType {
         self.dtype
