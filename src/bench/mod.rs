@@ -371,6 +371,10 @@ pub struct BenchReport {
     /// then; CPU: the peak so far): weights and what loading them left, against what the
     /// runs add (KV pools, kernels loaded on first use, library workspaces, graphs).
     pub memory_after_load_bytes: Option<u64>,
+    /// The CUDA context's per-thread stack limit after every run: Kestrel sets 256 bytes, and
+    /// the driver raises it (keeping limit × resident threads of memory) for a kernel with a
+    /// larger frame. `None` on the CPU.
+    pub cuda_thread_stack_bytes: Option<usize>,
     pub load_s: f64,
     pub num_prompts: usize,
     pub batch_sizes: Vec<usize>,
@@ -991,6 +995,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         memory_probe: probe.kind.to_string(),
         memory_baseline_bytes: probe.baseline,
         memory_after_load_bytes: memory_after_load,
+        cuda_thread_stack_bytes: kestrel_runtime::device::thread_stack_limit(&device)?,
         load_s,
         num_prompts: prompts.len(),
         batch_sizes,

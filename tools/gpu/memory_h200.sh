@@ -22,7 +22,7 @@ bench no_cublas_workspace CUBLAS_WORKSPACE_CONFIG=:0:0 --no_cuda_graphs
 python3 - "$OUT" <<'PY' | tee "$OUT/memory.txt"
 import json, os, sys
 mib = 1 << 20
-print(f"{'run':22s} {'weights':>8s} {'KV used':>8s} {'after load':>10s} {'peak':>8s} {'overhead':>8s}  (MiB above the pre-load level)")
+print(f"{'run':22s} {'weights':>8s} {'KV used':>8s} {'after load':>10s} {'peak':>8s} {'overhead':>8s} {'stack B':>7s}  (MiB above the pre-load level)")
 for name in ["graphs", "eager", "candle_ops", "eager_modules", "no_cublas_workspace"]:
     path = os.path.join(sys.argv[1], f"memory_{name}.json")
     if not os.path.exists(path):
@@ -31,5 +31,5 @@ for name in ["graphs", "eager", "candle_ops", "eager_modules", "no_cublas_worksp
     r = d["results"][0]
     print(f"{name:22s} {d['weight_bytes'] / mib:8.1f} {r['kv_in_use_bytes'] / mib:8.1f}"
           f" {(d['memory_after_load_bytes'] or 0) / mib:10.1f} {(r['peak_memory_bytes'] or 0) / mib:8.1f}"
-          f" {r['memory_overhead_fraction'] or 0:8.2f}")
+          f" {r['memory_overhead_fraction'] or 0:8.2f} {d.get('cuda_thread_stack_bytes') or 0:7d}")
 PY

@@ -40,7 +40,7 @@ mod launch;
 mod stack;
 
 pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
-pub use stack::{limit_thread_stack, open_cuda, THREAD_STACK_BYTES};
+pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_BYTES};
 
 /// Whether kernels launched on Hopper carry programmatic dependent launch (see
 /// [`set_dependent_launch`]).

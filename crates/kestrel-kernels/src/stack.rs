@@ -44,3 +44,27 @@ pub fn limit_thread_stack(device: &Device) -> Result<()> {
     let _ = device;
     Ok(())
 }
+
+/// `device`'s per-thread stack limit now (`None` on the CPU): the driver raises it past
+/// [`THREAD_STACK_BYTES`] when it launches a kernel with a larger frame, and keeps
+/// `limit × resident threads` of device memory for it from then on.
+pub fn thread_stack_limit(device: &Device) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        use candle_core::cuda::cudarc::driver::sys;
+        use candle_core::cuda::WrapErr;
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().w()?;
+        let mut limit = 0usize;
+        // SAFETY: a plain driver query on the context just made current, into a local.
+        let status = unsafe { sys::cuCtxGetLimit(&mut limit, sys::CUlimit::CU_LIMIT_STACK_SIZE) };
+        if status != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(candle_core::Error::Msg(format!(
+                "cannot read the CUDA per-thread stack limit: {status:?}"
+            )));
+        }
+        return Ok(Some(limit));
+    }
+    let _ = device;
+    Ok(None)
+}

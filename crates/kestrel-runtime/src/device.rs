@@ -3,6 +3,8 @@
 
 use crate::error::{Result, RuntimeError};
 pub use candle_core::Device;
+/// The context's per-thread stack limit, which decides a fixed share of device memory.
+pub use kestrel_kernels::thread_stack_limit;
 /// Programmatic dependent launch of Kestrel's kernels on Hopper, on by default.
 pub use kestrel_kernels::{dependent_launch_on, set_dependent_launch};
 use std::sync::atomic::{AtomicBool, Ordering};
