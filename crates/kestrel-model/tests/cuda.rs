@@ -570,3 +570,158 @@ fn dependent_launch_changes_no_bits() {
         }
     }
 }
+
+/// Device memory in use (total − free) once the stream's work is done.
+fn used_bytes(dev: &Device) -> u64 {
+    dev.synchronize().unwrap();
+    let ctx = dev
+        .as_cuda_device()
+        .unwrap()
+        .cuda_stream()
+        .context()
+        .clone();
+    let (free, total) = ctx.mem_get_info().unwrap();
+    (total - free) as u64
+}
+
+/// Gives the device's stream-ordered pool's unused memory back, so that a measurement starts
+/// from what is live (the pool keeps freed memory across synchronisations); returns the
+/// pool's release threshold.
+fn trim_pool(dev: &Device) -> u64 {
+    use candle_core::cuda::cudarc::driver::{result, sys};
+    dev.synchronize().unwrap();
+    let ctx = dev
+        .as_cuda_device()
+        .unwrap()
+        .cuda_stream()
+        .context()
+        .clone();
+    ctx.bind_to_thread().unwrap();
+    let mut threshold = 0u64;
+    // SAFETY: the device's current pool, queried on its bound context; the attribute is a
+    // u64, written into a local.
+    unsafe {
+        let pool = result::device::get_mem_pool(ctx.cu_device()).unwrap();
+        result::mem_pool::get_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .unwrap();
+        result::mem_pool::trim_to(pool, 0).unwrap();
+    }
+    threshold
+}
+
+/// CUDA's stream-ordered pool reserves device memory in chunks of this size (measured on the
+/// H200: every level above the pre-load one is a multiple of it).
+const POOL_CHUNK: u64 = 32 << 20;
+
+/// Loading full-size SmolLM2 in bf16 takes no more pool chunks than its weights fill: fused
+/// projections are concatenated before they reach the device, so no freed parts stay behind
+/// between the weights (they took a whole extra chunk when fused on the device). Also prints
+/// the level after each stage of a first generation, which locates the rest of the fixed
+/// memory (run with --nocapture).
+#[test]
+fn loading_leaves_no_freed_parts_between_the_weights() {
+    let mut cfg = smollm2_shaped();
+    cfg.num_hidden_layers = 30;
+    cfg.vocab_size = 49152;
+    let dev = gpu();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let threshold = trim_pool(&dev);
+    let start = used_bytes(&dev);
+    let m = Llama::random(&cfg, SEED, DType::BF16, &dev).unwrap();
+    let weights = cfg.num_parameters() as u64 * 2;
+    let loaded = used_bytes(&dev) - start;
+    let mut cache = m.new_cache(64, 16).unwrap();
+    let with_cache = used_bytes(&dev) - start;
+    let seq = cache.add_sequence();
+    let tokens: Vec<u32> = (0..9).map(|i| i * 97 + 5).collect();
+    let pos: Vec<u32> = (0..9).collect();
+    let step = |range: std::ops::Range<usize>, cache: &mut PagedKvCache| {
+        let batch = [SeqInput {
+            seq,
+            tokens: &tokens[range.clone()],
+            positions: &pos[range.clone()],
+            mask: None,
+            output_rows: OutputRows::Last,
+        }];
+        let h = if range.len() > 1 {
+            m.forward_prompt(&batch, cache)
+        } else {
+            m.forward(&batch, cache)
+        };
+        m.logits(&h.unwrap()).unwrap();
+    };
+    // A candle op and a Kestrel kernel alone (each loads its module), a one-token step
+    // (Kestrel's kernels and a few candle ops), then a prompt's (candle's matmul: cuBLAS), so
+    // that each stage's first use shows apart.
+    let x = candle_core::Tensor::ones((4, 64), candle_core::DType::F32, &dev).unwrap();
+    (&x * 2.0)
+        .unwrap()
+        .to_dtype(candle_core::DType::BF16)
+        .unwrap();
+    let candle_op = used_bytes(&dev) - start;
+    kestrel_kernels::argmax_rows(&x).unwrap();
+    let kestrel_kernel = used_bytes(&dev) - start;
+    // The kernel with Kestrel's largest stack frame (256 bytes: what the runtime limits the
+    // per-thread stack to).
+    kestrel_kernels::top_k_logp(&x, 8).unwrap();
+    let local_memory = used_bytes(&dev) - start;
+    // candle's other modules, one at a time: indexing, binary, unary, reduce, ternary.
+    let ids = candle_core::Tensor::new(&[1u32, 3], &dev).unwrap();
+    let y = x.index_select(&ids, 0).unwrap();
+    let mut modules = vec![("indexing", used_bytes(&dev) - start)];
+    let z = (&y + &y).unwrap();
+    modules.push(("binary", used_bytes(&dev) - start));
+    let z = z.exp().unwrap();
+    modules.push(("unary", used_bytes(&dev) - start));
+    z.sum_keepdim(1).unwrap();
+    modules.push(("reduce", used_bytes(&dev) - start));
+    y.ge(0.5).unwrap().where_cond(&y, &y).unwrap();
+    modules.push(("cmp + ternary", used_bytes(&dev) - start));
+    candle_core::Tensor::cat(&[&y, &y], 1).unwrap();
+    let candle_ops = used_bytes(&dev) - start;
+    eprintln!(
+        "candle modules, MiB above the start after each: {}",
+        modules
+            .iter()
+            .map(|(m, b)| format!("{m} {:.1}", mib(*b)))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    // One bf16 gemv of SmolLM2's shape.
+    let xb = candle_core::Tensor::ones((1, 576), candle_core::DType::BF16, &dev).unwrap();
+    let wb = candle_core::Tensor::ones((960, 576), candle_core::DType::BF16, &dev).unwrap();
+    kestrel_kernels::gemv(&xb, &wb).unwrap();
+    let gemv = used_bytes(&dev) - start;
+    step(0..1, &mut cache);
+    let decoded = used_bytes(&dev) - start;
+    step(1..9, &mut cache);
+    let prefilled = used_bytes(&dev) - start;
+    eprintln!(
+        "SmolLM2 bf16, MiB above the start: weights {:.1}; loaded {:.1}; + KV cache {:.1}; \
+         after a candle op {:.1}; after a Kestrel kernel {:.1}; after top-k (a stack frame) \
+         {:.1}; after candle's other ops {:.1}; after a gemv {:.1}; after a one-token step {:.1}; \
+         after an 8-token prompt step {:.1} (pool release threshold {threshold})",
+        mib(weights),
+        mib(loaded),
+        mib(with_cache),
+        mib(candle_op),
+        mib(kestrel_kernel),
+        mib(local_memory),
+        mib(candle_ops),
+        mib(gemv),
+        mib(decoded),
+        mib(prefilled)
+    );
+    let chunks = weights.div_ceil(POOL_CHUNK) * POOL_CHUNK;
+    assert!(
+        loaded <= chunks,
+        "loading {:.1} MiB of weights left {:.1} MiB in use ({:.0} MiB of whole chunks)",
+        mib(weights),
+        mib(loaded),
+        mib(chunks)
+    );
+}
