@@ -10,22 +10,28 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
 M=/tmp/memory; mkdir -p $M
-bench() { # name, env assignments (space-separated, may be empty), then flags
-  local name=$1 vars=$2; shift 2
+bench() { # name, env assignments (space-separated, may be empty), prompt and output length, flags
+  local name=$1 vars=$2 prompt=$3 output=$4; shift 4
   env $vars $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 \
-    --prompt_len 128 --max_output_len 64 --num_prompts 1 --batch_sizes 1 --modes plain \
+    --prompt_len $prompt --max_output_len $output --num_prompts 1 --batch_sizes 1 --modes plain \
     --copy_bytes 268435456 --output_json "$M/memory_$name.json" "$@" > /dev/null || echo "$name failed"
 }
-bench graphs ""
-bench eager "" --no_cuda_graphs
-bench candle_ops "" --no_cuda_graphs --cuda_kernels none
-bench eager_modules CUDA_MODULE_LOADING=EAGER --no_cuda_graphs
-bench no_cublas_workspace CUBLAS_WORKSPACE_CONFIG=:0:0 --no_cuda_graphs
+bench graphs "" 128 64
+bench eager "" 128 64 --no_cuda_graphs
+bench candle_ops "" 128 64 --no_cuda_graphs --cuda_kernels none
+bench eager_modules CUDA_MODULE_LOADING=EAGER 128 64 --no_cuda_graphs
+bench no_cublas_workspace CUBLAS_WORKSPACE_CONFIG=:0:0 128 64 --no_cuda_graphs
+bench small_cublas_workspace CUBLAS_WORKSPACE_CONFIG=:16:1 128 64 --no_cuda_graphs
+# What the prompt's prefill alone leaves (one output token, no warm-up run), and a short prompt.
+bench prefill_only "" 128 1 --no_cuda_graphs --warmup_tokens 0
+bench short_prompt "" 8 64 --no_cuda_graphs
+bench short_prefill_only "" 8 1 --no_cuda_graphs --warmup_tokens 0
 python3 - $M <<'PY' | tee "$OUT/memory.txt"
 import json, os, sys
 mib = 1 << 20
 print(f"{'run':22s} {'weights':>8s} {'KV used':>8s} {'after load':>10s} {'peak':>8s} {'overhead':>8s} {'stack B':>7s}  (MiB above the pre-load level)")
-for name in ["graphs", "eager", "candle_ops", "eager_modules", "no_cublas_workspace"]:
+for name in ["graphs", "eager", "candle_ops", "eager_modules", "no_cublas_workspace",
+             "small_cublas_workspace", "prefill_only", "short_prompt", "short_prefill_only"]:
     path = os.path.join(sys.argv[1], f"memory_{name}.json")
     if not os.path.exists(path):
         continue
