@@ -36,6 +36,16 @@ fn prompts(dir: &Path) -> PathBuf {
     path
 }
 
+/// A temporary folder holding the tiny EAGLE engine and the prompts, with where a report
+/// goes: `(folder, engine, prompts, report)`.
+fn eagle_bench() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path(), true);
+    let prompts = prompts(tmp.path());
+    let json = tmp.path().join("bench.json");
+    (tmp, engine, prompts, json)
+}
+
 /// Runs spec-bench, which must succeed; returns its JSON report.
 fn bench_ok(args: &[&str], json: &Path) -> Value {
     let mut all = args.to_vec();
@@ -172,10 +182,7 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
 
 #[test]
 fn the_draft_vocabulary_is_recorded_and_keeps_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path(), true);
-    let json = tmp.path().join("bench.json");
-    let prompts = prompts(tmp.path());
+    let (_tmp, engine, prompts, json) = eagle_bench();
     let run = |extra: &[&str]| {
         let mut args = vec![
             "--engine_dir",
@@ -215,10 +222,7 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
 /// the drafts themselves with an agreeing one.)
 #[test]
 fn drafted_tokens_on_the_device_or_the_host_give_the_same_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path(), true);
-    let json = tmp.path().join("bench.json");
-    let prompts = prompts(tmp.path());
+    let (_tmp, engine, prompts, json) = eagle_bench();
     let run = |on: &str, extra: &[&str]| {
         let mut args = vec![
             "--engine_dir",
@@ -267,10 +271,7 @@ fn drafted_tokens_on_the_device_or_the_host_give_the_same_output() {
 
 #[test]
 fn sampled_runs_are_recorded_and_repeat_with_their_seed() {
-    let tmp = tempfile::tempdir().unwrap();
-    let engine = tiny_engine(tmp.path(), true);
-    let json = tmp.path().join("bench.json");
-    let prompts = prompts(tmp.path());
+    let (_tmp, engine, prompts, json) = eagle_bench();
     let run = |seed: &str| {
         let report = bench_ok(
             &[

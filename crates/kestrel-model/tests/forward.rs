@@ -767,30 +767,24 @@ fn device_token_ids_give_the_host_ids_step() {
             mask: None,
             output_rows: OutputRows::All,
         };
-        let ids = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
-        let err = m
-            .forward_tapped_device_ids(&[input(&[1, 2])], &ids, &mut cache, &[])
-            .unwrap_err();
+        let mut refused = |tokens: &'static [u32], ids: Tensor| {
+            m.forward_tapped_device_ids(&[input(tokens)], &ids, &mut cache, &[])
+                .unwrap_err()
+                .to_string()
+        };
+        let cpu = &Device::Cpu;
         assert_eq!(
-            err.to_string(),
+            refused(&[1, 2], Tensor::new(&[1u32, 2], cpu).unwrap()),
             format!("invalid input: sequence {s:?}: host tokens given with the step's ids on the device"),
             "{name}"
         );
-        let three = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
-        let err = m
-            .forward_tapped_device_ids(&[input(&[])], &three, &mut cache, &[])
-            .unwrap_err();
         assert_eq!(
-            err.to_string(),
+            refused(&[], Tensor::new(&[1u32, 2, 3], cpu).unwrap()),
             "invalid input: device token ids: expected u32 [2], got U32 [3]",
             "{name}"
         );
-        let floats = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        let err = m
-            .forward_tapped_device_ids(&[input(&[])], &floats, &mut cache, &[])
-            .unwrap_err();
         assert_eq!(
-            err.to_string(),
+            refused(&[], Tensor::new(&[1f32, 2.], cpu).unwrap()),
             "invalid input: device token ids: expected u32 [2], got F32 [2]",
             "{name}"
         );
