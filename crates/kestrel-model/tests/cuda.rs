@@ -571,24 +571,8 @@ fn dependent_launch_changes_no_bits() {
     }
 }
 
-/// Device memory in use (total − free) once the stream's work is done.
-fn used_bytes(dev: &Device) -> u64 {
-    dev.synchronize().unwrap();
-    let ctx = dev
-        .as_cuda_device()
-        .unwrap()
-        .cuda_stream()
-        .context()
-        .clone();
-    let (free, total) = ctx.mem_get_info().unwrap();
-    (total - free) as u64
-}
-
-/// Gives the device's stream-ordered pool's unused memory back, so that a measurement starts
-/// from what is live (the pool keeps freed memory across synchronisations); returns the
-/// pool's release threshold.
-fn trim_pool(dev: &Device) -> u64 {
-    use candle_core::cuda::cudarc::driver::{result, sys};
+/// The device's context, once the stream's work is done.
+fn settled_context(dev: &Device) -> std::sync::Arc<candle_core::cuda::cudarc::driver::CudaContext> {
     dev.synchronize().unwrap();
     let ctx = dev
         .as_cuda_device()
@@ -597,6 +581,21 @@ fn trim_pool(dev: &Device) -> u64 {
         .context()
         .clone();
     ctx.bind_to_thread().unwrap();
+    ctx
+}
+
+/// Device memory in use (total − free) once the stream's work is done.
+fn used_bytes(dev: &Device) -> u64 {
+    let (free, total) = settled_context(dev).mem_get_info().unwrap();
+    (total - free) as u64
+}
+
+/// Gives the device's stream-ordered pool's unused memory back, so that a measurement starts
+/// from what is live (the pool keeps freed memory across synchronisations); returns the
+/// pool's release threshold.
+fn trim_pool(dev: &Device) -> u64 {
+    use candle_core::cuda::cudarc::driver::{result, sys};
+    let ctx = settled_context(dev);
     let mut threshold = 0u64;
     // SAFETY: the device's current pool, queried on its bound context; the attribute is a
     // u64, written into a local.
