@@ -3,7 +3,8 @@
 # (bf16, plain, batch 1, one 128-token prompt, 64 tokens) with graphs and without, with
 # Kestrel's kernels and with candle's ops only, and under the driver's and cuBLAS's knobs
 # (every kernel module loaded at start; no cuBLAS workspace). Prints, per run, the level
-# after loading and the run's peak above the pre-load level. Needs only spec-bench staged
+# after loading and the run's peak above the pre-load level; then, if model-cuda is staged,
+# its memory test's level after each first use. Needs only spec-bench staged
 # (tools/gpu/stage.sh with it in the slot). Results: $OUT/memory.txt, the JSON reports in
 # $OUT/memory.tar.gz.
 set -uo pipefail
@@ -42,3 +43,9 @@ for name in ["graphs", "eager", "candle_ops", "eager_modules", "no_cublas_worksp
           f" {r['memory_overhead_fraction'] or 0:8.2f} {d.get('cuda_thread_stack_bytes') or 0:7d}")
 PY
 tar -C $M -czf "$OUT/memory.tar.gz" $(cd $M && ls *.json)
+# The level after each first use (loading, the KV cache, candle's modules, Kestrel's kernels,
+# a step), in a fresh process, when the model's GPU test binary is staged too.
+if [ -x $B/model-cuda ]; then
+  $B/model-cuda loading_leaves_no_freed_parts_between_the_weights --nocapture 2>&1 |
+    grep -E "MiB|panicked|test result" | tee -a "$OUT/memory.txt"
+fi

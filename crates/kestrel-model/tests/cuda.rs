@@ -619,8 +619,9 @@ const POOL_CHUNK: u64 = 32 << 20;
 /// Loading full-size SmolLM2 in bf16 takes no more pool chunks than its weights fill: fused
 /// projections are concatenated before they reach the device, so no freed parts stay behind
 /// between the weights (they took a whole extra chunk when fused on the device). Also prints
-/// the level after each stage of a first generation, which locates the rest of the fixed
-/// memory (run with --nocapture).
+/// the level after each first use, which locates the rest of the fixed memory: run it alone
+/// in a fresh process with --nocapture (`tools/gpu/memory_h200.sh` does), since modules the
+/// other tests loaded stay loaded.
 #[test]
 fn loading_leaves_no_freed_parts_between_the_weights() {
     let mut cfg = smollm2_shaped();
