@@ -1,5 +1,6 @@
-//! The tokens of the static trees being drafted. Children drawn on the host (sampled for
-//! exact acceptance on the CPU, or with device sampling off) are host tokens. Every other
+//! The tokens of the static trees being drafted. Sampled children (exact acceptance: their
+//! ids come back from the draw, which the host must know to walk the tree's laws) and, with
+//! `device::set_draft_on_device(false)`, top-k children are host tokens. Otherwise each
 //! level's top-k stays where the head's logits are, in a pool that feeds and the
 //! verification gather their ids from, so drafting a tree never waits for the device: on a
 //! GPU the host queues every level and the verification without a round trip, and the
