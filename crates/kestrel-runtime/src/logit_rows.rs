@@ -94,19 +94,24 @@ impl RowIds {
     /// The ids, and those of `also` (u32 ids, on the device when these are there): in one
     /// copy when both are on the device.
     pub(crate) fn fetch_with(self, also: Option<&Tensor>) -> Result<(Vec<u32>, Vec<u32>)> {
-        let fetch = |t: &Tensor| -> Result<Vec<u32>> { Ok(t.flatten_all()?.to_vec1::<u32>()?) };
         match (self, also) {
             (RowIds::Device(ids), Some(also)) => {
                 let n = ids.dim(0)?;
-                let mut all = fetch(&Tensor::cat(&[&ids, &also.flatten_all()?], 0)?)?;
+                let mut all = fetch_ids(Some(&Tensor::cat(&[&ids, &also.flatten_all()?], 0)?))?;
                 let also = all.split_off(n);
                 Ok((all, also))
             }
-            (RowIds::Device(ids), None) => Ok((fetch(&ids)?, Vec::new())),
-            (RowIds::Host(ids), also) => {
-                Ok((ids, also.map(fetch).transpose()?.unwrap_or_default()))
-            }
+            (RowIds::Device(ids), None) => Ok((fetch_ids(Some(&ids))?, Vec::new())),
+            (RowIds::Host(ids), also) => Ok((ids, fetch_ids(also)?)),
         }
+    }
+}
+
+/// The values of u32 ids (any shape), on the host; none for `None`.
+pub(crate) fn fetch_ids(ids: Option<&Tensor>) -> Result<Vec<u32>> {
+    match ids {
+        Some(t) => Ok(t.flatten_all()?.to_vec1::<u32>()?),
+        None => Ok(Vec::new()),
     }
 }
 

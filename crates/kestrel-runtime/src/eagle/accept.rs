@@ -2,7 +2,9 @@
 
 use super::draft::{DraftLaws, DraftedTree};
 use crate::error::{Result, RuntimeError};
-use crate::logit_rows::{draws_on_device, row_ids, typical_row_ids, LogitRows, LogitSlice, RowIds};
+use crate::logit_rows::{
+    draws_on_device, fetch_ids, row_ids, typical_row_ids, LogitRows, LogitSlice,
+};
 use crate::sequence::Sequence;
 use crate::Acceptance;
 use candle_core::Tensor;
@@ -30,7 +32,7 @@ pub(crate) fn target_rows(
     let typical_on_device = matches!(rule, Acceptance::Typical { .. }) && draws_on_device(logits);
     if !params.is_greedy() && rule != Acceptance::TokenMatch && !typical_on_device {
         let rows = LogitRows::logits(logits)?;
-        return Ok((rows, RowIds::Host(Vec::new()).fetch_with(drafted)?.1));
+        return Ok((rows, fetch_ids(drafted)?));
     }
     let mut uniforms = Vec::new();
     if !params.is_greedy() {
@@ -74,7 +76,7 @@ pub(crate) fn accept_trees(
         .iter()
         .any(|t| matches!(t.draft_laws, DraftLaws::Host(_)));
     if rule == Acceptance::Exact && !params.is_greedy() && draws_on_device(logits) && !host_laws {
-        fill_tokens(trees, RowIds::Host(Vec::new()).fetch_with(drafted)?.1);
+        fill_tokens(trees, fetch_ids(drafted)?);
         return exact_on_device(logits, trees, live, seqs, params, device_laws, col_of);
     }
     let (target, drafted) = target_rows(logits, rule, trees, live, seqs, params, drafted)?;

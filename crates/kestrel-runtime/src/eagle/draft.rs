@@ -101,8 +101,9 @@ impl Drafter<'_> {
         self.draft_vocab.map_or(c, |v| v.ids[c as usize])
     }
 
-    /// The `k` best tokens of each head output, u32 `[rows, k]` where the outputs are.
-    fn top_k_ids(&self, rows: &Tensor, k: usize) -> Result<Tensor> {
+    /// The `k` best tokens of each head output (draft-vocabulary columns mapped to token
+    /// ids), u32 `[rows, k]` where the outputs are.
+    fn best_tokens(&self, rows: &Tensor, k: usize) -> Result<Tensor> {
         let columns = top_k_ids(&self.logits(rows)?, k)?;
         Ok(match self.draft_vocab {
             Some(v) => v
@@ -197,7 +198,7 @@ impl Drafter<'_> {
             let width = level.expand.len();
             let children = match choice {
                 ChildChoice::TopK if pooled => {
-                    Children::Device(self.top_k_ids(&rows, level.top_k)?)
+                    Children::Device(self.best_tokens(&rows, level.top_k)?)
                 }
                 ChildChoice::TopK => Children::Host(
                     self.top_k(&rows, level.top_k)?
