@@ -1,5 +1,6 @@
-//! Compiles `src/kernels.cu` (which includes `src/logit_rows.cuh`) to PTX with nvcc, only when
-//! the `cuda` feature is on, so the default (CPU) build never needs a CUDA toolkit.
+//! Compiles `src/kernels.cu` (which includes `src/logit_rows.cuh` and `src/rows.cuh`) to PTX
+//! with nvcc, only when the `cuda` feature is on, so the default (CPU) build never needs a
+//! CUDA toolkit.
 //!
 //! Two PTX modules, each JIT-compiled by the driver for the GPU it runs on: `compute_80` for
 //! Ampere (sm_80/86), and `compute_90` for Hopper and later, whose kernels also wait for and
@@ -14,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/kernels.cu");
     println!("cargo:rerun-if-changed=src/logit_rows.cuh");
+    println!("cargo:rerun-if-changed=src/rows.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

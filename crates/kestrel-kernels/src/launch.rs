@@ -116,6 +116,12 @@ impl KernelArg for i32 {
     }
 }
 
+impl KernelArg for u32 {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        *self as u64
+    }
+}
+
 impl KernelArg for f32 {
     fn bits(&self, _: &CudaStream) -> u64 {
         self.to_bits() as u64

@@ -19,6 +19,9 @@
 //! - [`chain_accept`]: draft-target speculative sampling (accept, residual, bonus) from the
 //!   target's and the draft's logits rows, on the device.
 //! - [`top_k_logp`]: the k best tokens of f32 logits rows with their log-probabilities.
+//! - [`gather_rows`] / [`scatter_rows`]: rows by u32 ids, any dtype (embedding lookup, output
+//!   rows, EAGLE's node outputs and token pool), so that candle's indexing module, and the
+//!   device memory its loading takes, stays out of the process; candle's ops on the CPU.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`].
 //! - [`open_cuda`] / [`limit_thread_stack`]: a device whose context's per-thread stack is cut
@@ -37,9 +40,11 @@ mod cuda;
 mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
+mod rows;
 mod stack;
 
 pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
+pub use rows::{gather_rows, scatter_rows};
 pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_BYTES};
 
 /// Whether kernels launched on Hopper carry programmatic dependent launch (see

@@ -6,10 +6,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
-    add_rms_norm, argmax_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies, gemv_applies,
-    gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack, open_cuda,
-    paged_attention, qkv_rope_append, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
-    GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
+    add_rms_norm, argmax_rows, gather_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies,
+    gemv_applies, gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack,
+    open_cuda, paged_attention, qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq,
+    PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
 use kestrel_spec::accept::{draft_target, exact_tree_sampling, DraftProposal};
@@ -1436,6 +1436,119 @@ fn top_k_logp_matches_the_host_selection() {
     assert_eq!(&got[0][..3], &[1, 0, 0]);
     assert_eq!(f32::from_bits(got[0][3]), 0.0);
     assert_eq!(f32::from_bits(got[0][4]), f32::NEG_INFINITY);
+}
+
+/// `t` (any dtype) as f64 values on the host, for exact comparisons.
+fn exact(t: &Tensor) -> Vec<f64> {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Tensors on the CPU and on the GPU holding the same `rows × width` values of `dtype`,
+/// viewed from element `skip` of a flat buffer (so the GPU view may start off alignment), and
+/// the GPU's whole flat buffer.
+fn row_tables(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    width: usize,
+    skip: usize,
+    dtype: DType,
+) -> (Tensor, Tensor, Tensor) {
+    let flat: Vec<f32> = (0..skip + rows * width)
+        .map(|_| rng.random_range(0..1000) as f32)
+        .collect();
+    let cpu = Tensor::new(flat.as_slice(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let view = |t: &Tensor| {
+        let t = t.narrow(0, skip, rows * width).unwrap();
+        if width == 1 {
+            t
+        } else {
+            t.reshape((rows, width)).unwrap()
+        }
+    };
+    let flat_gpu = cpu.to_device(&gpu()).unwrap();
+    (view(&cpu), view(&flat_gpu), flat_gpu)
+}
+
+#[test]
+fn gather_and_scatter_rows_match_candles_cpu_ops() {
+    let dev = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    // (dtype, rows, width, skip): rows of 16-byte words (bf16 576, f32 8), 4-byte words (f32 5,
+    // u32 1-D, bf16 6 at a 4-byte offset), 2-byte words (bf16 3; bf16 8 at a 2-byte offset).
+    let cases = [
+        (DType::BF16, 9, 576, 0),
+        (DType::F32, 7, 8, 0),
+        (DType::F32, 7, 5, 0),
+        (DType::U32, 10, 1, 1),
+        (DType::BF16, 6, 6, 2),
+        (DType::BF16, 5, 3, 0),
+        (DType::BF16, 4, 8, 1),
+        (DType::F16, 4, 8, 0),
+        (DType::I64, 3, 2, 1),
+    ];
+    for (dtype, rows, width, skip) in cases {
+        let what = format!("{dtype:?} [{rows}, {width}] at +{skip}");
+        let (cpu, gpu_t, flat) = row_tables(&mut rng, rows, width, skip, dtype);
+        let before = exact(&flat);
+        let ids = [rows as u32 - 1, 0, 2, 2, 1];
+        let cpu_ids = Tensor::new(&ids, &Device::Cpu).unwrap();
+        let got = gather_rows(&gpu_t, &cpu_ids.to_device(&dev).unwrap()).unwrap();
+        assert_eq!(got.dims()[0], ids.len(), "{what}");
+        assert_eq!(got.dims()[1..], cpu.dims()[1..], "{what}");
+        let want = cpu.index_select(&cpu_ids, 0).unwrap();
+        assert_eq!(exact(&got), exact(&want), "gather {what}");
+        // Ids past the rows gather zero rows; u32::MAX among them.
+        let far = Tensor::new(&[u32::MAX, 1, rows as u32], &dev).unwrap();
+        let got = exact(&gather_rows(&gpu_t, &far).unwrap());
+        let row = got.len() / 3;
+        let one = exact(&cpu.narrow(0, 1, 1).unwrap());
+        assert!(
+            got[..row].iter().all(|&v| v == 0.0),
+            "gather {what}: u32::MAX"
+        );
+        assert_eq!(got[row..2 * row], one[..], "gather {what}: row 1");
+        assert!(
+            got[2 * row..].iter().all(|&v| v == 0.0),
+            "gather {what}: past the end"
+        );
+
+        // Scatter rows 0 and 2 of a gathered copy over rows 3 and 1; an id past the end is
+        // skipped and writes nothing.
+        let dst_ids = [3u32.min(rows as u32 - 1), 1, rows as u32 + 4];
+        let src = gather_rows(&gpu_t, &Tensor::new(&[0u32, 2, 2], &dev).unwrap()).unwrap();
+        scatter_rows(&gpu_t, &Tensor::new(&dst_ids, &dev).unwrap(), &src).unwrap();
+        let mut want = exact(&cpu);
+        let picked = exact(&src);
+        for (r, &id) in dst_ids.iter().enumerate() {
+            if (id as usize) < rows {
+                want[id as usize * width..(id as usize + 1) * width]
+                    .copy_from_slice(&picked[r * width..(r + 1) * width]);
+            }
+        }
+        assert_eq!(exact(&gpu_t), want, "scatter {what}");
+        // Only the view's rows were written: the elements before it are intact.
+        assert_eq!(
+            exact(&flat)[..skip],
+            before[..skip],
+            "scatter {what}: before the view"
+        );
+    }
+    let empty = gather_rows(
+        &Tensor::zeros((4, 3), DType::F32, &dev).unwrap(),
+        &Tensor::zeros(0, DType::U32, &dev).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(empty.dims(), [0, 3]);
 }
 
 #[test]
