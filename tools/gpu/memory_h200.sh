@@ -46,6 +46,6 @@ tar -C $M -czf "$OUT/memory.tar.gz" $(cd $M && ls *.json)
 # The level after each first use (loading, the KV cache, candle's modules, Kestrel's kernels,
 # a step), in a fresh process, when the model's GPU test binary is staged too.
 if [ -x $B/model-cuda ]; then
-  $B/model-cuda loading_leaves_no_freed_parts_between_the_weights --nocapture 2>&1 |
+  $B/model-cuda smollm2_loads_into_its_weights_chunks_and_steps_within_one_more --nocapture 2>&1 |
     grep -E "MiB|panicked|test result" | tee -a "$OUT/memory.txt"
 fi

@@ -21,6 +21,7 @@ use crate::weights::{MapSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 use kestrel_core::EagleHeadConfig;
+use kestrel_kernels::gather_rows;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -393,7 +394,7 @@ impl EagleHead {
         step: &Step,
         kv: &PagedKvCache,
     ) -> Result<Tensor> {
-        let emb = self.embed.index_select(ids, 0)?;
+        let emb = gather_rows(&self.embed, ids)?;
         let x = self
             .fc
             .forward_with(&Tensor::cat(&[&emb, feats], D::Minus1)?, self.cpu_kernels)?;
@@ -411,7 +412,7 @@ impl EagleHead {
         };
         let mut x = self.layer.forward(&x, &ctx)?;
         if let Some(rows) = &step.out_rows {
-            x = x.index_select(rows, 0)?;
+            x = gather_rows(&x, rows)?;
         }
         Ok(x)
     }

@@ -15,6 +15,7 @@ use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use kestrel_core::{Mapping, ModelConfig};
+use kestrel_kernels::gather_rows;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -547,7 +548,7 @@ impl Llama {
         taps: &[usize],
     ) -> Result<Tensor> {
         let cuda = self.device.is_cuda().then_some(&self.cuda_kernels);
-        let mut x = self.embed.index_select(ids, 0)?;
+        let mut x = gather_rows(&self.embed, ids)?;
         let ctx = |l: usize| AttnCtx::Paged {
             cos: &step.cos,
             sin: &step.sin,
@@ -562,7 +563,7 @@ impl Llama {
         };
         let select = |t: Tensor| -> Result<Tensor> {
             Ok(match &step.out_rows {
-                Some(rows) => t.index_select(rows, 0)?,
+                Some(rows) => gather_rows(&t, rows)?,
                 None => t,
             })
         };
@@ -637,14 +638,20 @@ impl Llama {
     /// The LM head's rows of `ids` (a copy): a draft vocabulary whose products read
     /// `ids.len() / vocab` of the head's weight. Every id must be below the vocabulary size.
     pub fn lm_head_rows(&self, ids: &[u32]) -> Result<LmHeadRows> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(invalid(format!(
+                "LM head row {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
         let index = Tensor::from_slice(ids, ids.len(), self.lm_head.w.device())?;
         let head = &self.lm_head;
         Ok(LmHeadRows(Linear {
-            w: head.w.index_select(&index, 0)?.contiguous()?,
+            w: gather_rows(&head.w, &index)?,
             b: head
                 .b
                 .as_ref()
-                .map(|b| b.index_select(&index, 0))
+                .map(|b| gather_rows(b, &index))
                 .transpose()?,
             gemv: head.gemv,
         }))

@@ -618,12 +618,13 @@ const POOL_CHUNK: u64 = 32 << 20;
 
 /// Loading full-size SmolLM2 in bf16 takes no more pool chunks than its weights fill: fused
 /// projections are concatenated before they reach the device, so no freed parts stay behind
-/// between the weights (they took a whole extra chunk when fused on the device). Also prints
-/// the level after each first use, which locates the rest of the fixed memory: run it alone
+/// between the weights (they took a whole extra chunk when fused on the device), and the
+/// first decode and prompt steps add no more than a chunk. Also prints the level after each
+/// first use, which locates the rest of the fixed memory: run it alone
 /// in a fresh process with --nocapture (`tools/gpu/memory_h200.sh` does), since modules the
 /// other tests loaded stay loaded.
 #[test]
-fn loading_leaves_no_freed_parts_between_the_weights() {
+fn smollm2_loads_into_its_weights_chunks_and_steps_within_one_more() {
     let mut cfg = smollm2_shaped();
     cfg.num_hidden_layers = 30;
     cfg.vocab_size = 49152;
@@ -669,7 +670,17 @@ fn loading_leaves_no_freed_parts_between_the_weights() {
     // per-thread stack to).
     kestrel_kernels::top_k_logp(&x, 8).unwrap();
     let local_memory = used_bytes(&dev) - start;
-    // candle's other modules, one at a time: indexing, binary, unary, reduce, ternary.
+    // One bf16 gemv of SmolLM2's shape.
+    let xb = candle_core::Tensor::ones((1, 576), candle_core::DType::BF16, &dev).unwrap();
+    let wb = candle_core::Tensor::ones((960, 576), candle_core::DType::BF16, &dev).unwrap();
+    kestrel_kernels::gemv(&xb, &wb).unwrap();
+    let gemv = used_bytes(&dev) - start;
+    step(0..1, &mut cache);
+    let decoded = used_bytes(&dev) - start;
+    step(1..9, &mut cache);
+    let prefilled = used_bytes(&dev) - start;
+    // candle's other modules, one at a time, after the steps (which use none of them through
+    // its indexing ops): indexing, binary, unary, reduce, ternary.
     let ids = candle_core::Tensor::new(&[1u32, 3], &dev).unwrap();
     let y = x.index_select(&ids, 0).unwrap();
     let mut modules = vec![("indexing", used_bytes(&dev) - start)];
@@ -681,40 +692,33 @@ fn loading_leaves_no_freed_parts_between_the_weights() {
     modules.push(("reduce", used_bytes(&dev) - start));
     y.ge(0.5).unwrap().where_cond(&y, &y).unwrap();
     modules.push(("cmp + ternary", used_bytes(&dev) - start));
-    candle_core::Tensor::cat(&[&y, &y], 1).unwrap();
-    let candle_ops = used_bytes(&dev) - start;
-    eprintln!(
-        "candle modules, MiB above the start after each: {}",
-        modules
-            .iter()
-            .map(|(m, b)| format!("{m} {:.1}", mib(*b)))
-            .collect::<Vec<_>>()
-            .join("; ")
-    );
-    // One bf16 gemv of SmolLM2's shape.
-    let xb = candle_core::Tensor::ones((1, 576), candle_core::DType::BF16, &dev).unwrap();
-    let wb = candle_core::Tensor::ones((960, 576), candle_core::DType::BF16, &dev).unwrap();
-    kestrel_kernels::gemv(&xb, &wb).unwrap();
-    let gemv = used_bytes(&dev) - start;
-    step(0..1, &mut cache);
-    let decoded = used_bytes(&dev) - start;
-    step(1..9, &mut cache);
-    let prefilled = used_bytes(&dev) - start;
     eprintln!(
         "SmolLM2 bf16, MiB above the start: weights {:.1}; loaded {:.1}; + KV cache {:.1}; \
          after a candle op {:.1}; after a Kestrel kernel {:.1}; after top-k (a stack frame) \
-         {:.1}; after candle's other ops {:.1}; after a gemv {:.1}; after a one-token step {:.1}; \
-         after an 8-token prompt step {:.1} (pool release threshold {threshold})",
+         {:.1}; after a gemv {:.1}; after a one-token step {:.1}; after an 8-token prompt \
+         step {:.1} (pool release threshold {threshold}); then candle's modules: {}",
         mib(weights),
         mib(loaded),
         mib(with_cache),
         mib(candle_op),
         mib(kestrel_kernel),
         mib(local_memory),
-        mib(candle_ops),
         mib(gemv),
         mib(decoded),
-        mib(prefilled)
+        mib(prefilled),
+        modules
+            .iter()
+            .map(|(m, b)| format!("{m} {:.1}", mib(*b)))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    // The steps' activations fit in one pool chunk; candle's indexing module, which took
+    // ~90 MiB at the first step before the row gathers became Kestrel's, must not load.
+    assert!(
+        prefilled <= gemv + POOL_CHUNK,
+        "the first steps took {:.1} MiB above the {:.1} MiB before them",
+        mib(prefilled - gemv),
+        mib(gemv)
     );
     let chunks = weights.div_ceil(POOL_CHUNK) * POOL_CHUNK;
     assert!(

@@ -8,6 +8,7 @@ use crate::device::draft_on_device;
 use crate::error::{Result, RuntimeError};
 use crate::logit_rows::{draws_on_device, top_k_ids, top_k_rows};
 use candle_core::Tensor;
+use kestrel_kernels::gather_rows;
 use kestrel_model::{EagleHead, Llama, LmHeadRows, PagedKvCache, SeqId};
 use kestrel_spec::dynamic::{DynamicTreeBuilder, DynamicTreeConfig};
 use kestrel_spec::sampling::{self, SamplingParams};
@@ -106,10 +107,9 @@ impl Drafter<'_> {
     fn best_tokens(&self, rows: &Tensor, k: usize) -> Result<Tensor> {
         let columns = top_k_ids(&self.logits(rows)?, k)?;
         Ok(match self.draft_vocab {
-            Some(v) => v
-                .ids_tensor
-                .index_select(&columns.flatten_all()?, 0)?
-                .reshape(columns.dims())?,
+            Some(v) => {
+                gather_rows(&v.ids_tensor, &columns.flatten_all()?)?.reshape(columns.dims())?
+            }
             None => columns,
         })
     }

@@ -26,6 +26,7 @@ use crate::sequence::Sequence;
 use crate::{Acceptance, EagleOptions, EagleTreeKind};
 use candle_core::Tensor;
 use draft::{ChildChoice, DraftRoot, DraftVocab, Drafter};
+use kestrel_kernels::gather_rows;
 use kestrel_model::{EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::dynamic::DynamicTreeConfig;
 use kestrel_spec::SeqRng;
@@ -329,7 +330,7 @@ impl Decoder for EagleDecoder<'_> {
                 s.commit(&acc.tokens, params, sink);
                 pending[i] = Some(Pending {
                     tokens: acc.tokens,
-                    features: self.head.fuse_features(&tapped.index_select(&rows, 0)?)?,
+                    features: self.head.fuse_features(&gather_rows(&tapped, &rows)?)?,
                     start: base_len,
                 });
                 offset += n;

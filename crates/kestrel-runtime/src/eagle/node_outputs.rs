@@ -1,11 +1,12 @@
 //! The head's output (a predicted feature) for every node of the trees being drafted, kept in
 //! one device buffer. A level's parents and its expanded nodes are each gathered with one
-//! `index_select`, and a level's outputs written with one scatter, where keeping a tensor per
+//! row gather, and a level's outputs written with one row scatter, where keeping a tensor per
 //! node cost a copy per node (on a GPU, a launch each) every time they were concatenated.
 
 use super::draft::DraftRoot;
 use crate::error::Result;
 use candle_core::Tensor;
+use kestrel_kernels::{gather_rows, scatter_rows};
 
 /// A node: `(tree, node id within the tree)`, trees in the order of the drafted roots.
 pub(crate) type NodeRef = (usize, usize);
@@ -45,20 +46,15 @@ impl NodeOutputs {
 
     /// Stores `rows` (`[ids.len(), hidden]`) as the outputs of the nodes `ids`.
     pub fn set(&mut self, ids: &[NodeRef], rows: &Tensor) -> Result<()> {
-        let hidden = self.buf.dim(1)?;
-        let index: Vec<u32> = self
-            .rows(ids)
-            .flat_map(|r| std::iter::repeat_n(r, hidden))
-            .collect();
-        let index = Tensor::from_vec(index, (ids.len(), hidden), self.buf.device())?;
-        self.buf.scatter_set(&index, &rows.contiguous()?, 0)?;
-        Ok(())
+        let index: Vec<u32> = self.rows(ids).collect();
+        let index = Tensor::from_vec(index, ids.len(), self.buf.device())?;
+        Ok(scatter_rows(&self.buf, &index, rows)?)
     }
 
     /// The outputs of the nodes `ids` (stored before), `[ids.len(), hidden]`.
     pub fn gather(&self, ids: &[NodeRef]) -> Result<Tensor> {
         let index: Vec<u32> = self.rows(ids).collect();
         let index = Tensor::from_vec(index, ids.len(), self.buf.device())?;
-        Ok(self.buf.index_select(&index, 0)?)
+        Ok(gather_rows(&self.buf, &index)?)
     }
 }

@@ -9,6 +9,7 @@
 use super::draft::DraftRoot;
 use crate::error::Result;
 use candle_core::{Device, Tensor};
+use kestrel_kernels::gather_rows;
 use kestrel_spec::tree::DraftPick;
 
 pub(crate) enum NodeTokens {
@@ -113,7 +114,7 @@ impl TokenPool {
         let index = Tensor::from_vec(index, len, self.pool.device())?;
         Ok(DraftedTokens {
             host: vec![Vec::new(); self.at.len()],
-            device: Some(self.pool.index_select(&index, 0)?),
+            device: Some(gather_rows(&self.pool, &index)?),
         })
     }
 }
