@@ -791,3 +791,32 @@ fn device_token_ids_give_the_host_ids_step() {
         assert_eq!(cache.seq_len(s).unwrap(), 0, "{name}");
     }
 }
+
+#[test]
+fn lm_head_rows_give_the_heads_columns_and_refuse_ids_past_the_vocabulary() {
+    use candle_core::Tensor;
+    let cfg = tiny_cfg(4, 2, true, false);
+    let (m, _) = model(&cfg);
+    let h = cfg.hidden_size;
+    let values: Vec<f32> = (0..2 * h).map(|i| (i as f32 * 0.37).sin()).collect();
+    let hidden = Tensor::from_vec(values, (2, h), &Device::Cpu).unwrap();
+    let ids = [7u32, 0, cfg.vocab_size as u32 - 1, 7];
+    let full = m.logits(&hidden).unwrap().to_vec2::<f32>().unwrap();
+    let part = m
+        .logits_of(&m.lm_head_rows(&ids).unwrap(), &hidden)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    for (r, row) in part.iter().enumerate() {
+        let want: Vec<f32> = ids.iter().map(|&id| full[r][id as usize]).collect();
+        assert_eq!(row, &want, "row {r}");
+    }
+    let err = m.lm_head_rows(&[3, cfg.vocab_size as u32]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "invalid input: LM head row {} is outside the vocabulary of {}",
+            cfg.vocab_size, cfg.vocab_size
+        )
+    );
+}
