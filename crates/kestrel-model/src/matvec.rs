@@ -2,7 +2,9 @@
 //! each weight row is streamed from memory once and dotted with every row of `x`. Weight
 //! rows are split over rayon's pool; the dot product is written so that the compiler
 //! vectorises it, and an AVX2 copy is picked at run time where the CPU has it (no
-//! `RUSTFLAGS` needed). f16/bf16 weights are widened to f32 row by row and accumulated in f32.
+//! `RUSTFLAGS` needed), with rows taken in pairs on AVX-512 (the same arithmetic, two rows a
+//! register) and the weights prefetched ahead of the stream. f16/bf16 weights are widened to
+//! f32 row by row and accumulated in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, WithDType};
@@ -133,6 +135,10 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
     assert_eq!(x.len(), m * k, "x has {} elements, not {m}x{k}", x.len());
     assert_eq!(w.len(), n * k, "w has {} elements, not {n}x{k}", w.len());
     let tile = pick_tile();
+    // Rows in pairs on AVX-512 (all but an odd last row).
+    let pairs = pick_pairs().filter(|_| m >= 2);
+    let paired = pairs.map(|_| avx512::interleave(x, m, k));
+    let paired_rows = if pairs.is_some() { m } else { 0 };
     let per_task = rows_per_task(n).next_multiple_of(TILE_N);
     // Column-major result chunks ([n, m]), transposed at the end when m > 1.
     let mut out_t = vec![0f32; n * m];
@@ -154,7 +160,20 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
                         &buf
                     }
                 };
-                for ib in (0..m).step_by(TILE_M) {
+                if let (Some(pair), Some(xi)) = (pairs, &paired) {
+                    let n_pairs = m.div_ceil(2);
+                    for p0 in (0..n_pairs).step_by(PAIRS_MAX) {
+                        let np = PAIRS_MAX.min(n_pairs - p0);
+                        let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
+                        pair(xi, x, wtile, k, (p0, np), nj, &mut res);
+                        for (i, row) in res.iter().enumerate().take((m - 2 * p0).min(2 * np)) {
+                            for (j, &v) in row.iter().enumerate().take(nj) {
+                                out[(jb + j) * m + 2 * p0 + i] = v;
+                            }
+                        }
+                    }
+                }
+                for ib in (paired_rows..m).step_by(TILE_M) {
                     let mi = TILE_M.min(m - ib);
                     let mut res = [[0f32; TILE_N]; TILE_M];
                     tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
@@ -191,6 +210,41 @@ fn pick_tile() -> TileFn {
         }
     }
     portable_tile
+}
+
+/// Most pairs of rows of `x` one [`PairFn`] call takes (8 rows: 16 of AVX-512's 32 registers
+/// hold their accumulators for 4 weight rows).
+const PAIRS_MAX: usize = 4;
+
+/// Computes pairs `p0..p0 + np` of rows of `x` against `nj` weight rows on AVX-512: `xi` is
+/// [`avx512::interleave`]'s copy of `x` (the plain `x` gives the `k % 8` tails), results in
+/// `out[2·(p - p0) + r][j]`.
+///
+/// Each 512-bit register holds one 8-lane accumulator for each row of a pair, so every output
+/// is computed by exactly the AVX2 tile's operations (one `fma` a chunk of 8, the same lane
+/// reduction and tail): a row's bits do not depend on whether it was paired (a one-row step
+/// takes the AVX2 tile). Why: once a weight tile is in L1, a row's products are bound by the
+/// FMA latency of its 4 accumulator chains, ~4 ms a row on a SmolLM2 step on the 2-core CI
+/// machine, which one pass with up to 8 rows (16 chains, two rows a register) cuts.
+type PairFn =
+    fn(&[f32], &[f32], &[f32], usize, (usize, usize), usize, &mut [[f32; TILE_N]; 2 * PAIRS_MAX]);
+
+fn pick_pairs() -> Option<PairFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Unpaired rows take the AVX2 tile, whose arithmetic the pairs repeat.
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports the features `avx512::pairs` is compiled for.
+            return Some(|xi, x, w, k, ps, nj, out| unsafe {
+                avx512::pairs(xi, x, w, k, ps, nj, out)
+            });
+        }
+    }
+    None
 }
 
 /// The same arithmetic as the AVX2 tile without SIMD registers (`a * b + c` rounds twice
@@ -262,6 +316,26 @@ mod avx2 {
         }
     }
 
+    /// Floats ahead of the weights being read that the tiles ask the caches for: two 4-row
+    /// tiles of SmolLM2's K = 576 (18 KiB). Streams of weight rows are latency-bound on the
+    /// 2-core CI machine: without it, every extra row of a step slows the stream (the core
+    /// issues the next lines' loads later), and 8 rows took 2.2× one row's time for the LM head
+    /// where the memory allows 1.1×. Measured there (matvec's `time_shapes`): 16-18 KiB gave
+    /// the best times; 9 KiB and 36 KiB less.
+    pub(super) const PREFETCH_FLOATS: usize = 4608;
+
+    /// Asks for the cache line `PREFETCH_FLOATS` past element `t` of each of the `NJ` weight
+    /// rows at `w` (row length `k`); the address may lie past the weights (a prefetch never
+    /// faults).
+    #[inline(always)]
+    pub(super) fn prefetch_ahead<const NJ: usize>(w: *const f32, k: usize, t: usize) {
+        for j in 0..NJ {
+            let at = w.wrapping_add(j * k + t + PREFETCH_FLOATS);
+            // SAFETY: prefetching is a hint; it reads nothing and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     unsafe fn body<const MI: usize, const NJ: usize>(
         x: &[f32],
@@ -275,6 +349,9 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); NJ]; MI];
         let mut t = 0;
         while t < body {
+            if t % (2 * VEC) == 0 {
+                prefetch_ahead::<NJ>(wp, k, t);
+            }
             let mut wv = [_mm256_setzero_ps(); NJ];
             for (j, v) in wv.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ t + 8 elements.
@@ -299,6 +376,116 @@ mod avx2 {
                     s += x[i * k + t] * w[j * k + t];
                 }
                 out[i][j] = s;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx2::prefetch_ahead;
+    use super::{hsum_lanes, PAIRS_MAX, TILE_N, VEC};
+    use std::arch::x86_64::*;
+
+    /// `x`'s rows in pairs, chunk by chunk of 8: pair p, chunk c is `x[2p][8c..8c + 8]` then
+    /// `x[2p + 1][8c..8c + 8]`, 16 contiguous floats (one 512-bit load). An odd last row is
+    /// paired with zeros (its partner's results are dropped); the `k % 8` tails are left out.
+    pub(super) fn interleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+        let chunks = k / VEC;
+        let mut out = Vec::with_capacity(m.div_ceil(2) * chunks * 2 * VEC);
+        let zeros = [0f32; VEC];
+        for p in 0..m.div_ceil(2) {
+            let a = &x[2 * p * k..(2 * p + 1) * k];
+            let b = x.get((2 * p + 1) * k..(2 * p + 2) * k);
+            for c in 0..chunks {
+                out.extend_from_slice(&a[c * VEC..(c + 1) * VEC]);
+                out.extend_from_slice(b.map_or(&zeros[..], |b| &b[c * VEC..(c + 1) * VEC]));
+            }
+        }
+        out
+    }
+
+    /// See [`super::PairFn`].
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn pairs(
+        xi: &[f32],
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        (p0, np): (usize, usize),
+        nj: usize,
+        out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
+    ) {
+        match (np, nj) {
+            (4, 4) => body::<4, 4>(xi, x, w, k, p0, out),
+            (4, 3) => body::<4, 3>(xi, x, w, k, p0, out),
+            (4, 2) => body::<4, 2>(xi, x, w, k, p0, out),
+            (4, 1) => body::<4, 1>(xi, x, w, k, p0, out),
+            (3, 4) => body::<3, 4>(xi, x, w, k, p0, out),
+            (3, 3) => body::<3, 3>(xi, x, w, k, p0, out),
+            (3, 2) => body::<3, 2>(xi, x, w, k, p0, out),
+            (3, 1) => body::<3, 1>(xi, x, w, k, p0, out),
+            (2, 4) => body::<2, 4>(xi, x, w, k, p0, out),
+            (2, 3) => body::<2, 3>(xi, x, w, k, p0, out),
+            (2, 2) => body::<2, 2>(xi, x, w, k, p0, out),
+            (2, 1) => body::<2, 1>(xi, x, w, k, p0, out),
+            (1, 4) => body::<1, 4>(xi, x, w, k, p0, out),
+            (1, 3) => body::<1, 3>(xi, x, w, k, p0, out),
+            (1, 2) => body::<1, 2>(xi, x, w, k, p0, out),
+            (1, 1) => body::<1, 1>(xi, x, w, k, p0, out),
+            _ => unreachable!("{np} pairs x {nj} weight rows exceed {PAIRS_MAX} x {TILE_N}"),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn body<const NP: usize, const NJ: usize>(
+        xi: &[f32],
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        p0: usize,
+        out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
+    ) {
+        let chunks = k / VEC;
+        assert!(xi.len() >= (p0 + NP) * chunks * 2 * VEC && w.len() >= NJ * k);
+        let (xp, wp) = (xi.as_ptr(), w.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); NJ]; NP];
+        for c in 0..chunks {
+            if c % 2 == 0 {
+                prefetch_ahead::<NJ>(wp, k, c * VEC);
+            }
+            let mut wv = [_mm512_setzero_ps(); NJ];
+            for (j, v) in wv.iter_mut().enumerate() {
+                // SAFETY: row j of w has k ≥ 8c + 8 elements.
+                *v = _mm512_broadcast_f32x8(unsafe { _mm256_loadu_ps(wp.add(j * k + c * VEC)) });
+            }
+            for (p, acc_p) in acc.iter_mut().enumerate() {
+                // SAFETY: pair p0 + p's chunk c lies inside `xi` (asserted above).
+                let xv = unsafe { _mm512_loadu_ps(xp.add(((p0 + p) * chunks + c) * 2 * VEC)) };
+                for (a, &wj) in acc_p.iter_mut().zip(&wv) {
+                    *a = _mm512_fmadd_ps(xv, wj, *a);
+                }
+            }
+        }
+        let body = chunks * VEC;
+        for (p, acc_p) in acc.iter().enumerate() {
+            for (j, &a) in acc_p.iter().enumerate() {
+                let mut lanes = [0f32; 2 * VEC];
+                // SAFETY: `lanes` holds 16 f32.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
+                for r in 0..2 {
+                    let row = 2 * (p0 + p) + r;
+                    if (row + 1) * k > x.len() {
+                        continue; // an odd last row's zero partner
+                    }
+                    let half: &[f32; VEC] =
+                        lanes[r * VEC..(r + 1) * VEC].try_into().expect("8 lanes");
+                    let mut s = hsum_lanes(half);
+                    for t in body..k {
+                        s += x[row * k + t] * w[j * k + t];
+                    }
+                    out[2 * p + r][j] = s;
+                }
             }
         }
     }
