@@ -81,15 +81,31 @@ pub(crate) fn pick_dot() -> DotFn {
     dot_generic
 }
 
+/// How a weight type's elements become f32 lanes in the x86 kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lanes {
+    F32,
+    F16,
+    Bf16,
+}
+
 /// Weight element types the kernel reads.
 pub trait WeightElem: WithDType {
+    /// How the x86 kernels load eight of them.
+    const LANES: Lanes;
     /// Widens `src` into `dst` (same length).
     fn widen(src: &[Self], dst: &mut [f32]);
     /// True when the row is already f32 and can be used in place.
     fn as_f32(src: &[Self]) -> Option<&[f32]>;
+    /// One element as f32 (exact for f16 and bf16).
+    fn widen_one(self) -> f32;
 }
 
 impl WeightElem for f32 {
+    const LANES: Lanes = Lanes::F32;
+    fn widen_one(self) -> f32 {
+        self
+    }
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src)
     }
@@ -98,6 +114,10 @@ impl WeightElem for f32 {
     }
 }
 impl WeightElem for f16 {
+    const LANES: Lanes = Lanes::F16;
+    fn widen_one(self) -> f32 {
+        self.to_f32()
+    }
     fn widen(src: &[f16], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst)
     }
@@ -106,6 +126,10 @@ impl WeightElem for f16 {
     }
 }
 impl WeightElem for bf16 {
+    const LANES: Lanes = Lanes::Bf16;
+    fn widen_one(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
     fn widen(src: &[bf16], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f32::from_bits((s.to_bits() as u32) << 16);
@@ -128,17 +152,17 @@ const VEC: usize = 8;
 ///
 /// Batch invariance: every output element is computed by the same sequence of operations
 /// whatever `m`, `n` or the tile it falls in: one 8-lane accumulator, `acc = fma(x, w, acc)`
-/// over the 8-wide chunks of `k` in order, a fixed lane reduction ([`hsum`]), then the
+/// over the 8-wide chunks of `k` in order, a fixed lane reduction ([`hsum_lanes`]), then the
 /// `k % 8` tail added in order. Tiling only changes which loads are shared, never the
-/// arithmetic of an element.
+/// arithmetic of an element. f16/bf16 weights are widened to f32 (exactly) as they are
+/// loaded, so they stream at half f32's bytes.
 pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k, "x has {} elements, not {m}x{k}", x.len());
     assert_eq!(w.len(), n * k, "w has {} elements, not {n}x{k}", w.len());
-    let tile = pick_tile();
-    // Rows in pairs on AVX-512 (all but an odd last row).
-    let pairs = pick_pairs().filter(|_| m >= 2);
-    let paired = pairs.map(|_| avx512::interleave(x, m, k));
-    let paired_rows = if pairs.is_some() { m } else { 0 };
+    let tile = pick_tile::<W>();
+    // Rows in pairs on AVX-512 (an odd last row paired with zeros).
+    let pairs = pick_pairs::<W>().filter(|_| m >= 2);
+    let paired = pairs.map(|_| interleave(x, m, k));
     let per_task = rows_per_task(n).next_multiple_of(TILE_N);
     // Column-major result chunks ([n, m]), transposed at the end when m > 1.
     let mut out_t = vec![0f32; n * m];
@@ -148,18 +172,9 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
         .for_each(|(task, out)| {
             let j0 = task * per_task;
             let rows = out.len() / m;
-            let mut buf = Vec::new();
             for jb in (0..rows).step_by(TILE_N) {
                 let nj = TILE_N.min(rows - jb);
                 let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
-                let wtile: &[f32] = match W::as_f32(wtile) {
-                    Some(f) => f,
-                    None => {
-                        buf.resize(nj * k, 0f32);
-                        W::widen(wtile, &mut buf);
-                        &buf
-                    }
-                };
                 if let (Some(pair), Some(xi)) = (pairs, &paired) {
                     let n_pairs = m.div_ceil(2);
                     for p0 in (0..n_pairs).step_by(PAIRS_MAX) {
@@ -172,8 +187,9 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
                             }
                         }
                     }
+                    continue;
                 }
-                for ib in (paired_rows..m).step_by(TILE_M) {
+                for ib in (0..m).step_by(TILE_M) {
                     let mi = TILE_M.min(m - ib);
                     let mut res = [[0f32; TILE_N]; TILE_M];
                     tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
@@ -199,17 +215,25 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
 
 /// Computes the `mi × nj` outputs of one tile: `x` holds `mi` rows and `w` holds `nj` rows,
 /// each `k` long.
-type TileFn = fn(&[f32], &[f32], usize, usize, usize, &mut [[f32; TILE_N]; TILE_M]);
+type TileFn<W> = fn(&[f32], &[W], usize, usize, usize, &mut [[f32; TILE_N]; TILE_M]);
 
-fn pick_tile() -> TileFn {
+/// Whether this CPU runs the x86 kernels: AVX2 with FMA, and F16C for f16 weights.
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+fn pick_tile<W: WeightElem>() -> TileFn<W> {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if has_avx2() {
             // SAFETY: the CPU supports the features `avx2::tile` is compiled for.
             return |x, w, k, mi, nj, out| unsafe { avx2::tile(x, w, k, mi, nj, out) };
         }
     }
-    portable_tile
+    portable_tile::<W>
 }
 
 /// Most pairs of rows of `x` one [`PairFn`] call takes (8 rows: 16 of AVX-512's 32 registers
@@ -217,7 +241,7 @@ fn pick_tile() -> TileFn {
 const PAIRS_MAX: usize = 4;
 
 /// Computes pairs `p0..p0 + np` of rows of `x` against `nj` weight rows on AVX-512: `xi` is
-/// [`avx512::interleave`]'s copy of `x` (the plain `x` gives the `k % 8` tails), results in
+/// [`interleave`]'s copy of `x` (the plain `x` gives the `k % 8` tails), results in
 /// `out[2·(p - p0) + r][j]`.
 ///
 /// Each 512-bit register holds one 8-lane accumulator for each row of a pair, so every output
@@ -226,17 +250,14 @@ const PAIRS_MAX: usize = 4;
 /// takes the AVX2 tile). Why: once a weight tile is in L1, a row's products are bound by the
 /// FMA latency of its 4 accumulator chains, ~4 ms a row on a SmolLM2 step on the 2-core CI
 /// machine, which one pass with up to 8 rows (16 chains, two rows a register) cuts.
-type PairFn =
-    fn(&[f32], &[f32], &[f32], usize, (usize, usize), usize, &mut [[f32; TILE_N]; 2 * PAIRS_MAX]);
+type PairFn<W> =
+    fn(&[f32], &[f32], &[W], usize, (usize, usize), usize, &mut [[f32; TILE_N]; 2 * PAIRS_MAX]);
 
-fn pick_pairs() -> Option<PairFn> {
+fn pick_pairs<W: WeightElem>() -> Option<PairFn<W>> {
     #[cfg(target_arch = "x86_64")]
     {
         // Unpaired rows take the AVX2 tile, whose arithmetic the pairs repeat.
-        if is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512dq")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") && has_avx2()
         {
             // SAFETY: the CPU supports the features `avx512::pairs` is compiled for.
             return Some(|xi, x, w, k, ps, nj, out| unsafe {
@@ -247,12 +268,30 @@ fn pick_pairs() -> Option<PairFn> {
     None
 }
 
+/// `x`'s rows in pairs, chunk by chunk of 8: pair p, chunk c is `x[2p][8c..8c + 8]` then
+/// `x[2p + 1][8c..8c + 8]`, 16 contiguous floats (one 512-bit load). An odd last row is
+/// paired with zeros (its partner's results are dropped); the `k % 8` tails are left out.
+fn interleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let chunks = k / VEC;
+    let mut out = Vec::with_capacity(m.div_ceil(2) * chunks * 2 * VEC);
+    let zeros = [0f32; VEC];
+    for p in 0..m.div_ceil(2) {
+        let a = &x[2 * p * k..(2 * p + 1) * k];
+        let b = x.get((2 * p + 1) * k..(2 * p + 2) * k);
+        for c in 0..chunks {
+            out.extend_from_slice(&a[c * VEC..(c + 1) * VEC]);
+            out.extend_from_slice(b.map_or(&zeros[..], |b| &b[c * VEC..(c + 1) * VEC]));
+        }
+    }
+    out
+}
+
 /// The same arithmetic as the AVX2 tile without SIMD registers (`a * b + c` rounds twice
 /// where FMA rounds once, so results differ from the AVX2 path, but are just as
 /// batch-invariant on the machines that take this path).
-fn portable_tile(
+fn portable_tile<W: WeightElem>(
     x: &[f32],
-    w: &[f32],
+    w: &[W],
     k: usize,
     mi: usize,
     nj: usize,
@@ -268,19 +307,19 @@ fn portable_tile(
                 .zip(wr[..body].chunks_exact(VEC))
             {
                 for l in 0..VEC {
-                    acc[l] += xc[l] * wc[l];
+                    acc[l] += xc[l] * wc[l].widen_one();
                 }
             }
             let mut s = hsum_lanes(&acc);
             for t in body..k {
-                s += xr[t] * wr[t];
+                s += xr[t] * wr[t].widen_one();
             }
             out[i][j] = s;
         }
     }
 }
 
-/// The fixed lane reduction both tile paths use: pairs 4 apart, then 2 apart, then 1 apart.
+/// The fixed lane reduction every tile path uses: pairs 4 apart, then 2 apart, then 1 apart.
 #[inline(always)]
 fn hsum_lanes(a: &[f32; VEC]) -> f32 {
     let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
@@ -290,72 +329,94 @@ fn hsum_lanes(a: &[f32; VEC]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{hsum_lanes, TILE_M, TILE_N, VEC};
+    use super::{hsum_lanes, Lanes, WeightElem, TILE_M, TILE_N, VEC};
     use std::arch::x86_64::*;
 
     /// Dispatches a tile of `mi × nj` (at most `TILE_M × TILE_N`) to a fully unrolled body.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<W: WeightElem>(
         x: &[f32],
-        w: &[f32],
+        w: &[W],
         k: usize,
         mi: usize,
         nj: usize,
         out: &mut [[f32; TILE_N]; TILE_M],
     ) {
         match (mi, nj) {
-            (2, 4) => body::<2, 4>(x, w, k, out),
-            (2, 3) => body::<2, 3>(x, w, k, out),
-            (2, 2) => body::<2, 2>(x, w, k, out),
-            (2, 1) => body::<2, 1>(x, w, k, out),
-            (1, 4) => body::<1, 4>(x, w, k, out),
-            (1, 3) => body::<1, 3>(x, w, k, out),
-            (1, 2) => body::<1, 2>(x, w, k, out),
-            (1, 1) => body::<1, 1>(x, w, k, out),
+            (2, 4) => body::<W, 2, 4>(x, w, k, out),
+            (2, 3) => body::<W, 2, 3>(x, w, k, out),
+            (2, 2) => body::<W, 2, 2>(x, w, k, out),
+            (2, 1) => body::<W, 2, 1>(x, w, k, out),
+            (1, 4) => body::<W, 1, 4>(x, w, k, out),
+            (1, 3) => body::<W, 1, 3>(x, w, k, out),
+            (1, 2) => body::<W, 1, 2>(x, w, k, out),
+            (1, 1) => body::<W, 1, 1>(x, w, k, out),
             _ => unreachable!("tile {mi}x{nj} exceeds {TILE_M}x{TILE_N}"),
         }
     }
 
-    /// Floats ahead of the weights being read that the tiles ask the caches for: two 4-row
-    /// tiles of SmolLM2's K = 576 (18 KiB). Streams of weight rows are latency-bound on the
-    /// 2-core CI machine: without it, every extra row of a step slows the stream (the core
-    /// issues the next lines' loads later), and 8 rows took 2.2× one row's time for the LM head
-    /// where the memory allows 1.1×. Measured there (matvec's `time_shapes`): 16-18 KiB gave
-    /// the best times; 9 KiB and 36 KiB less.
-    pub(super) const PREFETCH_FLOATS: usize = 4608;
+    /// 8 weights from `p` as f32 lanes (f16 and bf16 widen exactly).
+    #[inline(always)]
+    pub(super) unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
+        // SAFETY (all arms): the caller vouches for 8 elements at `p`; every caller enables
+        // AVX2 and F16C.
+        unsafe {
+            match W::LANES {
+                Lanes::F32 => _mm256_loadu_ps(p.cast()),
+                Lanes::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                Lanes::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(p.cast()),
+                ))),
+            }
+        }
+    }
 
-    /// Asks for the cache line `PREFETCH_FLOATS` past element `t` of each of the `NJ` weight
+    /// Bytes ahead of the weights being read that the kernels ask the caches for: two 4-row
+    /// f32 tiles of SmolLM2's K = 576. Streams of weight rows are latency-bound on the 2-core
+    /// CI machine: without it, every extra row of a step slows the stream (the core issues
+    /// the next lines' loads later), and 8 rows took 2.2× one row's time for the LM head
+    /// where the memory allows 1.1×. 16-18 KiB gave the best times there; 9 and 36 KiB less.
+    const PREFETCH_BYTES: usize = 18 << 10;
+
+    /// Asks for the cache line `PREFETCH_BYTES` past element `t` of each of the `NJ` weight
     /// rows at `w` (row length `k`); the address may lie past the weights (a prefetch never
     /// faults).
     #[inline(always)]
-    pub(super) fn prefetch_ahead<const NJ: usize>(w: *const f32, k: usize, t: usize) {
+    pub(super) fn prefetch_ahead<W, const NJ: usize>(w: *const W, k: usize, t: usize) {
+        let ahead = PREFETCH_BYTES / std::mem::size_of::<W>();
         for j in 0..NJ {
-            let at = w.wrapping_add(j * k + t + PREFETCH_FLOATS);
+            let at = w.wrapping_add(j * k + t + ahead);
             // SAFETY: prefetching is a hint; it reads nothing and never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn body<const MI: usize, const NJ: usize>(
+    /// Chunks of 8 weights between two prefetches: one 64-byte cache line.
+    pub(super) fn chunks_per_line<W>() -> usize {
+        (64 / (VEC * std::mem::size_of::<W>())).max(1)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn body<W: WeightElem, const MI: usize, const NJ: usize>(
         x: &[f32],
-        w: &[f32],
+        w: &[W],
         k: usize,
         out: &mut [[f32; TILE_N]; TILE_M],
     ) {
         debug_assert!(x.len() >= MI * k && w.len() >= NJ * k);
-        let body = k / VEC * VEC;
+        let chunks = k / VEC;
+        let per_line = chunks_per_line::<W>();
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); NJ]; MI];
-        let mut t = 0;
-        while t < body {
-            if t % (2 * VEC) == 0 {
-                prefetch_ahead::<NJ>(wp, k, t);
+        for c in 0..chunks {
+            let t = c * VEC;
+            if c % per_line == 0 {
+                prefetch_ahead::<W, NJ>(wp, k, t);
             }
             let mut wv = [_mm256_setzero_ps(); NJ];
             for (j, v) in wv.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ t + 8 elements.
-                *v = unsafe { _mm256_loadu_ps(wp.add(j * k + t)) };
+                *v = unsafe { load8(wp.add(j * k + t)) };
             }
             for (i, acc_i) in acc.iter_mut().enumerate() {
                 // SAFETY: row i of x has k ≥ t + 8 elements.
@@ -364,100 +425,89 @@ mod avx2 {
                     *a = _mm256_fmadd_ps(xv, wj, *a);
                 }
             }
-            t += VEC;
         }
         for i in 0..MI {
             for j in 0..NJ {
                 let mut lanes = [0f32; VEC];
                 // SAFETY: `lanes` holds 8 f32.
                 unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i][j]) };
-                let mut s = hsum_lanes(&lanes);
-                for t in body..k {
-                    s += x[i * k + t] * w[j * k + t];
-                }
-                out[i][j] = s;
+                out[i][j] = finish(&lanes, &x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
             }
         }
+    }
+
+    /// An output from its accumulator's lanes: the fixed lane reduction, then the `k % 8`
+    /// tail in order (`x` and `w` are the output's two rows).
+    #[inline(always)]
+    pub(super) fn finish<W: WeightElem>(lanes: &[f32; VEC], x: &[f32], w: &[W]) -> f32 {
+        let mut s = hsum_lanes(lanes);
+        for t in x.len() / VEC * VEC..x.len() {
+            s += x[t] * w[t].widen_one();
+        }
+        s
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::prefetch_ahead;
-    use super::{hsum_lanes, PAIRS_MAX, TILE_N, VEC};
+    use super::avx2::{chunks_per_line, finish, load8, prefetch_ahead};
+    use super::{WeightElem, PAIRS_MAX, TILE_N, VEC};
     use std::arch::x86_64::*;
 
-    /// `x`'s rows in pairs, chunk by chunk of 8: pair p, chunk c is `x[2p][8c..8c + 8]` then
-    /// `x[2p + 1][8c..8c + 8]`, 16 contiguous floats (one 512-bit load). An odd last row is
-    /// paired with zeros (its partner's results are dropped); the `k % 8` tails are left out.
-    pub(super) fn interleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-        let chunks = k / VEC;
-        let mut out = Vec::with_capacity(m.div_ceil(2) * chunks * 2 * VEC);
-        let zeros = [0f32; VEC];
-        for p in 0..m.div_ceil(2) {
-            let a = &x[2 * p * k..(2 * p + 1) * k];
-            let b = x.get((2 * p + 1) * k..(2 * p + 2) * k);
-            for c in 0..chunks {
-                out.extend_from_slice(&a[c * VEC..(c + 1) * VEC]);
-                out.extend_from_slice(b.map_or(&zeros[..], |b| &b[c * VEC..(c + 1) * VEC]));
-            }
-        }
-        out
-    }
-
     /// See [`super::PairFn`].
-    #[target_feature(enable = "avx512f,avx512dq")]
-    pub(super) unsafe fn pairs(
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn pairs<W: WeightElem>(
         xi: &[f32],
         x: &[f32],
-        w: &[f32],
+        w: &[W],
         k: usize,
         (p0, np): (usize, usize),
         nj: usize,
         out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
     ) {
         match (np, nj) {
-            (4, 4) => body::<4, 4>(xi, x, w, k, p0, out),
-            (4, 3) => body::<4, 3>(xi, x, w, k, p0, out),
-            (4, 2) => body::<4, 2>(xi, x, w, k, p0, out),
-            (4, 1) => body::<4, 1>(xi, x, w, k, p0, out),
-            (3, 4) => body::<3, 4>(xi, x, w, k, p0, out),
-            (3, 3) => body::<3, 3>(xi, x, w, k, p0, out),
-            (3, 2) => body::<3, 2>(xi, x, w, k, p0, out),
-            (3, 1) => body::<3, 1>(xi, x, w, k, p0, out),
-            (2, 4) => body::<2, 4>(xi, x, w, k, p0, out),
-            (2, 3) => body::<2, 3>(xi, x, w, k, p0, out),
-            (2, 2) => body::<2, 2>(xi, x, w, k, p0, out),
-            (2, 1) => body::<2, 1>(xi, x, w, k, p0, out),
-            (1, 4) => body::<1, 4>(xi, x, w, k, p0, out),
-            (1, 3) => body::<1, 3>(xi, x, w, k, p0, out),
-            (1, 2) => body::<1, 2>(xi, x, w, k, p0, out),
-            (1, 1) => body::<1, 1>(xi, x, w, k, p0, out),
+            (4, 4) => body::<W, 4, 4>(xi, x, w, k, p0, out),
+            (4, 3) => body::<W, 4, 3>(xi, x, w, k, p0, out),
+            (4, 2) => body::<W, 4, 2>(xi, x, w, k, p0, out),
+            (4, 1) => body::<W, 4, 1>(xi, x, w, k, p0, out),
+            (3, 4) => body::<W, 3, 4>(xi, x, w, k, p0, out),
+            (3, 3) => body::<W, 3, 3>(xi, x, w, k, p0, out),
+            (3, 2) => body::<W, 3, 2>(xi, x, w, k, p0, out),
+            (3, 1) => body::<W, 3, 1>(xi, x, w, k, p0, out),
+            (2, 4) => body::<W, 2, 4>(xi, x, w, k, p0, out),
+            (2, 3) => body::<W, 2, 3>(xi, x, w, k, p0, out),
+            (2, 2) => body::<W, 2, 2>(xi, x, w, k, p0, out),
+            (2, 1) => body::<W, 2, 1>(xi, x, w, k, p0, out),
+            (1, 4) => body::<W, 1, 4>(xi, x, w, k, p0, out),
+            (1, 3) => body::<W, 1, 3>(xi, x, w, k, p0, out),
+            (1, 2) => body::<W, 1, 2>(xi, x, w, k, p0, out),
+            (1, 1) => body::<W, 1, 1>(xi, x, w, k, p0, out),
             _ => unreachable!("{np} pairs x {nj} weight rows exceed {PAIRS_MAX} x {TILE_N}"),
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512dq")]
-    unsafe fn body<const NP: usize, const NJ: usize>(
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    unsafe fn body<W: WeightElem, const NP: usize, const NJ: usize>(
         xi: &[f32],
         x: &[f32],
-        w: &[f32],
+        w: &[W],
         k: usize,
         p0: usize,
         out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
     ) {
         let chunks = k / VEC;
         assert!(xi.len() >= (p0 + NP) * chunks * 2 * VEC && w.len() >= NJ * k);
+        let per_line = chunks_per_line::<W>();
         let (xp, wp) = (xi.as_ptr(), w.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); NJ]; NP];
         for c in 0..chunks {
-            if c % 2 == 0 {
-                prefetch_ahead::<NJ>(wp, k, c * VEC);
+            if c % per_line == 0 {
+                prefetch_ahead::<W, NJ>(wp, k, c * VEC);
             }
             let mut wv = [_mm512_setzero_ps(); NJ];
             for (j, v) in wv.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ 8c + 8 elements.
-                *v = _mm512_broadcast_f32x8(unsafe { _mm256_loadu_ps(wp.add(j * k + c * VEC)) });
+                *v = _mm512_broadcast_f32x8(unsafe { load8(wp.add(j * k + c * VEC)) });
             }
             for (p, acc_p) in acc.iter_mut().enumerate() {
                 // SAFETY: pair p0 + p's chunk c lies inside `xi` (asserted above).
@@ -467,7 +517,6 @@ mod avx512 {
                 }
             }
         }
-        let body = chunks * VEC;
         for (p, acc_p) in acc.iter().enumerate() {
             for (j, &a) in acc_p.iter().enumerate() {
                 let mut lanes = [0f32; 2 * VEC];
@@ -480,11 +529,8 @@ mod avx512 {
                     }
                     let half: &[f32; VEC] =
                         lanes[r * VEC..(r + 1) * VEC].try_into().expect("8 lanes");
-                    let mut s = hsum_lanes(half);
-                    for t in body..k {
-                        s += x[row * k + t] * w[j * k + t];
-                    }
-                    out[2 * p + r][j] = s;
+                    out[2 * p + r][j] =
+                        finish(half, &x[row * k..(row + 1) * k], &w[j * k..(j + 1) * k]);
                 }
             }
         }
@@ -573,6 +619,36 @@ mod tests {
                     "{m}x{k}x{n}: row {i} differs from its single-row result"
                 );
             }
+        }
+    }
+
+    /// Half-precision weights widen exactly as they load: the products are those of the
+    /// same weights widened to f32 first, bit for bit, alone or among other rows.
+    #[test]
+    fn half_weights_give_the_bits_of_their_f32_widening() {
+        for &(m, k, n) in &[(1, 576, 37), (3, 100, 9), (8, 64, 130), (5, 7, 5)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+                .collect();
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 13 % 89) as f32 - 44.0) / 23.0)
+                .collect();
+            let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            let mut wide = vec![0f32; n * k];
+            bf16::widen(&wb, &mut wide);
+            assert_eq!(
+                bits(matmul_nt(&x, &wb, m, k, n)),
+                bits(matmul_nt(&x, &wide, m, k, n)),
+                "bf16 {m}x{k}x{n}"
+            );
+            f16::widen(&wh, &mut wide);
+            assert_eq!(
+                bits(matmul_nt(&x, &wh, m, k, n)),
+                bits(matmul_nt(&x, &wide, m, k, n)),
+                "f16 {m}x{k}x{n}"
+            );
         }
     }
 
