@@ -65,7 +65,11 @@ impl Linear {
     pub fn forward_with(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
         let y = if x.rank() == 2 {
             let m = x.dim(0)?;
-            if fast && x.device().is_cpu() && m <= MAX_ROWS && x.dtype() == self.w.dtype() {
+            let cpu_same = x.device().is_cpu() && x.dtype() == self.w.dtype();
+            // Half-precision prompts too: candle's CPU GEMM in f16/bf16 prefilled SmolLM2 at
+            // 2 tokens/s (the matrix-vector kernel: ~260), and its rows are as batch-invariant.
+            let half = x.dtype() != DType::F32;
+            if cpu_same && ((fast && m <= MAX_ROWS) || half) {
                 x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
             } else if fast && self.gemv && kestrel_kernels::gemv_applies(x, &self.w) {
                 kestrel_kernels::gemv(x, &self.w)?

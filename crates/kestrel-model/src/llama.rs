@@ -413,9 +413,10 @@ impl Llama {
         self.forward_with(batch, None, cache, true, &[])
     }
 
-    /// [`Llama::forward`] for prompts: projections take GEMM, which prefills much faster.
-    /// Every decoding mode must run a prompt through this same call, so that the cached K/V
-    /// and the first token agree across modes.
+    /// [`Llama::forward`] for prompts: on CPU, f32 projections take candle's GEMM, which
+    /// prefills long prompts faster (f16/bf16 ones take the matrix-vector kernel: candle's
+    /// half-precision CPU GEMM is ~100× slower). Every decoding mode must run a prompt
+    /// through this same call, so that the cached K/V and the first token agree across modes.
     pub fn forward_prompt(&self, batch: &[SeqInput], cache: &mut PagedKvCache) -> Result<Tensor> {
         self.forward_with(batch, None, cache, false, &[])
     }
