@@ -612,6 +612,27 @@ fn trim_pool(dev: &Device) -> u64 {
     threshold
 }
 
+/// Bytes the driver's graph memory pool (what allocations inside captured graphs use) holds
+/// for them now, and has reserved.
+fn graph_pool_bytes(dev: &Device) -> (u64, u64) {
+    use candle_core::cuda::cudarc::driver::sys;
+    let ctx = settled_context(dev);
+    let get = |attr| {
+        let mut v = 0u64;
+        // SAFETY: the attribute is a u64, written into a local, for the context's device.
+        unsafe {
+            sys::cuDeviceGetGraphMemAttribute(ctx.cu_device(), attr, (&mut v as *mut u64).cast())
+                .result()
+                .unwrap();
+        }
+        v
+    };
+    (
+        get(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+        get(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
+    )
+}
+
 /// CUDA's stream-ordered pool reserves device memory in chunks of this size (measured on the
 /// H200: every level above the pre-load one is a multiple of it).
 const POOL_CHUNK: u64 = 32 << 20;
@@ -632,7 +653,7 @@ fn smollm2_loads_into_its_weights_chunks_and_steps_within_one_more() {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let threshold = trim_pool(&dev);
     let start = used_bytes(&dev);
-    let m = Llama::random(&cfg, SEED, DType::BF16, &dev).unwrap();
+    let mut m = Llama::random(&cfg, SEED, DType::BF16, &dev).unwrap();
     let weights = cfg.num_parameters() as u64 * 2;
     let loaded = used_bytes(&dev) - start;
     let mut cache = m.new_cache(64, 16).unwrap();
@@ -711,6 +732,30 @@ fn smollm2_loads_into_its_weights_chunks_and_steps_within_one_more() {
             .map(|(m, b)| format!("{m} {:.1}", mib(*b)))
             .collect::<Vec<_>>()
             .join("; ")
+    );
+    // CUDA graphs: more decode steps with graphs on (a layout is captured at its third step);
+    // the level after, and what the driver's graph memory pool holds.
+    m.set_cuda_graphs(true);
+    for i in 9..14u32 {
+        let batch = [SeqInput {
+            seq,
+            tokens: &[i * 31 + 7],
+            positions: &[i],
+            mask: None,
+            output_rows: OutputRows::Last,
+        }];
+        let h = m.forward(&batch, &mut cache).unwrap();
+        m.logits(&h).unwrap();
+    }
+    assert_eq!(m.cuda_graph_count(), 1, "{:?}", m.cuda_graph_failure());
+    let graphed = used_bytes(&dev) - start;
+    let (graph_used, graph_reserved) = graph_pool_bytes(&dev);
+    eprintln!(
+        "after 5 graphed decode steps {:.1} MiB above the start; the graph memory pool: \
+         {:.1} MiB in use, {:.1} MiB reserved",
+        mib(graphed),
+        mib(graph_used),
+        mib(graph_reserved)
     );
     // The steps' activations fit in one pool chunk; candle's indexing module, which took
     // ~90 MiB at the first step before the row gathers became Kestrel's, must not load.
