@@ -596,17 +596,23 @@ impl CustomOp2 for MatMulNt {
 mod tests {
     use super::*;
 
+    /// Deterministic `x: [m, k]` and `w: [n, k]` with varied magnitudes and signs.
+    fn operands(m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let x = (0..m * k)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+            .collect();
+        let w = (0..n * k)
+            .map(|i| ((i * 13 % 89) as f32 - 44.0) / 23.0)
+            .collect();
+        (x, w)
+    }
+
     /// The property greedy speculation rests on: a row's result is bit-identical whether it
     /// is computed alone or among other rows, at any position in the batch and tile.
     #[test]
     fn rows_are_bit_identical_to_single_row_calls() {
         for &(m, k, n) in &[(9, 576, 37), (5, 100, 9), (3, 7, 5), (64, 64, 130)] {
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
-                .collect();
-            let w: Vec<f32> = (0..n * k)
-                .map(|i| ((i * 13 % 89) as f32 - 44.0) / 23.0)
-                .collect();
+            let (x, w) = operands(m, k, n);
             let all = matmul_nt(&x, &w, m, k, n);
             for i in 0..m {
                 let one = matmul_nt(&x[i * k..(i + 1) * k], &w, 1, k, n);
@@ -627,12 +633,7 @@ mod tests {
     #[test]
     fn half_weights_give_the_bits_of_their_f32_widening() {
         for &(m, k, n) in &[(1, 576, 37), (3, 100, 9), (8, 64, 130), (5, 7, 5)] {
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
-                .collect();
-            let w: Vec<f32> = (0..n * k)
-                .map(|i| ((i * 13 % 89) as f32 - 44.0) / 23.0)
-                .collect();
+            let (x, w) = operands(m, k, n);
             let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
