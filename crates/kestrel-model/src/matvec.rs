@@ -4,7 +4,7 @@
 //! vectorises it, and an AVX2 copy is picked at run time where the CPU has it (no
 //! `RUSTFLAGS` needed), with rows taken in pairs on AVX-512 (the same arithmetic, two rows a
 //! register) and the weights prefetched ahead of the stream. f16/bf16 weights are widened to
-//! f32 row by row and accumulated in f32.
+//! f32 (exactly) in registers as they load, and accumulated in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, WithDType};
