@@ -12,6 +12,12 @@
 //!
 //! With prefix reuse, each cache attaches the cached blocks of its own that the prompt
 //! starts with (the two engines may differ in block size) and prefills only the rest.
+//!
+//! Prompt lookup decoding is the same loop with the drafts looked up in the sequence's own
+//! tokens ([`kestrel_spec::prompt_lookup`]) instead of drawn from a draft engine, as
+//! TensorRT-LLM runs it through its external-draft-tokens path: no draft model or cache, and
+//! drafts accepted by token matching (the target's own token at each position, argmax or
+//! sampled), so output is the target's exactly.
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
@@ -28,29 +34,40 @@ use kestrel_core::SpeculativeMode;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
 use kestrel_spec::sampling::{probs, sample, sample_at};
+use kestrel_spec::PromptLookupConfig;
 use std::path::Path;
 use std::time::Instant;
 
 pub(crate) struct DraftTargetDecoder<'e> {
     target: &'e Engine,
-    draft: &'e Engine,
+    drafter: Drafter<'e>,
     options: DraftTargetOptions,
     target_cache: PagedKvCache,
-    draft_cache: PagedKvCache,
     pools: Vec<PoolShape>,
 }
 
-/// A batch's prompt keys in the two caches.
+/// Where a step's drafts come from.
+enum Drafter<'e> {
+    /// A draft engine, with its own KV cache (draft-target decoding).
+    Model {
+        engine: &'e Engine,
+        cache: Box<PagedKvCache>,
+    },
+    /// The sequence's own tokens (prompt lookup decoding): no model, no cache.
+    Lookup(PromptLookupConfig),
+}
+
+/// A batch's prompt keys in the two caches (the draft's only with a draft model).
 struct Prefixes {
     target: PromptPrefixes,
-    draft: PromptPrefixes,
+    draft: Option<PromptPrefixes>,
 }
 
 /// A sequence's handles in the two caches.
 #[derive(Clone, Copy)]
 struct Ids {
     target: SeqId,
-    draft: SeqId,
+    draft: Option<SeqId>,
 }
 
 /// One live sequence's drafts of the current step.
@@ -108,10 +125,44 @@ impl<'e> DraftTargetDecoder<'e> {
         }
         Ok(DraftTargetDecoder {
             target,
-            draft,
+            drafter: Drafter::Model {
+                engine: draft,
+                cache: Box::new(draft_cache),
+            },
             options,
             target_cache,
-            draft_cache,
+            pools,
+        })
+    }
+
+    /// Prompt lookup decoding on `target`.
+    pub fn prompt_lookup(
+        target: &'e Engine,
+        lookup: PromptLookupConfig,
+        kv: &KvCacheOptions,
+        max_output_len: usize,
+    ) -> Result<Self> {
+        check_lookup(target, &lookup)?;
+        let pools = size_pools(
+            &[PoolSpec::for_engine("target", target)],
+            kv,
+            target,
+            max_output_len,
+        )?;
+        let mut target_cache = target
+            .model
+            .new_cache(pools[0].blocks, pools[0].block_size)?;
+        if kv.enable_block_reuse {
+            target_cache.enable_prefix_reuse();
+        }
+        Ok(DraftTargetDecoder {
+            target,
+            drafter: Drafter::Lookup(lookup),
+            options: DraftTargetOptions {
+                draft_len: lookup.num_tokens,
+                use_logits: false,
+            },
+            target_cache,
             pools,
         })
     }
@@ -154,15 +205,10 @@ impl<'e> DraftTargetDecoder<'e> {
     ) -> Result<()> {
         let start = Instant::now();
         let target_ids: Vec<SeqId> = ids.iter().map(|id| id.target).collect();
-        let draft_ids: Vec<SeqId> = ids.iter().map(|id| id.draft).collect();
         let blocks = prefixes.target.cached_blocks(&self.target_cache, seqs);
         let reused = prefixes
             .target
             .attach(&mut self.target_cache, &target_ids, &blocks)?;
-        let blocks = prefixes.draft.cached_blocks(&self.draft_cache, seqs);
-        let draft_reused = prefixes
-            .draft
-            .attach(&mut self.draft_cache, &draft_ids, &blocks)?;
         count_prompt(timings, 0, seqs.iter().map(|s| s.prompt_len), &reused);
 
         let pos = prompt_positions(seqs, &reused);
@@ -192,6 +238,15 @@ impl<'e> DraftTargetDecoder<'e> {
 
         // The draft reads the prompts of the sequences that go on; the first generated token
         // is fed by the first draft step.
+        let (Drafter::Model { engine, cache }, Some(draft_prefixes)) =
+            (&mut self.drafter, &prefixes.draft)
+        else {
+            timings.prefill_s += start.elapsed().as_secs_f64();
+            return Ok(());
+        };
+        let draft_ids: Vec<SeqId> = ids.iter().filter_map(|id| id.draft).collect();
+        let blocks = draft_prefixes.cached_blocks(cache, seqs);
+        let draft_reused = draft_prefixes.attach(cache, &draft_ids, &blocks)?;
         let live: Vec<bool> = seqs.iter().map(Sequence::is_live).collect();
         let prompt_lens = seqs
             .iter()
@@ -213,7 +268,7 @@ impl<'e> DraftTargetDecoder<'e> {
             .zip(&pos)
             .filter(|(((s, _), _), _)| s.is_live())
             .map(|(((s, id), &r), p)| SeqInput {
-                seq: id.draft,
+                seq: id.draft.expect("a draft model's sequences have draft ids"),
                 tokens: &s.tokens[r..s.prompt_len],
                 positions: p,
                 mask: None,
@@ -221,9 +276,7 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         if !batch.is_empty() {
-            self.draft
-                .model
-                .forward_prompt(&batch, &mut self.draft_cache)?;
+            engine.model.forward_prompt(&batch, cache)?;
         }
         timings.prefill_s += start.elapsed().as_secs_f64();
         Ok(())
@@ -241,7 +294,10 @@ impl<'e> DraftTargetDecoder<'e> {
     /// Frees sequence `i` from both caches, offering its prompt blocks for reuse.
     fn free(&mut self, i: usize, id: Ids, prefixes: &Prefixes) -> Result<()> {
         prefixes.target.free(&mut self.target_cache, i, id.target)?;
-        prefixes.draft.free(&mut self.draft_cache, i, id.draft)
+        match (&mut self.drafter, &prefixes.draft, id.draft) {
+            (Drafter::Model { cache, .. }, Some(draft), Some(seq)) => draft.free(cache, i, seq),
+            _ => Ok(()),
+        }
     }
 
     /// The draft proposes `k` tokens for each live sequence: one batched draft forward per
@@ -257,6 +313,10 @@ impl<'e> DraftTargetDecoder<'e> {
         live: &[usize],
         params: &GenerationParams,
     ) -> Result<Proposals> {
+        let (engine, cache) = match &mut self.drafter {
+            Drafter::Model { engine, cache } => (*engine, cache),
+            Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),
+        };
         let sampling = &params.sampling;
         let keep_q = self.options.use_logits && !sampling.is_greedy();
         let mut proposals: Vec<Proposal> = live
@@ -275,7 +335,7 @@ impl<'e> DraftTargetDecoder<'e> {
             })
             .collect();
         let max_k = proposals.iter().map(|p| p.k).max().unwrap_or(0);
-        let model = &self.draft.model;
+        let model = &engine.model;
         let mut device_logits: Vec<Tensor> = Vec::new();
         let mut device_rows = 0;
         for j in 0..max_k {
@@ -286,10 +346,12 @@ impl<'e> DraftTargetDecoder<'e> {
             for &p in &active {
                 let prop = &proposals[p];
                 let s = &seqs[prop.index];
-                let id = ids[prop.index].draft;
+                let id = ids[prop.index]
+                    .draft
+                    .expect("a draft model's sequences have draft ids");
                 let len = s.tokens.len();
                 if j == 0 {
-                    let cached = self.draft_cache.seq_len(id)?;
+                    let cached = cache.seq_len(id)?;
                     if cached >= len {
                         return Err(RuntimeError::Engine(format!(
                             "draft KV cache of sequence {} holds {cached} tokens, but only {len} are committed and the last one is never cached before the step",
@@ -315,7 +377,7 @@ impl<'e> DraftTargetDecoder<'e> {
                     output_rows: OutputRows::Last,
                 })
                 .collect();
-            let logits = model.logits(&model.forward(&batch, &mut self.draft_cache)?)?;
+            let logits = model.logits(&model.forward(&batch, cache)?)?;
             let uniforms: Vec<f64> = if sampling.is_greedy() {
                 Vec::new()
             } else {
@@ -421,8 +483,10 @@ impl<'e> DraftTargetDecoder<'e> {
             let keep = s.tokens.len() - 1;
             let id = ids[prop.index];
             self.target_cache.truncate(id.target, keep)?;
-            if self.draft_cache.seq_len(id.draft)? > keep {
-                self.draft_cache.truncate(id.draft, keep)?;
+            if let (Drafter::Model { cache, .. }, Some(draft)) = (&mut self.drafter, id.draft) {
+                if cache.seq_len(draft)? > keep {
+                    cache.truncate(draft, keep)?;
+                }
             }
         }
         Ok(())
@@ -602,16 +666,28 @@ impl Decoder for DraftTargetDecoder<'_> {
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
-        let ids: Vec<Ids> = seqs
-            .iter()
-            .map(|_| Ids {
+        let draft_cache = match &mut self.drafter {
+            Drafter::Model { cache, .. } => Some(cache),
+            Drafter::Lookup(_) => None,
+        };
+        let (draft_ids, draft_prefixes) = match draft_cache {
+            Some(cache) => {
+                let ids: Vec<Option<SeqId>> =
+                    seqs.iter().map(|_| Some(cache.add_sequence())).collect();
+                (ids, Some(PromptPrefixes::new(cache, seqs, Slots::Tokens)))
+            }
+            None => (vec![None; seqs.len()], None),
+        };
+        let ids: Vec<Ids> = draft_ids
+            .into_iter()
+            .map(|draft| Ids {
                 target: self.target_cache.add_sequence(),
-                draft: self.draft_cache.add_sequence(),
+                draft,
             })
             .collect();
         let prefixes = Prefixes {
             target: PromptPrefixes::new(&self.target_cache, seqs, Slots::Tokens),
-            draft: PromptPrefixes::new(&self.draft_cache, seqs, Slots::Tokens),
+            draft: draft_prefixes,
         };
         let result = self.run(seqs, &ids, &prefixes, params, sink, timings);
         // Whatever happened, the caches hold nothing of this batch afterwards (but cached
@@ -625,6 +701,51 @@ impl Decoder for DraftTargetDecoder<'_> {
     fn pools(&self) -> Vec<PoolShape> {
         self.pools.clone()
     }
+}
+
+/// Every live sequence's drafts looked up in its own tokens, as many as fit before its length
+/// limit (none when its final n-grams do not recur).
+fn look_up(lookup: &PromptLookupConfig, seqs: &[Sequence], live: &[usize]) -> Proposals {
+    let list = live
+        .iter()
+        .map(|&i| {
+            let s = &seqs[i];
+            let tokens = lookup.propose(&s.tokens, s.remaining().saturating_sub(1));
+            Proposal {
+                index: i,
+                k: tokens.len(),
+                tokens,
+                q: DraftLaws::None,
+            }
+        })
+        .collect();
+    Proposals {
+        list,
+        device_logits: None,
+    }
+}
+
+/// Prompt lookup needs an engine that verifies `num_tokens + 1` rows a step: one built for
+/// external draft tokens or for EAGLE, with that `max_draft_len`.
+fn check_lookup(target: &Engine, lookup: &PromptLookupConfig) -> Result<()> {
+    let max = target.plan.limits.max_draft_len;
+    let rebuild = format!(
+        "rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len {}",
+        lookup.num_tokens
+    );
+    if target.plan.speculative_mode == SpeculativeMode::None {
+        return Err(RuntimeError::Engine(format!(
+            "{}: the engine was built with --speculative_decoding_mode none, but prompt lookup decoding verifies drafts: {rebuild}",
+            target.dir.display()
+        )));
+    }
+    if lookup.num_tokens > max {
+        return Err(RuntimeError::InvalidRequest(format!(
+            "--prompt_lookup_config: prompt_lookup_num_tokens {} exceeds the engine's max_draft_len {max}: lower it or {rebuild}",
+            lookup.num_tokens
+        )));
+    }
+    Ok(())
 }
 
 /// The checks TensorRT-LLM leaves to the user: a target built for external drafts, a draft

@@ -35,6 +35,9 @@ pub enum DecodeMode<'a> {
         draft: &'a Engine,
         options: DraftTargetOptions,
     },
+    /// Prompt lookup: drafts are the tokens that followed the latest earlier occurrence of
+    /// the sequence's final n-gram in its own prompt and output.
+    PromptLookup(kestrel_spec::PromptLookupConfig),
 }
 
 /// The tree EAGLE drafts, and how drafts are accepted.
@@ -127,6 +130,11 @@ pub fn generate_with(
         DecodeMode::DraftTarget { draft, options } => {
             let mut decoder =
                 draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
+            generate::drive(engine, &mut decoder, prompts, params, sink)
+        }
+        DecodeMode::PromptLookup(lookup) => {
+            let mut decoder =
+                draft_target::DraftTargetDecoder::prompt_lookup(engine, *lookup, kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }

@@ -17,7 +17,7 @@ use kestrel_runtime::{
     SequenceOutput, TokenSink,
 };
 use kestrel_spec::sampling::probs;
-use kestrel_spec::SamplingParams;
+use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -595,5 +595,111 @@ fn tokenizer_vocabularies_must_agree() {
             bad_dir.join("tokenizer.json").display(),
             target_dir.join("tokenizer.json").display()
         )
+    );
+}
+
+fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
+    DecodeMode::PromptLookup(PromptLookupConfig::new(num_tokens, max_ngram).unwrap())
+}
+
+/// Prompts that repeat themselves, so that lookups find drafts from the first step.
+fn repetitive_prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![4, 9, 16, 25, 36, 4, 9, 16, 25, 36, 4, 9],
+        vec![5, 17, 42, 8, 8, 30, 61, 2, 9, 11, 40],
+        vec![7, 3, 7, 3, 7, 3, 7],
+    ]
+}
+
+/// Prompt lookup through the draft-target loop: plain greedy's tokens exactly, batched and
+/// alone, for several draft and n-gram sizes, with drafts that are accepted and drafts that
+/// are not.
+#[test]
+fn prompt_lookup_greedy_equals_plain_greedy() {
+    let root = tempfile::tempdir().unwrap();
+    let target = load(&build(
+        root.path(),
+        "target",
+        &target_cfg(VOCAB),
+        1,
+        &target_spec(8),
+    ));
+    let params = greedy(40, vec![]);
+    let prompts = repetitive_prompts();
+    let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
+    for (k, n) in [(1, 1), (4, 3), (8, 2)] {
+        let what = format!("prompt lookup [{k},{n}]");
+        let outs = run(&target, &lookup(k, n), &prompts, &params);
+        assert_eq!(ids(&outs), ids(&plain), "{what}");
+        check_stats(&outs, &what);
+        let drafted: usize = outs.iter().map(|o| o.stats.draft_tokens).sum();
+        let accepted: usize = outs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{what}: accepted {accepted} of {drafted}"
+        );
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = run(&target, &lookup(k, n), std::slice::from_ref(p), &params);
+            assert_eq!(
+                alone[0].output_ids, plain[i].output_ids,
+                "{what}, prompt {i} alone"
+            );
+        }
+    }
+}
+
+/// Sampled prompt lookup takes the target's own token at every position from the sequence's
+/// stream, one uniform a committed token, as plain sampling does: the same seed gives plain
+/// sampling's tokens.
+#[test]
+fn prompt_lookup_sampled_equals_plain_sampled() {
+    let root = tempfile::tempdir().unwrap();
+    let target = load(&build(
+        root.path(),
+        "target",
+        &target_cfg(VOCAB),
+        1,
+        &target_spec(4),
+    ));
+    let params = GenerationParams {
+        max_output_len: 40,
+        sampling: SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.95,
+            seed: 7,
+        },
+        end_ids: vec![],
+    };
+    let prompts = repetitive_prompts();
+    let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
+    let outs = run(&target, &lookup(4, 3), &prompts, &params);
+    assert_eq!(ids(&outs), ids(&plain));
+    let accepted: usize = outs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
+    assert!(accepted > 0, "no draft was accepted");
+}
+
+#[test]
+fn prompt_lookup_needs_an_engine_that_verifies_drafts() {
+    let root = tempfile::tempdir().unwrap();
+    let plain_dir = build(root.path(), "plain", &target_cfg(VOCAB), 1, &PLAIN);
+    let plain = load(&plain_dir);
+    assert_eq!(
+        err(&plain, &lookup(4, 3)),
+        format!(
+            "{}: the engine was built with --speculative_decoding_mode none, but prompt lookup decoding verifies drafts: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len 4",
+            plain_dir.display()
+        )
+    );
+    let target = load(&build(
+        root.path(),
+        "target",
+        &target_cfg(VOCAB),
+        1,
+        &target_spec(3),
+    ));
+    assert_eq!(
+        err(&target, &lookup(4, 3)),
+        "--prompt_lookup_config: prompt_lookup_num_tokens 4 exceeds the engine's max_draft_len 3: lower it or rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len 4"
     );
 }
