@@ -1,7 +1,10 @@
 //! `--draft_target_model_config "[draft_len,[draft devices],[target devices],use_logits]"`,
 //! TensorRT-LLM's spelling: a Python-like list such as `[4,[0],[1],False]`. Device entries are
 //! CUDA ordinals (`0` → `cuda:0`), `cpu` or `cuda:N`; `use_logits` is `True`/`False` (any case
-//! of `true`/`false`).
+//! of `true`/`false`). Also `--prompt_lookup_config "[num_tokens,max_ngram(,[target devices])]"`,
+//! the other draft TensorRT-LLM feeds through external draft tokens.
+
+use kestrel_spec::PromptLookupConfig;
 
 /// The parsed `--draft_target_model_config`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +80,55 @@ impl DraftTargetModelConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The parsed `--prompt_lookup_config "[prompt_lookup_num_tokens,max_matching_ngram_size]"`,
+/// TensorRT-LLM's spelling, optionally with its third entry, the target's devices
+/// (`[10,2,[0]]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptLookupFlag {
+    pub lookup: PromptLookupConfig,
+    /// One device per tensor-parallel rank of the engine, when given ("cpu" or "cuda:N").
+    pub target_devices: Option<Vec<String>>,
+}
+
+const LOOKUP_FLAG: &str = "--prompt_lookup_config";
+const LOOKUP_SHAPE: &str =
+    "expected [prompt_lookup_num_tokens,max_matching_ngram_size] or [num_tokens,ngram_size,[target devices]]";
+
+impl PromptLookupFlag {
+    /// Parses the flag's value; errors quote the value and say what was expected.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let fail = |what: String| format!("{LOOKUP_FLAG} \"{s}\": {what}");
+        let malformed = || fail(LOOKUP_SHAPE.to_string());
+        let compact: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+        let inner = compact
+            .strip_prefix('[')
+            .and_then(|r| r.strip_suffix(']'))
+            .ok_or_else(malformed)?;
+        let parts = split_top_level(inner).ok_or_else(malformed)?;
+        let (tokens, ngram, devices) = match parts.as_slice() {
+            [t, n] => (*t, *n, None),
+            [t, n, d] => (*t, *n, Some(*d)),
+            _ => return Err(malformed()),
+        };
+        let count = |name: &str, v: &str| -> Result<usize, String> {
+            v.parse()
+                .map_err(|_| fail(format!("{name} must be a positive integer, got '{v}'")))
+        };
+        let lookup = PromptLookupConfig::new(
+            count("prompt_lookup_num_tokens", tokens)?,
+            count("max_matching_ngram_size", ngram)?,
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        let target_devices = devices
+            .map(|d| device_list(d, "target").map_err(|e| fail(e.unwrap_or(LOOKUP_SHAPE.into()))))
+            .transpose()?;
+        Ok(PromptLookupFlag {
+            lookup,
+            target_devices,
+        })
     }
 }
 
@@ -156,6 +208,33 @@ fn device(entry: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompt_lookup_takes_trt_llm_spellings_and_names_what_is_wrong() {
+        let f = PromptLookupFlag::parse("[10,2]").unwrap();
+        assert_eq!(f.lookup, PromptLookupConfig::new(10, 2).unwrap());
+        assert_eq!(f.target_devices, None);
+        let f = PromptLookupFlag::parse(" [4, 3, [0]] ").unwrap();
+        assert_eq!(f.lookup, PromptLookupConfig::new(4, 3).unwrap());
+        assert_eq!(f.target_devices, Some(vec!["cuda:0".to_string()]));
+        let err = |s: &str| PromptLookupFlag::parse(s).unwrap_err();
+        assert_eq!(
+            err("[4]"),
+            "--prompt_lookup_config \"[4]\": expected [prompt_lookup_num_tokens,max_matching_ngram_size] or [num_tokens,ngram_size,[target devices]]"
+        );
+        assert_eq!(
+            err("[x,2]"),
+            "--prompt_lookup_config \"[x,2]\": prompt_lookup_num_tokens must be a positive integer, got 'x'"
+        );
+        assert_eq!(
+            err("[4,0]"),
+            "--prompt_lookup_config \"[4,0]\": max_matching_ngram_size must be at least 1"
+        );
+        assert_eq!(
+            err("[4,2,[gpu]]"),
+            "--prompt_lookup_config \"[4,2,[gpu]]\": unknown device 'gpu' in the target device list: expected a CUDA ordinal (0, 1, ...), cpu or cuda:N"
+        );
+    }
 
     fn err(s: &str) -> String {
         DraftTargetModelConfig::parse(s).unwrap_err()

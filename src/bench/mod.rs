@@ -23,7 +23,7 @@ use kestrel_runtime::{
     generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     SequenceOutput, TextCodec,
 };
-use kestrel_spec::SamplingParams;
+use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use measure::{MemProbe, ProbeSink};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -69,7 +69,8 @@ pub struct BenchArgs {
     /// (top-k N, at most T draft nodes and L layers: spec-run's
     /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers),
     /// draft_target:K[:logits] (needs --draft_engine_dir; `logits`: speculative sampling,
-    /// else token matching), verify:T (T-token verification step vs a
+    /// else token matching), prompt_lookup:K[:N] (up to K drafts after the latest earlier
+    /// occurrence of the last N-gram, N = 3 by default; any engine), verify:T (T-token verification step vs a
     /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
     /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
     #[arg(long)]
@@ -143,11 +144,15 @@ enum ModeSpec {
         k: usize,
         use_logits: bool,
     },
+    PromptLookup {
+        k: usize,
+        max_ngram: usize,
+    },
     Verify(usize),
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits] or verify:T, comma-separated";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N] or verify:T, comma-separated";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -188,6 +193,13 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                 ModeSpec::DraftTarget {
                     k: count(name, k, spec)?,
                     use_logits: rule == "logits",
+                }
+            }
+            "prompt_lookup" => {
+                let (k, n) = arg.split_once(':').unwrap_or((arg, "3"));
+                ModeSpec::PromptLookup {
+                    k: count(name, k, spec)?,
+                    max_ngram: count(name, n, spec)?,
                 }
             }
             "verify" => ModeSpec::Verify(count(name, arg, spec)?),
@@ -865,6 +877,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         },
                     )
                 }
+                ModeSpec::PromptLookup { k, max_ngram } => {
+                    // Any engine verifies drafts here: the view lifts max_draft_len to k.
+                    dt_view = draft_target_view(&engine, *k);
+                    let lookup = PromptLookupConfig::new(*k, *max_ngram)
+                        .map_err(|e| anyhow::anyhow!("--modes {spec}: {e}"))?;
+                    (&dt_view, DecodeMode::PromptLookup(lookup))
+                }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };
             let warmup_s = if args.warmup_tokens > 0 {
@@ -1168,7 +1187,7 @@ mod tests {
     #[test]
     fn modes_parse() {
         let m = parse_modes(
-            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,verify:64",
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2,verify:64",
         )
         .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
@@ -1195,6 +1214,8 @@ mod tests {
                     k: 2,
                     use_logits: true
                 },
+                ModeSpec::PromptLookup { k: 4, max_ngram: 3 },
+                ModeSpec::PromptLookup { k: 8, max_ngram: 2 },
                 ModeSpec::Verify(64)
             ]
         );

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kestrel::cli::exit_on_error;
 use kestrel::decoding::{eagle_mode, EagleFlags, SamplingFlags};
-use kestrel::draft_config::DraftTargetModelConfig;
+use kestrel::draft_config::{DraftTargetModelConfig, PromptLookupFlag};
 use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
@@ -103,6 +103,12 @@ struct Args {
     /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".
     #[arg(long)]
     draft_target_model_config: Option<String>,
+    /// Prompt lookup decoding: "[prompt_lookup_num_tokens,max_matching_ngram_size]", e.g.
+    /// "[4,3]" (optionally a third entry, the target's devices: "[4,3,[0]]"). Drafts are the
+    /// tokens after the latest earlier occurrence of the sequence's last n-gram; the engine
+    /// must verify drafts (built for draft_tokens_external or EAGLE).
+    #[arg(long)]
+    prompt_lookup_config: Option<String>,
     /// Keep each prompt's full KV blocks after its request finishes, so that later requests
     /// (later batches of --input_file) starting with the same tokens skip prefilling them.
     #[arg(long)]
@@ -140,9 +146,22 @@ fn run(args: Args) -> Result<()> {
         (None, Some(_)) => bail!("--draft_target_model_config needs --draft_engine_dir"),
         (None, None) => None,
     };
-    let target_device = match &dtm {
-        Some(c) => c.target_devices[0].clone(),
-        None => args.device.clone(),
+    let lookup = args
+        .prompt_lookup_config
+        .as_deref()
+        .map(PromptLookupFlag::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    if lookup.is_some() && dtm.is_some() {
+        bail!("--prompt_lookup_config cannot be combined with --draft_engine_dir: choose one source of drafts");
+    }
+    let target_device = match (
+        &dtm,
+        lookup.as_ref().and_then(|l| l.target_devices.as_ref()),
+    ) {
+        (Some(c), _) => c.target_devices[0].clone(),
+        (None, Some(devices)) => devices[0].clone(),
+        (None, None) => args.device.clone(),
     };
     let device = kestrel_runtime::device::parse(&target_device)?;
     let mut engine = Engine::load(&args.engine_dir, &device)?;
@@ -200,7 +219,22 @@ fn run(args: Args) -> Result<()> {
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_draft_vocab: args.eagle_draft_vocab,
     };
+    if let Some(devices) = lookup.as_ref().and_then(|l| l.target_devices.as_ref()) {
+        let tp = engine.plan.mapping.tp_size;
+        if devices.len() != tp {
+            bail!(
+                "--prompt_lookup_config lists {} target device(s) but the engine has tp_size {tp}: list one device per tensor-parallel rank",
+                devices.len()
+            );
+        }
+    }
     let mode = match (&draft, &dtm) {
+        _ if lookup.is_some() => {
+            if eagle_flags.any() || args.no_speculation {
+                bail!("--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation");
+            }
+            DecodeMode::PromptLookup(lookup.as_ref().expect("checked").lookup)
+        }
         (Some(draft), Some(c)) => {
             if eagle_flags.any() || args.no_speculation {
                 bail!("--draft_engine_dir cannot be combined with --eagle_* flags or --no_speculation");
