@@ -4,8 +4,8 @@
 mod common;
 
 use common::{
-    build_ok, fixture, one_line_error, s, spec_build, spec_run, stderr, stdout, tiny_checkpoint,
-    tiny_engine_with,
+    build_ok, fixture, one_line_error, s, spec_build, spec_run, spec_run_ids, stderr, stdout,
+    tiny_checkpoint, tiny_engine_with,
 };
 use kestrel_formats::candle_core::{self, DType, Device, Tensor};
 use std::collections::HashMap;
@@ -269,6 +269,33 @@ fn run_works_on_the_tiny_engine() {
 }
 
 #[test]
+fn run_prompt_lookup_on_an_eagle_engine_gives_plain_greedy_output() {
+    // The control for the prompt lookup errors below: an engine that verifies drafts runs it.
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_eagle_engine(tmp.path());
+    let run = |extra: &[&str], name: &str| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&engine),
+            "--input_text",
+            "a b c a b c a b",
+            "--input_text",
+            "hello world hello",
+            "--max_output_len",
+            "24",
+        ];
+        args.extend_from_slice(extra);
+        spec_run_ids::<Vec<u32>>(&args, &tmp.path().join(name))
+    };
+    let plain = run(&["--no_speculation"], "plain.json");
+    assert_eq!(plain.iter().map(Vec::len).collect::<Vec<_>>(), vec![24, 24]);
+    assert_eq!(
+        run(&["--prompt_lookup_config", "[4,2]"], "lookup.json"),
+        plain
+    );
+}
+
+#[test]
 fn run_reuses_cached_prompt_blocks_across_batches() {
     // The control for the KV cache flag errors below: one prompt per batch, blocks of two
     // tokens; the second prompt starts with the first one's two full blocks.
@@ -409,6 +436,25 @@ fn run_refuses_bad_requests() {
                 "--eagle_* flags need an EAGLE engine, but {} was built with --speculative_decoding_mode none",
                 engine.display()
             ),
+        ),
+        (
+            &["--input_text", "a", "--prompt_lookup_config", "[4]"],
+            "--prompt_lookup_config \"[4]\": expected [prompt_lookup_num_tokens,max_matching_ngram_size] or [num_tokens,ngram_size,[target devices]]".into(),
+        ),
+        (
+            &["--input_text", "a", "--prompt_lookup_config", "[4,3]"],
+            format!(
+                "{}: the engine was built with --speculative_decoding_mode none, but prompt lookup decoding verifies drafts: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len 4",
+                engine.display()
+            ),
+        ),
+        (
+            &["--input_text", "a", "--prompt_lookup_config", "[4,3]", "--no_speculation"],
+            "--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation".into(),
+        ),
+        (
+            &["--input_text", "a", "--prompt_lookup_config", "[4,3,[cpu,cpu]]"],
+            "--prompt_lookup_config lists 2 target device(s) but the engine has tp_size 1: list one device per tensor-parallel rank".into(),
         ),
     ];
     #[cfg(not(feature = "cuda"))]
