@@ -5,7 +5,8 @@
 //! - [`dynamic`]: EAGLE-2 dynamic tree expansion (cumulative log-prob scores, global top-k
 //!   frontier, final rerank) producing the same [`tree::TreeBuffers`].
 //! - [`prompt_lookup`]: prompt lookup decoding's drafts (the tokens after the latest earlier
-//!   occurrence of the sequence's final n-gram).
+//!   occurrence of the sequence's final n-gram), backed by [`ngram_corpus`], an n-gram model
+//!   of the target's answers to other prompts.
 //! - [`sampling`]: temperature / top-k / top-p warping, greedy argmax, seeded per-sequence RNG.
 //! - [`accept`]: acceptance rules: greedy tree matching, TensorRT-LLM typical acceptance,
 //!   lossless multi-candidate tree rejection sampling, and draft-target speculative sampling.
@@ -17,12 +18,14 @@
 
 pub mod accept;
 pub mod dynamic;
+pub mod ngram_corpus;
 pub mod prompt_lookup;
 pub mod sampling;
 pub mod tree;
 
 pub use accept::{AcceptError, ChainAcceptance, DraftProposal, TreeAcceptance, TypicalParams};
 pub use dynamic::{DynamicTree, DynamicTreeBuilder, DynamicTreeConfig, DynamicTreeError};
+pub use ngram_corpus::NgramCorpus;
 pub use prompt_lookup::{PromptLookupConfig, PromptLookupError};
 pub use sampling::{SamplingError, SamplingParams, SeqRng};
 pub use tree::{EagleTree, TreeBuffers, TreeError, TreeLimits};

@@ -5,10 +5,14 @@
 //! input or themselves (summaries, code edits, quoted names, lists), and the target's
 //! verification keeps the output exactly the target's whatever the draft.
 //!
+//! With an n-gram model of the target's answers to other prompts ([`NgramCorpus`]), the
+//! corpus drafts where the sequence has nothing longer than one token to copy.
+//!
 //! Which occurrence: the latest. On SmolLM2-135M's greedy MT-bench answers (20 first turns,
 //! 128 tokens) the latest match gave 1.33 tokens a step at `num_tokens` 4 and
 //! `max_ngram` 3, the earliest 1.31; n-grams longer than 3 changed nothing.
 
+use crate::NgramCorpus;
 use thiserror::Error;
 
 /// How drafts are looked up.
@@ -48,12 +52,43 @@ impl PromptLookupConfig {
     /// `tokens`, the tokens that followed its latest earlier occurrence. Empty when no
     /// suffix recurs.
     pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
-        let len = tokens.len();
+        self.propose_with(tokens, limit, None)
+    }
+
+    /// [`PromptLookupConfig::propose`] backed by an n-gram model of other answers: the
+    /// sequence's own n-grams of two tokens or more first, then the corpus's chain, then the
+    /// sequence's own last token. (A one-token match in the sequence is a weaker guess than
+    /// the corpus's longer context: 1.66 against 1.64 tokens a step on SmolLM2's MT-bench
+    /// answers, 4 drafts.)
+    pub fn propose_with(
+        &self,
+        tokens: &[u32],
+        limit: usize,
+        corpus: Option<&NgramCorpus>,
+    ) -> Vec<u32> {
         let want = self.num_tokens.min(limit);
         if want == 0 {
             return Vec::new();
         }
-        for n in (1..=self.max_ngram.min(len.saturating_sub(1))).rev() {
+        let Some(corpus) = corpus else {
+            return self.own(tokens, want, 1);
+        };
+        let own = self.own(tokens, want, 2);
+        if !own.is_empty() {
+            return own;
+        }
+        let drafts = corpus.chain(tokens, want);
+        if !drafts.is_empty() {
+            return drafts;
+        }
+        self.own(tokens, want, 1)
+    }
+
+    /// Up to `want` tokens after the latest earlier occurrence of the longest final n-gram
+    /// (`min_n ≤ n ≤ max_ngram`) of `tokens`.
+    fn own(&self, tokens: &[u32], want: usize, min_n: usize) -> Vec<u32> {
+        let len = tokens.len();
+        for n in (min_n..=self.max_ngram.min(len.saturating_sub(1))).rev() {
             let suffix = &tokens[len - n..];
             // Occurrences starting before the suffix itself, latest first.
             if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
@@ -104,6 +139,35 @@ mod tests {
         assert_eq!(cfg(4, 3).propose(&[1, 2, 3, 4], 10), Vec::<u32>::new());
         assert_eq!(cfg(4, 3).propose(&[1], 10), Vec::<u32>::new());
         assert_eq!(cfg(4, 3).propose(&[], 10), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_corpus_drafts_where_the_sequence_has_no_longer_repeat() {
+        let answer: &[u32] = &[20, 21, 22, 23];
+        let corpus = NgramCorpus::build([answer]);
+        // A 2-gram repeat of the sequence comes first.
+        let tokens = [5, 6, 7, 20, 5, 6];
+        assert_eq!(
+            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
+            vec![7, 20]
+        );
+        // Only a 1-gram repeat (20): the corpus's chain after [.., 20] instead.
+        let tokens = [20, 9, 8, 20];
+        assert_eq!(
+            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
+            vec![21, 22]
+        );
+        assert_eq!(cfg(2, 3).propose(&tokens, 9), vec![9, 8]);
+        // Nothing in the corpus: back to the 1-gram repeat.
+        let tokens = [30, 31, 30];
+        assert_eq!(
+            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
+            vec![31, 30]
+        );
+        assert_eq!(
+            cfg(2, 3).propose_with(&tokens, 0, Some(&corpus)),
+            Vec::<u32>::new()
+        );
     }
 
     #[test]
