@@ -34,8 +34,9 @@ use kestrel_core::SpeculativeMode;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
 use kestrel_spec::sampling::{probs, sample, sample_at};
-use kestrel_spec::PromptLookupConfig;
+use kestrel_spec::{NgramCorpus, PromptLookupConfig};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub(crate) struct DraftTargetDecoder<'e> {
@@ -53,8 +54,12 @@ enum Drafter<'e> {
         engine: &'e Engine,
         cache: Box<PagedKvCache>,
     },
-    /// The sequence's own tokens (prompt lookup decoding): no model, no cache.
-    Lookup(PromptLookupConfig),
+    /// The sequence's own tokens, backed by an n-gram model of other answers (prompt lookup
+    /// decoding): no model, no cache.
+    Lookup {
+        config: PromptLookupConfig,
+        corpus: Option<Arc<NgramCorpus>>,
+    },
 }
 
 /// A batch's prompt keys in the two caches (the draft's only with a draft model).
@@ -139,6 +144,7 @@ impl<'e> DraftTargetDecoder<'e> {
     pub fn prompt_lookup(
         target: &'e Engine,
         lookup: PromptLookupConfig,
+        corpus: Option<Arc<NgramCorpus>>,
         kv: &KvCacheOptions,
         max_output_len: usize,
     ) -> Result<Self> {
@@ -157,7 +163,10 @@ impl<'e> DraftTargetDecoder<'e> {
         }
         Ok(DraftTargetDecoder {
             target,
-            drafter: Drafter::Lookup(lookup),
+            drafter: Drafter::Lookup {
+                config: lookup,
+                corpus,
+            },
             options: DraftTargetOptions {
                 draft_len: lookup.num_tokens,
                 use_logits: false,
@@ -315,7 +324,9 @@ impl<'e> DraftTargetDecoder<'e> {
     ) -> Result<Proposals> {
         let (engine, cache) = match &mut self.drafter {
             Drafter::Model { engine, cache } => (*engine, cache),
-            Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),
+            Drafter::Lookup { config, corpus } => {
+                return Ok(look_up(config, corpus.as_deref(), seqs, live))
+            }
         };
         let sampling = &params.sampling;
         let keep_q = self.options.use_logits && !sampling.is_greedy();
@@ -668,7 +679,7 @@ impl Decoder for DraftTargetDecoder<'_> {
     ) -> Result<()> {
         let draft_cache = match &mut self.drafter {
             Drafter::Model { cache, .. } => Some(cache),
-            Drafter::Lookup(_) => None,
+            Drafter::Lookup { .. } => None,
         };
         let (draft_ids, draft_prefixes) = match draft_cache {
             Some(cache) => {
@@ -705,12 +716,18 @@ impl Decoder for DraftTargetDecoder<'_> {
 
 /// Every live sequence's drafts looked up in its own tokens, as many as fit before its length
 /// limit (none when its final n-grams do not recur).
-fn look_up(lookup: &PromptLookupConfig, seqs: &[Sequence], live: &[usize]) -> Proposals {
+fn look_up(
+    lookup: &PromptLookupConfig,
+    corpus: Option<&NgramCorpus>,
+    seqs: &[Sequence],
+    live: &[usize],
+) -> Proposals {
     let list = live
         .iter()
         .map(|&i| {
             let s = &seqs[i];
-            let tokens = lookup.propose(&s.tokens, s.remaining().saturating_sub(1));
+            let limit = s.remaining().saturating_sub(1);
+            let tokens = lookup.propose_with(&s.tokens, limit, corpus);
             Proposal {
                 index: i,
                 k: tokens.len(),

@@ -11,6 +11,7 @@ pub mod error;
 mod generate;
 pub mod kv_budget;
 mod logit_rows;
+pub mod ngram_corpus;
 mod plain;
 mod prefix;
 pub mod request;
@@ -36,8 +37,12 @@ pub enum DecodeMode<'a> {
         options: DraftTargetOptions,
     },
     /// Prompt lookup: drafts are the tokens that followed the latest earlier occurrence of
-    /// the sequence's final n-gram in its own prompt and output.
-    PromptLookup(kestrel_spec::PromptLookupConfig),
+    /// the sequence's final n-gram in its own prompt and output, or, where it has nothing
+    /// longer than one token to copy, the chain of an n-gram model of other answers.
+    PromptLookup {
+        config: kestrel_spec::PromptLookupConfig,
+        corpus: Option<std::sync::Arc<kestrel_spec::NgramCorpus>>,
+    },
 }
 
 /// The tree EAGLE drafts, and how drafts are accepted.
@@ -132,9 +137,14 @@ pub fn generate_with(
                 draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
-        DecodeMode::PromptLookup(lookup) => {
-            let mut decoder =
-                draft_target::DraftTargetDecoder::prompt_lookup(engine, *lookup, kv, out)?;
+        DecodeMode::PromptLookup { config, corpus } => {
+            let mut decoder = draft_target::DraftTargetDecoder::prompt_lookup(
+                engine,
+                *config,
+                corpus.clone(),
+                kv,
+                out,
+            )?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }

@@ -599,7 +599,10 @@ fn tokenizer_vocabularies_must_agree() {
 }
 
 fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
-    DecodeMode::PromptLookup(PromptLookupConfig::new(num_tokens, max_ngram).unwrap())
+    DecodeMode::PromptLookup {
+        config: PromptLookupConfig::new(num_tokens, max_ngram).unwrap(),
+        corpus: None,
+    }
 }
 
 /// Prompts that repeat themselves, so that lookups find drafts from the first step.
@@ -701,5 +704,55 @@ fn prompt_lookup_needs_an_engine_that_verifies_drafts() {
     assert_eq!(
         err(&target, &lookup(4, 3)),
         "--prompt_lookup_config: prompt_lookup_num_tokens 4 exceeds the engine's max_draft_len 3: lower it or rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len 4"
+    );
+}
+
+/// Backed by an n-gram model of the plain answers themselves (written and loaded through the
+/// corpus file), prompt lookup drafts far more of them, and the output is still plain
+/// greedy's.
+#[test]
+fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
+    use kestrel_runtime::ngram_corpus::{load_ngram_corpus, write_ngram_corpus};
+    let root = tempfile::tempdir().unwrap();
+    let target = load(&build(
+        root.path(),
+        "target",
+        &target_cfg(VOCAB),
+        1,
+        &target_spec(4),
+    ));
+    let params = greedy(40, vec![]);
+    let prompts = prompts();
+    let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
+    let answers: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&plain)
+        .map(|(p, o)| [p.clone(), o.output_ids.clone()].concat())
+        .collect();
+    let path = root.path().join("corpus.safetensors");
+    write_ngram_corpus(&path, &answers).unwrap();
+    let corpus = std::sync::Arc::new(load_ngram_corpus(&path, VOCAB).unwrap());
+    let config = PromptLookupConfig::new(4, 3).unwrap();
+    let with = run(
+        &target,
+        &DecodeMode::PromptLookup {
+            config,
+            corpus: Some(corpus),
+        },
+        &prompts,
+        &params,
+    );
+    let without = run(&target, &lookup(4, 3), &prompts, &params);
+    assert_eq!(ids(&with), ids(&plain));
+    assert_eq!(ids(&without), ids(&plain));
+    check_stats(&with, "with a corpus");
+    let accepted = |outs: &[SequenceOutput]| -> usize {
+        outs.iter().map(|o| o.stats.accepted_draft_tokens).sum()
+    };
+    assert!(
+        accepted(&with) > accepted(&without) + 20,
+        "with the corpus {} accepted, without {}",
+        accepted(&with),
+        accepted(&without)
     );
 }
