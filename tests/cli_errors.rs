@@ -4,8 +4,8 @@
 mod common;
 
 use common::{
-    build_ok, fixture, one_line_error, s, spec_build, spec_run, spec_run_ids, stderr, stdout,
-    tiny_checkpoint, tiny_engine_with,
+    build_ok, fixture, one_line_error, s, spec_build, spec_run, spec_run_ids, spec_train, stderr,
+    stdout, tiny_checkpoint, tiny_engine_with,
 };
 use kestrel_formats::candle_core::{self, DType, Device, Tensor};
 use std::collections::HashMap;
@@ -292,6 +292,40 @@ fn run_prompt_lookup_on_an_eagle_engine_gives_plain_greedy_output() {
     assert_eq!(
         run(&["--prompt_lookup_config", "[4,2]"], "lookup.json"),
         plain
+    );
+    // The plain answers as an n-gram corpus (spec-train ngram-corpus), then backing the lookup.
+    let corpus = tmp.path().join("corpus.safetensors");
+    let out = spec_train(&[
+        "ngram-corpus",
+        "--from_outputs",
+        s(&tmp.path().join("plain.json")),
+        "--output",
+        s(&corpus),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let with_corpus = run(
+        &[
+            "--prompt_lookup_config",
+            "[4,2]",
+            "--prompt_lookup_corpus",
+            s(&corpus),
+        ],
+        "corpus.json",
+    );
+    assert_eq!(with_corpus, plain);
+    assert_eq!(
+        run_error(
+            &engine,
+            &["--input_text", "a", "--prompt_lookup_corpus", s(&corpus)]
+        ),
+        "--prompt_lookup_corpus needs --prompt_lookup_config \"[num_tokens,max_ngram]\""
+    );
+    assert_eq!(
+        one_line_error(
+            "spec-train",
+            &spec_train(&["ngram-corpus", "--output", s(&corpus)])
+        ),
+        "no answers to read: give --from_outputs REPORT.json (repeatable) or --data_dir DIR"
     );
 }
 

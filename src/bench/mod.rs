@@ -19,6 +19,7 @@ use clap::Parser;
 use kestrel_core::plan::{BuildLimits, EnginePlan};
 use kestrel_core::{DType, Mapping, SpeculativeMode};
 use kestrel_model::GraphActivity;
+use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
     generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     SequenceOutput, TextCodec,
@@ -27,6 +28,7 @@ use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use measure::{MemProbe, ProbeSink};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -69,8 +71,9 @@ pub struct BenchArgs {
     /// (top-k N, at most T draft nodes and L layers: spec-run's
     /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers),
     /// draft_target:K[:logits] (needs --draft_engine_dir; `logits`: speculative sampling,
-    /// else token matching), prompt_lookup:K[:N] (up to K drafts after the latest earlier
-    /// occurrence of the last N-gram, N = 3 by default; any engine), verify:T (T-token verification step vs a
+    /// else token matching), prompt_lookup:K[:N[:corpus]] (up to K drafts after the latest
+    /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
+    /// --prompt_lookup_corpus; any engine), verify:T (T-token verification step vs a
     /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
     /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
     #[arg(long)]
@@ -78,6 +81,9 @@ pub struct BenchArgs {
     /// Draft engine for draft_target:K modes (the target is --engine_dir).
     #[arg(long)]
     pub draft_engine_dir: Option<PathBuf>,
+    /// The n-gram corpus of prompt_lookup:K:N:corpus modes (`spec-train ngram-corpus`).
+    #[arg(long)]
+    pub prompt_lookup_corpus: Option<PathBuf>,
     /// Apply the chat template to each prompt.
     #[arg(long, default_value_t = true)]
     pub chat: bool,
@@ -147,12 +153,13 @@ enum ModeSpec {
     PromptLookup {
         k: usize,
         max_ngram: usize,
+        corpus: bool,
     },
     Verify(usize),
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N] or verify:T, comma-separated";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -196,10 +203,21 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                 }
             }
             "prompt_lookup" => {
-                let (k, n) = arg.split_once(':').unwrap_or((arg, "3"));
+                let mut parts = arg.split(':');
+                let k = count(name, parts.next().unwrap_or(""), spec)?;
+                let max_ngram = parts.next().map_or(Ok(3), |n| count(name, n, spec))?;
+                let corpus = match parts.next() {
+                    None => false,
+                    Some("corpus") => true,
+                    Some(_) => bail!("--modes {spec}: prompt_lookup takes K, K:N or K:N:corpus"),
+                };
+                if parts.next().is_some() {
+                    bail!("--modes {spec}: prompt_lookup takes K, K:N or K:N:corpus");
+                }
                 ModeSpec::PromptLookup {
-                    k: count(name, k, spec)?,
-                    max_ngram: count(name, n, spec)?,
+                    k,
+                    max_ngram,
+                    corpus,
                 }
             }
             "verify" => ModeSpec::Verify(count(name, arg, spec)?),
@@ -688,6 +706,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
         None => None,
     };
+    let ngram_corpus = args
+        .prompt_lookup_corpus
+        .as_deref()
+        .map(|p| load_ngram_corpus(p, engine.config.vocab_size).map(Arc::new))
+        .transpose()?;
     let load_s = load_start.elapsed().as_secs_f64();
     let memory_after_load = probe.peak_above_baseline();
     let modes = match explicit_modes {
@@ -877,12 +900,22 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         },
                     )
                 }
-                ModeSpec::PromptLookup { k, max_ngram } => {
+                ModeSpec::PromptLookup {
+                    k,
+                    max_ngram,
+                    corpus,
+                } => {
                     // Any engine verifies drafts here: the view lifts max_draft_len to k.
                     dt_view = draft_target_view(&engine, *k);
-                    let lookup = PromptLookupConfig::new(*k, *max_ngram)
+                    let config = PromptLookupConfig::new(*k, *max_ngram)
                         .map_err(|e| anyhow::anyhow!("--modes {spec}: {e}"))?;
-                    (&dt_view, DecodeMode::PromptLookup(lookup))
+                    let corpus = match corpus {
+                        true => Some(ngram_corpus.clone().with_context(|| {
+                            format!("--modes {spec} needs --prompt_lookup_corpus")
+                        })?),
+                        false => None,
+                    };
+                    (&dt_view, DecodeMode::PromptLookup { config, corpus })
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };
@@ -1187,7 +1220,7 @@ mod tests {
     #[test]
     fn modes_parse() {
         let m = parse_modes(
-            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2,verify:64",
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2:corpus,verify:64",
         )
         .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
@@ -1214,8 +1247,16 @@ mod tests {
                     k: 2,
                     use_logits: true
                 },
-                ModeSpec::PromptLookup { k: 4, max_ngram: 3 },
-                ModeSpec::PromptLookup { k: 8, max_ngram: 2 },
+                ModeSpec::PromptLookup {
+                    k: 4,
+                    max_ngram: 3,
+                    corpus: false
+                },
+                ModeSpec::PromptLookup {
+                    k: 8,
+                    max_ngram: 2,
+                    corpus: true
+                },
                 ModeSpec::Verify(64)
             ]
         );

@@ -8,11 +8,13 @@ use kestrel::draft_config::{DraftTargetModelConfig, PromptLookupFlag};
 use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
+use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
     generate_with, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
     TextCodec, TokenSink,
 };
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -109,6 +111,11 @@ struct Args {
     /// must verify drafts (built for draft_tokens_external or EAGLE).
     #[arg(long)]
     prompt_lookup_config: Option<String>,
+    /// Prompt lookup backed by an n-gram model of this corpus of the model's answers
+    /// (`spec-train ngram-corpus`), which drafts where a sequence has nothing longer than one
+    /// token to copy from itself.
+    #[arg(long)]
+    prompt_lookup_corpus: Option<PathBuf>,
     /// Keep each prompt's full KV blocks after its request finishes, so that later requests
     /// (later batches of --input_file) starting with the same tokens skip prefilling them.
     #[arg(long)]
@@ -152,6 +159,9 @@ fn run(args: Args) -> Result<()> {
         .map(PromptLookupFlag::parse)
         .transpose()
         .map_err(anyhow::Error::msg)?;
+    if args.prompt_lookup_corpus.is_some() && lookup.is_none() {
+        bail!("--prompt_lookup_corpus needs --prompt_lookup_config \"[num_tokens,max_ngram]\"");
+    }
     if lookup.is_some() && dtm.is_some() {
         bail!("--prompt_lookup_config cannot be combined with --draft_engine_dir: choose one source of drafts");
     }
@@ -233,7 +243,15 @@ fn run(args: Args) -> Result<()> {
             if eagle_flags.any() || args.no_speculation {
                 bail!("--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation");
             }
-            DecodeMode::PromptLookup(lookup.as_ref().expect("checked").lookup)
+            let corpus = args
+                .prompt_lookup_corpus
+                .as_deref()
+                .map(|p| load_ngram_corpus(p, engine.config.vocab_size).map(Arc::new))
+                .transpose()?;
+            DecodeMode::PromptLookup {
+                config: lookup.as_ref().expect("checked").lookup,
+                corpus,
+            }
         }
         (Some(draft), Some(c)) => {
             if eagle_flags.any() || args.no_speculation {

@@ -16,12 +16,16 @@
 //!
 //! `spec-train draft-vocab` ranks the vocabulary by the self-distillation answers into a
 //! head folder's `draft_vocab.json`, for `--eagle_draft_vocab N`.
+//!
+//! `spec-train ngram-corpus` gathers the model's answers into the n-gram corpus that backs
+//! prompt lookup (`spec-run --prompt_lookup_corpus`).
 
 mod calibrate;
 mod data;
 mod draft;
 mod draft_vocab;
 mod eagle;
+mod ngram_corpus;
 mod train_args;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +54,8 @@ enum Command {
     Calibrate(Box<calibrate::CalibrateArgs>),
     /// Rank the vocabulary by the self-distillation answers, for --eagle_draft_vocab N.
     DraftVocab(Box<draft_vocab::DraftVocabArgs>),
+    /// Gather the model's answers into the n-gram corpus of --prompt_lookup_corpus.
+    NgramCorpus(Box<ngram_corpus::NgramCorpusArgs>),
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -63,6 +69,7 @@ fn main() {
         Command::Draft(args) => draft::run_draft(args),
         Command::Calibrate(args) => calibrate::run_calibrate(args),
         Command::DraftVocab(args) => draft_vocab::run_draft_vocab(args),
+        Command::NgramCorpus(args) => ngram_corpus::run_ngram_corpus(args),
     };
     exit_on_error("spec-train", result);
 }
