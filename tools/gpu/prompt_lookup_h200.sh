@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Prompt lookup decoding (spec-bench prompt_lookup:K[:N]) on the H200 against plain decoding
-# and the shipped head's best EAGLE settings, in one call: real SmolLM2 + heads/smollm2-eagle,
-# bf16, CUDA graphs, greedy, MT-bench 1-20, 128 tokens, batch 1 and 4; the raw questions (as
-# every earlier H200 table) and then the chat template (as spec-run --chat and the demo).
+# Prompt lookup decoding (spec-bench prompt_lookup:K[:N], alone and backed by the n-gram corpus
+# heads/smollm2-ngram) on the H200 against plain decoding and the shipped head's best EAGLE
+# settings, in one call: real SmolLM2 + heads/smollm2-eagle,
+# bf16, CUDA graphs, greedy, MT-bench 1-20 (chat template, spec-bench's default), 128 tokens,
+# batch 1 and 4; the whole set twice (runs 1 and 2), for the spread between runs.
 #
 # Staging (TRAIN_DATA=0 tools/gpu/pack.sh with BINS="spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
@@ -15,20 +16,20 @@ source "$here/session-env.sh"
 E=/tmp/pl; mkdir -p $E
 HEAD=heads/smollm2-eagle
 smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
-MODES="plain,prompt_lookup:2,prompt_lookup:4,prompt_lookup:8,prompt_lookup:4:1,eagle1:$HEAD/tree_h200.json,eagle2:4:4:1,plain"
-for run in raw chat; do
-  extra=(); [ $run = chat ] && extra=(--chat)
-  $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 "${extra[@]}" \
+CORPUS=heads/smollm2-ngram/corpus.safetensors
+MODES="plain,prompt_lookup:2,prompt_lookup:4,prompt_lookup:8,prompt_lookup:4:3:corpus,prompt_lookup:6:3:corpus,prompt_lookup:8:3:corpus,eagle1:$HEAD/tree_h200.json,eagle2:4:4:1,plain"
+for run in 1 2; do
+  $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 \
     --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1,4 \
-    --modes "$MODES" --eagle_draft_vocab 4096 --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
+    --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
 done
 python3 - "$E" <<'PY' | tee "$OUT/prompt_lookup.txt"
 import json, sys
-for run in ["raw", "chat"]:
-    print(f"== {run}")
+for run in ["1", "2"]:
+    print(f"== run {run}")
     print(f"{'mode':44s} {'batch':>5s} {'tok/s':>8s} {'step ms':>8s} {'tau':>5s} same_as_plain")
     for r in json.load(open(f"{sys.argv[1]}/{run}.json"))["results"]:
         print(f"{r['mode']:44s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r.get('step_latency_ms') or 0:8.3f}"
               f" {r['mean_accepted_len'] or 0:5.2f} {r['same_output_as_plain']}")
 PY
-tar -C $E -czf "$OUT/prompt_lookup.tar.gz" raw.json chat.json
+tar -C $E -czf "$OUT/prompt_lookup.tar.gz" 1.json 2.json
