@@ -251,6 +251,7 @@ fn run(args: Args) -> Result<()> {
             DecodeMode::PromptLookup {
                 config: lookup.as_ref().expect("checked").lookup,
                 corpus,
+                equal_rows: None,
             }
         }
         (Some(draft), Some(c)) => {

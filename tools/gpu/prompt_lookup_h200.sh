@@ -3,7 +3,8 @@
 # heads/smollm2-ngram) on the H200 against plain decoding and the shipped head's best EAGLE
 # settings, in one call: real SmolLM2 + heads/smollm2-eagle,
 # bf16, CUDA graphs, greedy, MT-bench 1-20 (chat template, spec-bench's default), 128 tokens,
-# batch 1 and 4; the whole set twice (runs 1 and 2), for the spread between runs.
+# batch 1 and 4; the whole set twice, with a batch's lookup drafts padded to one length
+# (`--lookup_equal_rows on`, spec-run's default on CUDA) and then not (`off`).
 #
 # Staging (TRAIN_DATA=0 tools/gpu/pack.sh with BINS="spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
@@ -18,18 +19,18 @@ HEAD=heads/smollm2-eagle
 smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
 CORPUS=heads/smollm2-ngram/corpus.safetensors
 MODES="plain,prompt_lookup:2,prompt_lookup:4,prompt_lookup:8,prompt_lookup:4:3:corpus,prompt_lookup:6:3:corpus,prompt_lookup:8:3:corpus,eagle1:$HEAD/tree_h200.json,eagle2:4:4:1,plain"
-for run in 1 2; do
-  $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 \
+for run in on off; do
+  $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 --lookup_equal_rows $run \
     --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1,4 \
     --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
 done
 python3 - "$E" <<'PY' | tee "$OUT/prompt_lookup.txt"
 import json, sys
-for run in ["1", "2"]:
-    print(f"== run {run}")
+for run in ["on", "off"]:
+    print(f"== --lookup_equal_rows {run}")
     print(f"{'mode':44s} {'batch':>5s} {'tok/s':>8s} {'step ms':>8s} {'tau':>5s} same_as_plain")
     for r in json.load(open(f"{sys.argv[1]}/{run}.json"))["results"]:
         print(f"{r['mode']:44s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r.get('step_latency_ms') or 0:8.3f}"
               f" {r['mean_accepted_len'] or 0:5.2f} {r['same_output_as_plain']}")
 PY
-tar -C $E -czf "$OUT/prompt_lookup.tar.gz" 1.json 2.json
+tar -C $E -czf "$OUT/prompt_lookup.tar.gz" on.json off.json

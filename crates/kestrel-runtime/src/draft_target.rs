@@ -56,10 +56,15 @@ enum Drafter<'e> {
     },
     /// The sequence's own tokens, backed by an n-gram model of other answers (prompt lookup
     /// decoding): no model, no cache.
-    Lookup {
-        config: PromptLookupConfig,
-        corpus: Option<Arc<NgramCorpus>>,
-    },
+    Lookup(Lookup),
+}
+
+/// Prompt lookup's drafter.
+pub(crate) struct Lookup {
+    pub config: PromptLookupConfig,
+    pub corpus: Option<Arc<NgramCorpus>>,
+    /// Pad a batch's drafts to one length ([`look_up`]).
+    pub equal_rows: bool,
 }
 
 /// A batch's prompt keys in the two caches (the draft's only with a draft model).
@@ -143,12 +148,11 @@ impl<'e> DraftTargetDecoder<'e> {
     /// Prompt lookup decoding on `target`.
     pub fn prompt_lookup(
         target: &'e Engine,
-        lookup: PromptLookupConfig,
-        corpus: Option<Arc<NgramCorpus>>,
+        lookup: Lookup,
         kv: &KvCacheOptions,
         max_output_len: usize,
     ) -> Result<Self> {
-        check_lookup(target, &lookup)?;
+        check_lookup(target, &lookup.config)?;
         let pools = size_pools(
             &[PoolSpec::for_engine("target", target)],
             kv,
@@ -163,16 +167,13 @@ impl<'e> DraftTargetDecoder<'e> {
         }
         Ok(DraftTargetDecoder {
             target,
-            drafter: Drafter::Lookup {
-                config: lookup,
-                corpus,
-            },
             options: DraftTargetOptions {
-                draft_len: lookup.num_tokens,
+                draft_len: lookup.config.num_tokens,
                 use_logits: false,
             },
             target_cache,
             pools,
+            drafter: Drafter::Lookup(lookup),
         })
     }
 
@@ -324,9 +325,7 @@ impl<'e> DraftTargetDecoder<'e> {
     ) -> Result<Proposals> {
         let (engine, cache) = match &mut self.drafter {
             Drafter::Model { engine, cache } => (*engine, cache),
-            Drafter::Lookup { config, corpus } => {
-                return Ok(look_up(config, corpus.as_deref(), seqs, live))
-            }
+            Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),
         };
         let sampling = &params.sampling;
         let keep_q = self.options.use_logits && !sampling.is_greedy();
@@ -679,7 +678,7 @@ impl Decoder for DraftTargetDecoder<'_> {
     ) -> Result<()> {
         let draft_cache = match &mut self.drafter {
             Drafter::Model { cache, .. } => Some(cache),
-            Drafter::Lookup { .. } => None,
+            Drafter::Lookup(_) => None,
         };
         let (draft_ids, draft_prefixes) = match draft_cache {
             Some(cache) => {
@@ -714,26 +713,44 @@ impl Decoder for DraftTargetDecoder<'_> {
     }
 }
 
-/// Every live sequence's drafts looked up in its own tokens, as many as fit before its length
-/// limit (none when its final n-grams do not recur).
-fn look_up(
-    lookup: &PromptLookupConfig,
-    corpus: Option<&NgramCorpus>,
-    seqs: &[Sequence],
-    live: &[usize],
-) -> Proposals {
+/// Every live sequence's drafts looked up in its own tokens (or the corpus), as many as fit
+/// before its length limit (none when nothing matches).
+///
+/// With `equal_rows`, every sequence of a batch drafts as many tokens as the longest proposal
+/// (capped by its own limit), the short ones padded with their last token. On CUDA a step's
+/// graph is captured per layout, and four sequences drafting 0 to 4 tokens each make up to
+/// 625 layouts, most of them run eagerly; padded, a step has one layout per draft length.
+/// Padding is lossless (a draft is any token; the target's own decides), and costs rows that
+/// are nearly free on a GPU but not on a CPU.
+fn look_up(lookup: &Lookup, seqs: &[Sequence], live: &[usize]) -> Proposals {
+    let corpus = lookup.corpus.as_deref();
+    let limits: Vec<usize> = live
+        .iter()
+        .map(|&i| seqs[i].remaining().saturating_sub(1))
+        .collect();
+    let mut drafts: Vec<Vec<u32>> = live
+        .iter()
+        .zip(&limits)
+        .map(|(&i, &limit)| lookup.config.propose_with(&seqs[i].tokens, limit, corpus))
+        .collect();
+    if lookup.equal_rows && live.len() > 1 {
+        let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
+        for ((d, &limit), &i) in drafts.iter_mut().zip(&limits).zip(live) {
+            let fill = *d
+                .last()
+                .or(seqs[i].tokens.last())
+                .expect("a live sequence has tokens");
+            d.resize(longest.min(limit).max(d.len()), fill);
+        }
+    }
     let list = live
         .iter()
-        .map(|&i| {
-            let s = &seqs[i];
-            let limit = s.remaining().saturating_sub(1);
-            let tokens = lookup.propose_with(&s.tokens, limit, corpus);
-            Proposal {
-                index: i,
-                k: tokens.len(),
-                tokens,
-                q: DraftLaws::None,
-            }
+        .zip(drafts)
+        .map(|(&i, tokens)| Proposal {
+            index: i,
+            k: tokens.len(),
+            tokens,
+            q: DraftLaws::None,
         })
         .collect();
     Proposals {
