@@ -27,12 +27,7 @@ impl DraftTargetModelConfig {
     pub fn parse(s: &str) -> Result<Self, String> {
         let fail = |what: String| format!("{FLAG} \"{s}\": {what}");
         let malformed = || fail(SHAPE.to_string());
-        let compact: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-        let inner = compact
-            .strip_prefix('[')
-            .and_then(|r| r.strip_suffix(']'))
-            .ok_or_else(malformed)?;
-        let parts = split_top_level(inner).ok_or_else(malformed)?;
+        let parts = list_entries(s).ok_or_else(malformed)?;
         let [len, draft, target, logits] = parts.as_slice() else {
             return Err(malformed());
         };
@@ -102,15 +97,10 @@ impl PromptLookupFlag {
     pub fn parse(s: &str) -> Result<Self, String> {
         let fail = |what: String| format!("{LOOKUP_FLAG} \"{s}\": {what}");
         let malformed = || fail(LOOKUP_SHAPE.to_string());
-        let compact: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-        let inner = compact
-            .strip_prefix('[')
-            .and_then(|r| r.strip_suffix(']'))
-            .ok_or_else(malformed)?;
-        let parts = split_top_level(inner).ok_or_else(malformed)?;
+        let parts = list_entries(s).ok_or_else(malformed)?;
         let (tokens, ngram, devices) = match parts.as_slice() {
-            [t, n] => (*t, *n, None),
-            [t, n, d] => (*t, *n, Some(*d)),
+            [t, n] => (t.as_str(), n.as_str(), None),
+            [t, n, d] => (t.as_str(), n.as_str(), Some(d.as_str())),
             _ => return Err(malformed()),
         };
         let count = |name: &str, v: &str| -> Result<usize, String> {
@@ -130,6 +120,19 @@ impl PromptLookupFlag {
             target_devices,
         })
     }
+}
+
+/// The top-level entries of a bracketed list such as `[4, [0], [1], False]`, whitespace
+/// removed; `None` when it is not one.
+fn list_entries(s: &str) -> Option<Vec<String>> {
+    let compact: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+    let inner = compact.strip_prefix('[')?.strip_suffix(']')?;
+    Some(
+        split_top_level(inner)?
+            .into_iter()
+            .map(String::from)
+            .collect(),
+    )
 }
 
 /// Splits at the commas outside brackets; `None` when brackets do not balance, nest deeper

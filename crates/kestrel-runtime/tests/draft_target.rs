@@ -606,6 +606,17 @@ fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
     }
 }
 
+/// The target of the prompt lookup tests, built to verify up to `max_draft_len` drafts.
+fn lookup_target(root: &Path, max_draft_len: usize) -> Engine {
+    load(&build(
+        root,
+        "target",
+        &target_cfg(VOCAB),
+        1,
+        &target_spec(max_draft_len),
+    ))
+}
+
 /// Prompts that repeat themselves, so that lookups find drafts from the first step.
 fn repetitive_prompts() -> Vec<Vec<u32>> {
     vec![
@@ -621,13 +632,7 @@ fn repetitive_prompts() -> Vec<Vec<u32>> {
 #[test]
 fn prompt_lookup_greedy_equals_plain_greedy() {
     let root = tempfile::tempdir().unwrap();
-    let target = load(&build(
-        root.path(),
-        "target",
-        &target_cfg(VOCAB),
-        1,
-        &target_spec(8),
-    ));
+    let target = lookup_target(root.path(), 8);
     let params = greedy(40, vec![]);
     let prompts = repetitive_prompts();
     let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
@@ -678,13 +683,7 @@ fn prompt_lookup_greedy_equals_plain_greedy() {
 #[test]
 fn prompt_lookup_sampled_equals_plain_sampled() {
     let root = tempfile::tempdir().unwrap();
-    let target = load(&build(
-        root.path(),
-        "target",
-        &target_cfg(VOCAB),
-        1,
-        &target_spec(4),
-    ));
+    let target = lookup_target(root.path(), 4);
     let params = GenerationParams {
         max_output_len: 40,
         sampling: SamplingParams {
@@ -721,13 +720,7 @@ fn prompt_lookup_needs_an_engine_that_verifies_drafts() {
             plain_dir.display()
         )
     );
-    let target = load(&build(
-        root.path(),
-        "target",
-        &target_cfg(VOCAB),
-        1,
-        &target_spec(3),
-    ));
+    let target = lookup_target(root.path(), 3);
     assert_eq!(
         err(&target, &lookup(4, 3)),
         "--prompt_lookup_config: prompt_lookup_num_tokens 4 exceeds the engine's max_draft_len 3: lower it or rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len 4"
@@ -741,13 +734,7 @@ fn prompt_lookup_needs_an_engine_that_verifies_drafts() {
 fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
     use kestrel_runtime::ngram_corpus::{load_ngram_corpus, write_ngram_corpus};
     let root = tempfile::tempdir().unwrap();
-    let target = load(&build(
-        root.path(),
-        "target",
-        &target_cfg(VOCAB),
-        1,
-        &target_spec(4),
-    ));
+    let target = lookup_target(root.path(), 4);
     let params = greedy(40, vec![]);
     let prompts = prompts();
     let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
