@@ -363,3 +363,61 @@ fn spec_run_matches<P: std::borrow::Borrow<SmolPrompt>>(
         );
     }
 }
+
+/// Prompt lookup on SmolLM2 backed by the shipped n-gram corpus of its own answers
+/// (heads/smollm2-ngram): the corpus loads with SmolLM2's vocabulary, drafts are accepted,
+/// and the tokens are still transformers' greedy ones for the chat-templated prompts.
+#[test]
+fn smollm2_prompt_lookup_with_the_shipped_corpus_keeps_transformers_greedy() {
+    use kestrel_runtime::ngram_corpus::load_ngram_corpus;
+    let expected: SmolExpected = read_json(&fixture("smollm2/expected.json"));
+    let tmp = tempfile::tempdir().unwrap();
+    let engine_dir = smollm2_engine(
+        tmp.path(),
+        &[
+            "--max_input_len",
+            "128",
+            "--max_seq_len",
+            "256",
+            "--speculative_decoding_mode",
+            "draft_tokens_external",
+            "--max_draft_len",
+            "4",
+        ],
+    );
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let corpus_path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("heads/smollm2-ngram/corpus.safetensors");
+    let corpus = load_ngram_corpus(&corpus_path, engine.config.vocab_size).unwrap();
+    assert!(corpus.tokens() > 1_000_000, "{} tokens", corpus.tokens());
+    let prompts: Vec<Vec<u32>> = expected
+        .prompts
+        .iter()
+        .map(|p| p.templated_ids.clone())
+        .collect();
+    let mode = DecodeMode::PromptLookup {
+        config: kestrel_spec::PromptLookupConfig::new(4, 3).unwrap(),
+        corpus: Some(std::sync::Arc::new(corpus)),
+        equal_rows: None,
+    };
+    let (outputs, _) = generate(
+        &engine,
+        &mode,
+        &prompts,
+        &greedy_params(vec![]),
+        &mut NoSink,
+    )
+    .unwrap();
+    for (i, (out, p)) in outputs.iter().zip(&expected.prompts).enumerate() {
+        assert_eq!(
+            out.output_ids, p.templated.greedy,
+            "prompt {i}: prompt lookup's ids differ from transformers' greedy ids"
+        );
+    }
+    let accepted: usize = outputs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
+    let steps: usize = outputs.iter().map(|o| o.stats.steps).sum();
+    assert!(
+        accepted * 2 > steps,
+        "{accepted} drafts accepted in {steps} steps"
+    );
+}
