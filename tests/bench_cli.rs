@@ -105,7 +105,7 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
             "--batch_sizes",
             "1,2",
             "--modes",
-            "plain,eagle1:[[0],[0,0],[1]],eagle2:2,verify:4",
+            "plain,eagle1:[[0],[0,0],[1]],eagle2:2,prompt_lookup:3:2,verify:4",
         ],
         &json,
     );
@@ -122,7 +122,13 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
         .collect();
     let mut want = Vec::new();
     for b in [1, 2] {
-        for m in ["plain", "eagle1:[[0],[0,0],[1]]", "eagle2:2", "verify:4"] {
+        for m in [
+            "plain",
+            "eagle1:[[0],[0,0],[1]]",
+            "eagle2:2",
+            "prompt_lookup:3:2",
+            "verify:4",
+        ] {
             want.push((m.to_string(), b));
         }
     }
@@ -484,6 +490,28 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--draft_on_device", "yes"]),
         "--draft_on_device yes: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--lookup_equal_rows", "yes"]),
+        "--lookup_equal_rows yes: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&[
+            "--engine_dir",
+            "/nonexistent",
+            "--modes",
+            "prompt_lookup:4:3:corpus"
+        ]),
+        "--modes prompt_lookup:4:3:corpus needs --prompt_lookup_corpus"
+    );
+    assert_eq!(
+        bench_error(&[
+            "--engine_dir",
+            "/nonexistent",
+            "--modes",
+            "prompt_lookup:4:3:all"
+        ]),
+        "--modes prompt_lookup:4:3:all: prompt_lookup takes K, K:N or K:N:corpus"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--top_p", "0"]),

@@ -75,7 +75,8 @@ pub struct BenchArgs {
     /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
     /// --prompt_lookup_corpus; any engine), verify:T (T-token verification step vs a
     /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
-    /// with a draft engine), plain,verify:64 with --random_weights, plain otherwise.
+    /// with a draft engine) and prompt_lookup:4, plain,verify:64 with --random_weights,
+    /// plain,prompt_lookup:4 otherwise.
     #[arg(long)]
     pub modes: Option<String>,
     /// Draft engine for draft_target:K modes (the target is --engine_dir).
@@ -642,6 +643,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 bail!("--modes {spec} needs --draft_engine_dir");
             }
         }
+        if let Some((spec, _)) = modes
+            .iter()
+            .find(|(_, m)| matches!(m, ModeSpec::PromptLookup { corpus: true, .. }))
+        {
+            if args.prompt_lookup_corpus.is_none() {
+                bail!("--modes {spec} needs --prompt_lookup_corpus");
+            }
+        }
     }
 
     let kernel_override = match args.cuda_kernels.as_str() {
@@ -725,10 +734,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         Some(m) => m,
         None => parse_modes(match (shape, engine.eagle.is_some(), draft.is_some()) {
             (Some(_), _, _) => "plain,verify:64",
-            (None, true, true) => "plain,eagle1,eagle2:8,draft_target:4",
-            (None, true, false) => "plain,eagle1,eagle2:8",
-            (None, false, true) => "plain,draft_target:4",
-            (None, false, false) => "plain",
+            (None, true, true) => "plain,eagle1,eagle2:8,draft_target:4,prompt_lookup:4",
+            (None, true, false) => "plain,eagle1,eagle2:8,prompt_lookup:4",
+            (None, false, true) => "plain,draft_target:4,prompt_lookup:4",
+            (None, false, false) => "plain,prompt_lookup:4",
         })?,
     };
     let built_max_batch = engine.plan.limits.max_batch_size;
