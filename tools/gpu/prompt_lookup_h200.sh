@@ -14,12 +14,30 @@
 # `prompt_lookup_h200.sh sampled` instead samples (temperature 0.8, top_p 0.9, seed 3) plain
 # decoding and prompt lookup with and without the corpus, padded at batch 4 or not, and prints
 # each run's output digest: the lookup's must equal plain's ($OUT/prompt_lookup_sampled.txt).
+# `prompt_lookup_h200.sh padding`: batch 4 with drafts padded and not, alternating twice
+# ($OUT/prompt_lookup_padding.txt).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
 E=/tmp/pl; mkdir -p $E
 HEAD=heads/smollm2-eagle
 smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
+if [ "${1:-}" = padding ]; then
+  # Batch 4 only, padded and not alternating twice, so that drift between runs shows.
+  for pad in on off on off; do
+    $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 --lookup_equal_rows $pad \
+      --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 4 \
+      --prompt_lookup_corpus heads/smollm2-ngram/corpus.safetensors \
+      --modes "plain,prompt_lookup:4,prompt_lookup:4:3:corpus,prompt_lookup:8:3:corpus" > /dev/null \
+      --output_json "$E/pad.json" || echo "spec-bench failed"
+    python3 - "$E/pad.json" "$pad" <<'PY' | tee -a "$OUT/prompt_lookup_padding.txt"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(f"{sys.argv[2]:4s} {r['mode']:28s} {r['tokens_per_s'] or 0:8.1f} {r['step_latency_ms'] or 0:6.3f} {r['same_output_as_plain']}")
+PY
+  done
+  exit 0
+fi
 if [ "${1:-}" = sampled ]; then
   for pad in on off; do
     $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 --lookup_equal_rows $pad \
