@@ -492,10 +492,6 @@ fn bench_refuses_bad_input_in_one_line() {
         "--draft_on_device yes: expected on or off"
     );
     assert_eq!(
-        bench_error(&["--random_weights", "tiny", "--lookup_equal_rows", "yes"]),
-        "--lookup_equal_rows yes: expected on or off"
-    );
-    assert_eq!(
         bench_error(&[
             "--engine_dir",
             "/nonexistent",

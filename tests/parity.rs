@@ -398,7 +398,6 @@ fn smollm2_prompt_lookup_with_the_shipped_corpus_keeps_transformers_greedy() {
     let mode = DecodeMode::PromptLookup {
         config: kestrel_spec::PromptLookupConfig::new(4, 3).unwrap(),
         corpus: Some(std::sync::Arc::new(corpus)),
-        equal_rows: None,
     };
     let (outputs, _) = generate(
         &engine,

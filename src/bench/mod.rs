@@ -109,10 +109,6 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
-    /// prompt_lookup modes pad a batch's drafts to one length (`on`), or not (`off`);
-    /// `auto` (spec-run's behaviour): on CUDA only.
-    #[arg(long, default_value = "auto")]
-    pub lookup_equal_rows: String,
     /// spec-run's sampling flags (greedy by default). Sampled speculative modes keep the
     /// target's distribution but not plain decoding's tokens, so their outputs are compared
     /// by digest only.
@@ -664,10 +660,6 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         &args.dependent_launch,
     )?);
     let device_sampling = on_off("--device_sampling", &args.device_sampling)?;
-    let lookup_equal_rows = match args.lookup_equal_rows.as_str() {
-        "auto" => None,
-        v => Some(on_off("--lookup_equal_rows", v)?),
-    };
     kestrel_runtime::device::set_device_sampling(device_sampling);
     let draft_on_device = on_off("--draft_on_device", &args.draft_on_device)?;
     kestrel_runtime::device::set_draft_on_device(draft_on_device);
@@ -932,14 +924,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         })?),
                         false => None,
                     };
-                    (
-                        &dt_view,
-                        DecodeMode::PromptLookup {
-                            config,
-                            corpus,
-                            equal_rows: lookup_equal_rows,
-                        },
-                    )
+                    (&dt_view, DecodeMode::PromptLookup { config, corpus })
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };

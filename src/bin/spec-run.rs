@@ -251,7 +251,6 @@ fn run(args: Args) -> Result<()> {
             DecodeMode::PromptLookup {
                 config: lookup.as_ref().expect("checked").lookup,
                 corpus,
-                equal_rows: None,
             }
         }
         (Some(draft), Some(c)) => {

@@ -63,8 +63,6 @@ enum Drafter<'e> {
 pub(crate) struct Lookup {
     pub config: PromptLookupConfig,
     pub corpus: Option<Arc<NgramCorpus>>,
-    /// Pad a batch's drafts to one length ([`look_up`]).
-    pub equal_rows: bool,
 }
 
 /// A batch's prompt keys in the two caches (the draft's only with a draft model).
@@ -715,42 +713,20 @@ impl Decoder for DraftTargetDecoder<'_> {
 
 /// Every live sequence's drafts looked up in its own tokens (or the corpus), as many as fit
 /// before its length limit (none when nothing matches).
-///
-/// With `equal_rows`, every sequence of a batch drafts as many tokens as the longest proposal
-/// (capped by its own limit), the short ones padded with their last token. On CUDA a step's
-/// graph is captured per layout, and four sequences drafting 0 to 4 tokens each make up to
-/// 625 layouts, most of them run eagerly; padded, a step has one layout per draft length.
-/// Padding is lossless (a draft is any token; the target's own decides), and costs rows that
-/// are nearly free on a GPU but not on a CPU.
 fn look_up(lookup: &Lookup, seqs: &[Sequence], live: &[usize]) -> Proposals {
     let corpus = lookup.corpus.as_deref();
-    let limits: Vec<usize> = live
-        .iter()
-        .map(|&i| seqs[i].remaining().saturating_sub(1))
-        .collect();
-    let mut drafts: Vec<Vec<u32>> = live
-        .iter()
-        .zip(&limits)
-        .map(|(&i, &limit)| lookup.config.propose_with(&seqs[i].tokens, limit, corpus))
-        .collect();
-    if lookup.equal_rows && live.len() > 1 {
-        let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
-        for ((d, &limit), &i) in drafts.iter_mut().zip(&limits).zip(live) {
-            let fill = *d
-                .last()
-                .or(seqs[i].tokens.last())
-                .expect("a live sequence has tokens");
-            d.resize(longest.min(limit).max(d.len()), fill);
-        }
-    }
     let list = live
         .iter()
-        .zip(drafts)
-        .map(|(&i, tokens)| Proposal {
-            index: i,
-            k: tokens.len(),
-            tokens,
-            q: DraftLaws::None,
+        .map(|&i| {
+            let s = &seqs[i];
+            let limit = s.remaining().saturating_sub(1);
+            let tokens = lookup.config.propose_with(&s.tokens, limit, corpus);
+            Proposal {
+                index: i,
+                k: tokens.len(),
+                tokens,
+                q: DraftLaws::None,
+            }
         })
         .collect();
     Proposals {

@@ -42,8 +42,6 @@ pub enum DecodeMode<'a> {
     PromptLookup {
         config: kestrel_spec::PromptLookupConfig,
         corpus: Option<std::sync::Arc<kestrel_spec::NgramCorpus>>,
-        /// Pad a batch's drafts to one length (see the draft-target loop); `None`: on CUDA.
-        equal_rows: Option<bool>,
     },
 }
 
@@ -139,15 +137,10 @@ pub fn generate_with(
                 draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
-        DecodeMode::PromptLookup {
-            config,
-            corpus,
-            equal_rows,
-        } => {
+        DecodeMode::PromptLookup { config, corpus } => {
             let lookup = draft_target::Lookup {
                 config: *config,
                 corpus: corpus.clone(),
-                equal_rows: equal_rows.unwrap_or(engine.device.is_cuda()),
             };
             let mut decoder =
                 draft_target::DraftTargetDecoder::prompt_lookup(engine, lookup, kv, out)?;

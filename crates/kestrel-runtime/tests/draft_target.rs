@@ -602,7 +602,6 @@ fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
     DecodeMode::PromptLookup {
         config: PromptLookupConfig::new(num_tokens, max_ngram).unwrap(),
         corpus: None,
-        equal_rows: None,
     }
 }
 
@@ -641,26 +640,6 @@ fn prompt_lookup_greedy_equals_plain_greedy() {
         let outs = run(&target, &lookup(k, n), &prompts, &params);
         assert_eq!(ids(&outs), ids(&plain), "{what}");
         check_stats(&outs, &what);
-        // Drafts padded to the batch's longest (CUDA's default): the same tokens, more
-        // drafted.
-        let padded = DecodeMode::PromptLookup {
-            config: PromptLookupConfig::new(k, n).unwrap(),
-            corpus: None,
-            equal_rows: Some(true),
-        };
-        let outs_padded = run(&target, &padded, &prompts, &params);
-        assert_eq!(ids(&outs_padded), ids(&plain), "{what}, padded");
-        check_stats(&outs_padded, &what);
-        if k > 1 {
-            let drafted =
-                |o: &[SequenceOutput]| -> usize { o.iter().map(|o| o.stats.draft_tokens).sum() };
-            assert!(
-                drafted(&outs_padded) > drafted(&outs),
-                "{what}: padding drafted {} against {}",
-                drafted(&outs_padded),
-                drafted(&outs)
-            );
-        }
         let drafted: usize = outs.iter().map(|o| o.stats.draft_tokens).sum();
         let accepted: usize = outs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
         assert!(
@@ -700,12 +679,6 @@ fn prompt_lookup_sampled_equals_plain_sampled() {
     assert_eq!(ids(&outs), ids(&plain));
     let accepted: usize = outs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
     assert!(accepted > 0, "no draft was accepted");
-    let padded = DecodeMode::PromptLookup {
-        config: PromptLookupConfig::new(4, 3).unwrap(),
-        corpus: None,
-        equal_rows: Some(true),
-    };
-    assert_eq!(ids(&run(&target, &padded, &prompts, &params)), ids(&plain));
 }
 
 #[test]
@@ -752,7 +725,6 @@ fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
         &DecodeMode::PromptLookup {
             config,
             corpus: Some(corpus),
-            equal_rows: None,
         },
         &prompts,
         &params,
