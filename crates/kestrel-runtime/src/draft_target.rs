@@ -121,16 +121,16 @@ impl<'e> DraftTargetDecoder<'e> {
             PoolSpec::for_engine("draft", draft),
         ];
         let pools = size_pools(&specs, kv, target, max_output_len)?;
-        let mut target_cache = target
-            .model
-            .new_cache(pools[0].blocks, pools[0].block_size)?;
-        let mut draft_cache = draft
-            .model
-            .new_cache(pools[1].blocks, pools[1].block_size)?;
-        if kv.enable_block_reuse {
-            target_cache.enable_prefix_reuse();
-            draft_cache.enable_prefix_reuse();
-        }
+        let target_cache = kv.apply(
+            target
+                .model
+                .new_cache(pools[0].blocks, pools[0].block_size)?,
+        );
+        let draft_cache = kv.apply(
+            draft
+                .model
+                .new_cache(pools[1].blocks, pools[1].block_size)?,
+        );
         Ok(DraftTargetDecoder {
             target,
             drafter: Drafter::Model {
@@ -157,12 +157,11 @@ impl<'e> DraftTargetDecoder<'e> {
             target,
             max_output_len,
         )?;
-        let mut target_cache = target
-            .model
-            .new_cache(pools[0].blocks, pools[0].block_size)?;
-        if kv.enable_block_reuse {
-            target_cache.enable_prefix_reuse();
-        }
+        let target_cache = kv.apply(
+            target
+                .model
+                .new_cache(pools[0].blocks, pools[0].block_size)?,
+        );
         Ok(DraftTargetDecoder {
             target,
             options: DraftTargetOptions {

@@ -12,6 +12,7 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use candle_core::{DType, Device};
+use kestrel_model::PagedKvCache;
 
 /// `--kv_cache_*` options of a run.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -27,6 +28,15 @@ pub struct KvCacheOptions {
 pub const FRACTION_FLAG: &str = "--kv_cache_free_gpu_memory_fraction";
 
 impl KvCacheOptions {
+    /// `cache`, keeping the full prompt blocks of finished requests for reuse when the run
+    /// asks for it.
+    pub(crate) fn apply(&self, mut cache: PagedKvCache) -> PagedKvCache {
+        if self.enable_block_reuse {
+            cache.enable_prefix_reuse();
+        }
+        cache
+    }
+
     pub fn validate(&self) -> Result<()> {
         match self.free_memory_fraction {
             Some(f) if !(f > 0.0 && f <= 1.0) => Err(RuntimeError::InvalidRequest(format!(

@@ -20,12 +20,11 @@ impl<'e> PlainDecoder<'e> {
     pub fn new(engine: &'e Engine, kv: &KvCacheOptions, max_output_len: usize) -> Result<Self> {
         let specs = [PoolSpec::for_engine("target", engine)];
         let pools = size_pools(&specs, kv, engine, max_output_len)?;
-        let mut cache = engine
-            .model
-            .new_cache(pools[0].blocks, pools[0].block_size)?;
-        if kv.enable_block_reuse {
-            cache.enable_prefix_reuse();
-        }
+        let cache = kv.apply(
+            engine
+                .model
+                .new_cache(pools[0].blocks, pools[0].block_size)?,
+        );
         Ok(PlainDecoder {
             engine,
             cache,

@@ -81,14 +81,12 @@ impl<'e> EagleDecoder<'e> {
             PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
         ];
         let pools = size_pools(&specs, kv, engine, max_output_len)?;
-        let mut base_cache = engine
-            .model
-            .new_cache(pools[0].blocks, pools[0].block_size)?;
-        let mut head_cache = head.new_cache(pools[1].blocks, pools[1].block_size)?;
-        if kv.enable_block_reuse {
-            base_cache.enable_prefix_reuse();
-            head_cache.enable_prefix_reuse();
-        }
+        let base_cache = kv.apply(
+            engine
+                .model
+                .new_cache(pools[0].blocks, pools[0].block_size)?,
+        );
+        let head_cache = kv.apply(head.new_cache(pools[1].blocks, pools[1].block_size)?);
         Ok(EagleDecoder {
             engine,
             head,
