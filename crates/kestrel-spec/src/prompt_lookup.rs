@@ -56,8 +56,8 @@ impl PromptLookupConfig {
     }
 
     /// [`PromptLookupConfig::propose`] backed by an n-gram model of other answers: the
-    /// sequence's own n-grams of two tokens or more first, then the corpus's chain, then the
-    /// sequence's own last token. (A one-token match in the sequence is a weaker guess than
+    /// sequence's own n-grams of two tokens or more first, then the corpus's chain, then an
+    /// earlier occurrence of the sequence's last token alone. (A one-token match in the sequence is a weaker guess than
     /// the corpus's longer context: 1.66 against 1.64 tokens a step on SmolLM2's MT-bench
     /// answers, 4 drafts.)
     pub fn propose_with(
