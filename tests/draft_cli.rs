@@ -1,6 +1,7 @@
 //! `spec-train draft` end to end on a tiny random 4-layer target: it makes the
 //! self-distillation data, writes a 2-layer draft that convert-checkpoint and spec-build
-//! take, and draft-target decoding with that draft gives exactly plain greedy's tokens.
+//! take, and draft-target decoding with that draft gives exactly plain greedy's tokens; the
+//! same data, gathered by `spec-train ngram-corpus`, backs prompt lookup with the same tokens.
 //! Bad layer flags are refused with one exact line and exit status 1.
 
 mod common;
@@ -183,6 +184,32 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
             "{cfg}: the distilled draft had no token accepted"
         );
     }
+
+    // The same self-distillation data as a prompt lookup corpus: its 16 sequences.
+    let corpus = w.join("corpus.safetensors");
+    let out = spec_train(&[
+        "ngram-corpus",
+        "--data_dir",
+        s(&data),
+        "--output",
+        s(&corpus),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("wrote 16 sequences"),
+        "{}",
+        stderr(&out)
+    );
+    let lookup = run(
+        &[
+            "--prompt_lookup_config",
+            "[3,2]",
+            "--prompt_lookup_corpus",
+            s(&corpus),
+        ],
+        &w.join("lookup.json"),
+    );
+    assert_eq!(lookup, plain, "prompt lookup with the data as corpus");
 }
 
 #[test]
