@@ -121,16 +121,8 @@ impl<'e> DraftTargetDecoder<'e> {
             PoolSpec::for_engine("draft", draft),
         ];
         let pools = size_pools(&specs, kv, target, max_output_len)?;
-        let target_cache = kv.apply(
-            target
-                .model
-                .new_cache(pools[0].blocks, pools[0].block_size)?,
-        );
-        let draft_cache = kv.apply(
-            draft
-                .model
-                .new_cache(pools[1].blocks, pools[1].block_size)?,
-        );
+        let target_cache = kv.new_cache(&pools[0], |n, b| target.model.new_cache(n, b))?;
+        let draft_cache = kv.new_cache(&pools[1], |n, b| draft.model.new_cache(n, b))?;
         Ok(DraftTargetDecoder {
             target,
             drafter: Drafter::Model {
@@ -157,11 +149,7 @@ impl<'e> DraftTargetDecoder<'e> {
             target,
             max_output_len,
         )?;
-        let target_cache = kv.apply(
-            target
-                .model
-                .new_cache(pools[0].blocks, pools[0].block_size)?,
-        );
+        let target_cache = kv.new_cache(&pools[0], |n, b| target.model.new_cache(n, b))?;
         Ok(DraftTargetDecoder {
             target,
             options: DraftTargetOptions {
@@ -719,7 +707,7 @@ fn look_up(lookup: &Lookup, seqs: &[Sequence], live: &[usize]) -> Proposals {
         .map(|&i| {
             let s = &seqs[i];
             let limit = s.remaining().saturating_sub(1);
-            let tokens = lookup.config.propose_with(&s.tokens, limit, corpus);
+            let tokens = lookup.config.propose(&s.tokens, limit, corpus);
             Proposal {
                 index: i,
                 k: tokens.len(),

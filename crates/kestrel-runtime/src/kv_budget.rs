@@ -28,13 +28,18 @@ pub struct KvCacheOptions {
 pub const FRACTION_FLAG: &str = "--kv_cache_free_gpu_memory_fraction";
 
 impl KvCacheOptions {
-    /// `cache`, keeping the full prompt blocks of finished requests for reuse when the run
-    /// asks for it.
-    pub(crate) fn apply(&self, mut cache: PagedKvCache) -> PagedKvCache {
+    /// A cache of `pool`'s size made by `new` (a model's or head's `new_cache`), keeping the
+    /// full prompt blocks of finished requests for reuse when the run asks for it.
+    pub(crate) fn new_cache(
+        &self,
+        pool: &PoolShape,
+        new: impl FnOnce(usize, usize) -> kestrel_model::Result<PagedKvCache>,
+    ) -> Result<PagedKvCache> {
+        let mut cache = new(pool.blocks, pool.block_size)?;
         if self.enable_block_reuse {
             cache.enable_prefix_reuse();
         }
-        cache
+        Ok(cache)
     }
 
     pub fn validate(&self) -> Result<()> {

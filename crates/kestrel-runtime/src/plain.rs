@@ -20,11 +20,7 @@ impl<'e> PlainDecoder<'e> {
     pub fn new(engine: &'e Engine, kv: &KvCacheOptions, max_output_len: usize) -> Result<Self> {
         let specs = [PoolSpec::for_engine("target", engine)];
         let pools = size_pools(&specs, kv, engine, max_output_len)?;
-        let cache = kv.apply(
-            engine
-                .model
-                .new_cache(pools[0].blocks, pools[0].block_size)?,
-        );
+        let cache = kv.new_cache(&pools[0], |n, b| engine.model.new_cache(n, b))?;
         Ok(PlainDecoder {
             engine,
             cache,

@@ -49,23 +49,13 @@ impl PromptLookupConfig {
 
     /// Up to `limit` (and `num_tokens`) draft tokens for a sequence whose tokens so far are
     /// `tokens`: for the longest n (≤ `max_ngram`) whose final n-gram occurs earlier in
-    /// `tokens`, the tokens that followed its latest earlier occurrence. Empty when no
-    /// suffix recurs.
-    pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
-        self.propose_with(tokens, limit, None)
-    }
-
-    /// [`PromptLookupConfig::propose`] backed by an n-gram model of other answers: the
-    /// sequence's own n-grams of two tokens or more first, then the corpus's chain, then an
-    /// earlier occurrence of the sequence's last token alone. (A one-token match in the sequence is a weaker guess than
-    /// the corpus's longer context: 1.66 against 1.64 tokens a step on SmolLM2's MT-bench
-    /// answers, 4 drafts.)
-    pub fn propose_with(
-        &self,
-        tokens: &[u32],
-        limit: usize,
-        corpus: Option<&NgramCorpus>,
-    ) -> Vec<u32> {
+    /// `tokens`, the tokens that followed its latest earlier occurrence; empty when no suffix
+    /// recurs. With an n-gram model of other answers (`corpus`): the sequence's own n-grams
+    /// of two tokens or more first, then the corpus's chain, then an earlier occurrence of
+    /// the sequence's last token alone. (A one-token match in the sequence is a weaker guess
+    /// than the corpus's longer context: 1.66 against 1.64 tokens a step on SmolLM2's
+    /// MT-bench answers, 4 drafts.)
+    pub fn propose(&self, tokens: &[u32], limit: usize, corpus: Option<&NgramCorpus>) -> Vec<u32> {
         let want = self.num_tokens.min(limit);
         if want == 0 {
             return Vec::new();
@@ -113,32 +103,41 @@ mod tests {
         // Suffix [7, 8, 9]: the 3-gram occurs at 1 (followed by 4, 5); the 1-gram 9 also
         // occurs later, at 7 (followed by 6).
         let tokens = [0, 7, 8, 9, 4, 5, 1, 9, 6, 7, 8, 9];
-        assert_eq!(cfg(2, 3).propose(&tokens, 10), vec![4, 5]);
+        assert_eq!(cfg(2, 3).propose(&tokens, 10, None), vec![4, 5]);
         // Capped at 1-grams, the latest 9 is the one at 7.
-        assert_eq!(cfg(2, 1).propose(&tokens, 10), vec![6, 7]);
+        assert_eq!(cfg(2, 1).propose(&tokens, 10, None), vec![6, 7]);
     }
 
     #[test]
     fn the_latest_occurrence_is_taken() {
         let tokens = [3, 1, 3, 2, 3];
-        assert_eq!(cfg(1, 1).propose(&tokens, 10), vec![2]);
+        assert_eq!(cfg(1, 1).propose(&tokens, 10, None), vec![2]);
     }
 
     #[test]
     fn drafts_stop_at_the_end_of_the_sequence_and_at_the_limit() {
         // The suffix [5] last occurred at 3: only the one token after it exists before the end.
         let tokens = [5, 6, 7, 5, 5];
-        assert_eq!(cfg(4, 2).propose(&tokens, 10), vec![5]);
-        assert_eq!(cfg(4, 1).propose(&[1, 2, 3, 4, 1], 10), vec![2, 3, 4, 1]);
-        assert_eq!(cfg(4, 1).propose(&[1, 2, 3, 4, 1], 2), vec![2, 3]);
-        assert_eq!(cfg(4, 1).propose(&[1, 2, 3, 4, 1], 0), Vec::<u32>::new());
+        assert_eq!(cfg(4, 2).propose(&tokens, 10, None), vec![5]);
+        assert_eq!(
+            cfg(4, 1).propose(&[1, 2, 3, 4, 1], 10, None),
+            vec![2, 3, 4, 1]
+        );
+        assert_eq!(cfg(4, 1).propose(&[1, 2, 3, 4, 1], 2, None), vec![2, 3]);
+        assert_eq!(
+            cfg(4, 1).propose(&[1, 2, 3, 4, 1], 0, None),
+            Vec::<u32>::new()
+        );
     }
 
     #[test]
     fn no_recurring_suffix_drafts_nothing() {
-        assert_eq!(cfg(4, 3).propose(&[1, 2, 3, 4], 10), Vec::<u32>::new());
-        assert_eq!(cfg(4, 3).propose(&[1], 10), Vec::<u32>::new());
-        assert_eq!(cfg(4, 3).propose(&[], 10), Vec::<u32>::new());
+        assert_eq!(
+            cfg(4, 3).propose(&[1, 2, 3, 4], 10, None),
+            Vec::<u32>::new()
+        );
+        assert_eq!(cfg(4, 3).propose(&[1], 10, None), Vec::<u32>::new());
+        assert_eq!(cfg(4, 3).propose(&[], 10, None), Vec::<u32>::new());
     }
 
     #[test]
@@ -147,25 +146,16 @@ mod tests {
         let corpus = NgramCorpus::build([answer]);
         // A 2-gram repeat of the sequence comes first.
         let tokens = [5, 6, 7, 20, 5, 6];
-        assert_eq!(
-            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
-            vec![7, 20]
-        );
+        assert_eq!(cfg(2, 3).propose(&tokens, 9, Some(&corpus)), vec![7, 20]);
         // Only a 1-gram repeat (20): the corpus's chain after [.., 20] instead.
         let tokens = [20, 9, 8, 20];
-        assert_eq!(
-            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
-            vec![21, 22]
-        );
-        assert_eq!(cfg(2, 3).propose(&tokens, 9), vec![9, 8]);
+        assert_eq!(cfg(2, 3).propose(&tokens, 9, Some(&corpus)), vec![21, 22]);
+        assert_eq!(cfg(2, 3).propose(&tokens, 9, None), vec![9, 8]);
         // Nothing in the corpus: back to the 1-gram repeat.
         let tokens = [30, 31, 30];
+        assert_eq!(cfg(2, 3).propose(&tokens, 9, Some(&corpus)), vec![31, 30]);
         assert_eq!(
-            cfg(2, 3).propose_with(&tokens, 9, Some(&corpus)),
-            vec![31, 30]
-        );
-        assert_eq!(
-            cfg(2, 3).propose_with(&tokens, 0, Some(&corpus)),
+            cfg(2, 3).propose(&tokens, 0, Some(&corpus)),
             Vec::<u32>::new()
         );
     }

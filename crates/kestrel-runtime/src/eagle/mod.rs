@@ -81,12 +81,8 @@ impl<'e> EagleDecoder<'e> {
             PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
         ];
         let pools = size_pools(&specs, kv, engine, max_output_len)?;
-        let base_cache = kv.apply(
-            engine
-                .model
-                .new_cache(pools[0].blocks, pools[0].block_size)?,
-        );
-        let head_cache = kv.apply(head.new_cache(pools[1].blocks, pools[1].block_size)?);
+        let base_cache = kv.new_cache(&pools[0], |n, b| engine.model.new_cache(n, b))?;
+        let head_cache = kv.new_cache(&pools[1], |n, b| head.new_cache(n, b))?;
         Ok(EagleDecoder {
             engine,
             head,
