@@ -7,6 +7,8 @@
 //! - [`prompt_lookup`]: prompt lookup decoding's drafts (the tokens after the latest earlier
 //!   occurrence of the sequence's final n-gram), backed by [`ngram_corpus`], an n-gram model
 //!   of the target's answers to other prompts.
+//! - [`graft`]: a chain drafter's tokens grafted onto a drafted tree, so that one
+//!   verification checks both drafters' guesses.
 //! - [`sampling`]: temperature / top-k / top-p warping, greedy argmax, seeded per-sequence RNG.
 //! - [`accept`]: acceptance rules: greedy tree matching, TensorRT-LLM typical acceptance,
 //!   lossless multi-candidate tree rejection sampling, and draft-target speculative sampling.
@@ -18,6 +20,7 @@
 
 pub mod accept;
 pub mod dynamic;
+pub mod graft;
 pub mod ngram_corpus;
 pub mod prompt_lookup;
 pub mod sampling;
@@ -25,6 +28,7 @@ pub mod tree;
 
 pub use accept::{AcceptError, ChainAcceptance, DraftProposal, TreeAcceptance, TypicalParams};
 pub use dynamic::{DynamicTree, DynamicTreeBuilder, DynamicTreeConfig, DynamicTreeError};
+pub use graft::{graft_chain, GraftedTree};
 pub use ngram_corpus::NgramCorpus;
 pub use prompt_lookup::{PromptLookupConfig, PromptLookupError};
 pub use sampling::{SamplingError, SamplingParams, SeqRng};
