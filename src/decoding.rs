@@ -134,6 +134,7 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
         tree,
         acceptance,
         draft_vocab: flags.eagle_draft_vocab,
+        lookup: None,
     }))
 }
 

@@ -10,7 +10,7 @@ use kestrel_model::{OutputRows, SeqInput};
 use kestrel_runtime::device::Device;
 use kestrel_runtime::{
     generate, ChatMessage, DecodeMode, Engine, FinishReason, GenerationParams, NoSink,
-    SequenceOutput, TextCodec,
+    PromptLookup, SequenceOutput, TextCodec,
 };
 use kestrel_spec::SamplingParams;
 use serde::Deserialize;
@@ -395,10 +395,10 @@ fn smollm2_prompt_lookup_with_the_shipped_corpus_keeps_transformers_greedy() {
         .iter()
         .map(|p| p.templated_ids.clone())
         .collect();
-    let mode = DecodeMode::PromptLookup {
+    let mode = DecodeMode::PromptLookup(PromptLookup {
         config: kestrel_spec::PromptLookupConfig::new(4, 3).unwrap(),
         corpus: Some(std::sync::Arc::new(corpus)),
-    };
+    });
     let (outputs, _) = generate(
         &engine,
         &mode,

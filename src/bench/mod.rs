@@ -22,9 +22,9 @@ use kestrel_model::GraphActivity;
 use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
     generate, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
-    SequenceOutput, TextCodec,
+    PromptLookup, SequenceOutput, TextCodec,
 };
-use kestrel_spec::{PromptLookupConfig, SamplingParams};
+use kestrel_spec::{NgramCorpus, PromptLookupConfig, SamplingParams};
 use measure::{MemProbe, ProbeSink};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -141,26 +141,45 @@ pub struct BenchArgs {
 #[derive(Debug, Clone, PartialEq)]
 enum ModeSpec {
     Plain,
-    Eagle1(Option<String>),
+    /// EAGLE-1 with a tree, and prompt lookup's drafts grafted onto it (`+prompt_lookup:…`).
+    Eagle1(Option<String>, Option<LookupSpec>),
     Eagle2 {
         top_k: usize,
         max_draft_len: Option<usize>,
         num_layers: Option<usize>,
+        lookup: Option<LookupSpec>,
     },
     DraftTarget {
         k: usize,
         use_logits: bool,
     },
-    PromptLookup {
-        k: usize,
-        max_ngram: usize,
-        corpus: bool,
-    },
+    PromptLookup(LookupSpec),
     Verify(usize),
 }
 
+/// `prompt_lookup:K[:N[:corpus]]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LookupSpec {
+    k: usize,
+    max_ngram: usize,
+    corpus: bool,
+}
+
+impl ModeSpec {
+    fn lookup(&self) -> Option<&LookupSpec> {
+        match self {
+            ModeSpec::PromptLookup(l)
+            | ModeSpec::Eagle1(_, Some(l))
+            | ModeSpec::Eagle2 {
+                lookup: Some(l), ..
+            } => Some(l),
+            _ => None,
+        }
+    }
+}
+
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated; an eagle mode may end in +prompt_lookup:K[:N[:corpus]]";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -175,10 +194,44 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
         .map(|s| s.trim())
         .filter(|s| !s.is_empty())
     {
-        let (name, arg) = spec.split_once(':').unwrap_or((spec, ""));
+        // An EAGLE mode's grafted lookup: `eagle…+prompt_lookup:…`.
+        let (base, graft) = match spec.split_once('+') {
+            Some((base, graft)) => (base, Some(graft)),
+            None => (spec, None),
+        };
+        let lookup = |arg: &str| -> Result<LookupSpec> {
+            let shape = "prompt_lookup takes K, K:N or K:N:corpus";
+            let mut parts = arg.split(':');
+            let k = count("prompt_lookup", parts.next().unwrap_or(""), spec)?;
+            let max_ngram = parts
+                .next()
+                .map_or(Ok(3), |n| count("prompt_lookup", n, spec))?;
+            let corpus = match parts.next() {
+                None => false,
+                Some("corpus") => true,
+                Some(_) => bail!("--modes {spec}: {shape}"),
+            };
+            if parts.next().is_some() {
+                bail!("--modes {spec}: {shape}");
+            }
+            Ok(LookupSpec {
+                k,
+                max_ngram,
+                corpus,
+            })
+        };
+        let grafted = match graft.map(|g| g.split_once(':').unwrap_or((g, ""))) {
+            None => None,
+            Some(("prompt_lookup", arg)) => Some(lookup(arg)?),
+            Some(_) => bail!("--modes {spec}: only prompt_lookup:K[:N[:corpus]] may follow '+'"),
+        };
+        let (name, arg) = base.split_once(':').unwrap_or((base, ""));
+        if grafted.is_some() && !matches!(name, "eagle1" | "eagle2") {
+            bail!("--modes {spec}: '+prompt_lookup' grafts onto eagle1 and eagle2 trees only");
+        }
         let mode = match name {
             "plain" if arg.is_empty() => ModeSpec::Plain,
-            "eagle1" => ModeSpec::Eagle1((!arg.is_empty()).then(|| arg.to_string())),
+            "eagle1" => ModeSpec::Eagle1((!arg.is_empty()).then(|| arg.to_string()), grafted),
             "eagle2" => {
                 let mut parts = arg.split(':');
                 let top_k = count(name, parts.next().unwrap_or(""), spec)?;
@@ -191,6 +244,7 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                     top_k,
                     max_draft_len,
                     num_layers,
+                    lookup: grafted,
                 }
             }
             "draft_target" => {
@@ -203,24 +257,7 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                     use_logits: rule == "logits",
                 }
             }
-            "prompt_lookup" => {
-                let mut parts = arg.split(':');
-                let k = count(name, parts.next().unwrap_or(""), spec)?;
-                let max_ngram = parts.next().map_or(Ok(3), |n| count(name, n, spec))?;
-                let corpus = match parts.next() {
-                    None => false,
-                    Some("corpus") => true,
-                    Some(_) => bail!("--modes {spec}: prompt_lookup takes K, K:N or K:N:corpus"),
-                };
-                if parts.next().is_some() {
-                    bail!("--modes {spec}: prompt_lookup takes K, K:N or K:N:corpus");
-                }
-                ModeSpec::PromptLookup {
-                    k,
-                    max_ngram,
-                    corpus,
-                }
-            }
+            "prompt_lookup" => ModeSpec::PromptLookup(lookup(arg)?),
             "verify" => ModeSpec::Verify(count(name, arg, spec)?),
             _ => bail!("unknown mode '{spec}' in --modes: {MODES_HELP}"),
         };
@@ -230,6 +267,25 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
         bail!("--modes is empty: {MODES_HELP}");
     }
     Ok(out)
+}
+
+/// The drafter of a `prompt_lookup:K[:N[:corpus]]` mode (or graft), with the loaded corpus.
+fn prompt_lookup(
+    spec: &str,
+    l: &LookupSpec,
+    corpus: &Option<Arc<NgramCorpus>>,
+) -> Result<PromptLookup> {
+    let config = PromptLookupConfig::new(l.k, l.max_ngram)
+        .map_err(|e| anyhow::anyhow!("--modes {spec}: {e}"))?;
+    let corpus = match l.corpus {
+        true => Some(
+            corpus
+                .clone()
+                .with_context(|| format!("--modes {spec} needs --prompt_lookup_corpus"))?,
+        ),
+        false => None,
+    };
+    Ok(PromptLookup { config, corpus })
 }
 
 /// Splits at commas outside brackets, so an inline eagle1 tree (`eagle1:[[0],[0,0]]`) stays
@@ -641,7 +697,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
         if let Some((spec, _)) = modes
             .iter()
-            .find(|(_, m)| matches!(m, ModeSpec::PromptLookup { corpus: true, .. }))
+            .find(|(_, m)| m.lookup().is_some_and(|l| l.corpus))
         {
             if args.prompt_lookup_corpus.is_none() {
                 bail!("--modes {spec} needs --prompt_lookup_corpus");
@@ -860,7 +916,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             let dt_view;
             let (target, decode_mode): (&Engine, DecodeMode) = match mode {
                 ModeSpec::Plain => (&engine, DecodeMode::Plain),
-                ModeSpec::Eagle1(_) | ModeSpec::Eagle2 { .. } => {
+                ModeSpec::Eagle1(..) | ModeSpec::Eagle2 { .. } => {
                     if engine.eagle.is_none() {
                         bail!(
                             "--modes {spec}: {} has no EAGLE head: build it with spec-build --speculative_decoding_mode eagle",
@@ -868,7 +924,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         );
                     }
                     let flags = match mode {
-                        ModeSpec::Eagle1(tree) => EagleFlags {
+                        ModeSpec::Eagle1(tree, _) => EagleFlags {
                             eagle_choices: tree.clone(),
                             eagle_draft_vocab: args.eagle_draft_vocab,
                             eagle_sampling: args.eagle_sampling.clone(),
@@ -879,6 +935,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             top_k,
                             max_draft_len,
                             num_layers,
+                            ..
                         } => EagleFlags {
                             eagle_use_dynamic_tree: true,
                             eagle_dynamic_tree_max_top_k: Some(*top_k),
@@ -891,7 +948,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         },
                         _ => unreachable!(),
                     };
-                    (&engine, eagle_mode(&engine, &flags, false)?)
+                    let mut eagle = eagle_mode(&engine, &flags, false)?;
+                    if let (DecodeMode::Eagle(options), Some(l)) = (&mut eagle, mode.lookup()) {
+                        options.lookup = Some(prompt_lookup(spec, l, &ngram_corpus)?);
+                    }
+                    (&engine, eagle)
                 }
                 ModeSpec::DraftTarget { k, use_logits } => {
                     let draft = draft
@@ -909,22 +970,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                         },
                     )
                 }
-                ModeSpec::PromptLookup {
-                    k,
-                    max_ngram,
-                    corpus,
-                } => {
+                ModeSpec::PromptLookup(l) => {
                     // Any engine verifies drafts here: the view lifts max_draft_len to k.
-                    dt_view = draft_target_view(&engine, *k);
-                    let config = PromptLookupConfig::new(*k, *max_ngram)
-                        .map_err(|e| anyhow::anyhow!("--modes {spec}: {e}"))?;
-                    let corpus = match corpus {
-                        true => Some(ngram_corpus.clone().with_context(|| {
-                            format!("--modes {spec} needs --prompt_lookup_corpus")
-                        })?),
-                        false => None,
-                    };
-                    (&dt_view, DecodeMode::PromptLookup { config, corpus })
+                    dt_view = draft_target_view(&engine, l.k);
+                    let lookup = prompt_lookup(spec, l, &ngram_corpus)?;
+                    (&dt_view, DecodeMode::PromptLookup(lookup))
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };
@@ -1229,24 +1279,31 @@ mod tests {
     #[test]
     fn modes_parse() {
         let m = parse_modes(
-            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2:corpus,verify:64",
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2:corpus,verify:64,eagle1:small_8+prompt_lookup:4:3:corpus,eagle2:4:4:1+prompt_lookup:2",
         )
         .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
+        let lookup = |k, max_ngram, corpus| LookupSpec {
+            k,
+            max_ngram,
+            corpus,
+        };
         assert_eq!(
             kinds,
             vec![
                 ModeSpec::Plain,
-                ModeSpec::Eagle1(Some("[[0],[0,0]]".into())),
+                ModeSpec::Eagle1(Some("[[0],[0,0]]".into()), None),
                 ModeSpec::Eagle2 {
                     top_k: 8,
                     max_draft_len: None,
-                    num_layers: None
+                    num_layers: None,
+                    lookup: None,
                 },
                 ModeSpec::Eagle2 {
                     top_k: 10,
                     max_draft_len: Some(16),
-                    num_layers: Some(3)
+                    num_layers: Some(3),
+                    lookup: None,
                 },
                 ModeSpec::DraftTarget {
                     k: 3,
@@ -1256,19 +1313,38 @@ mod tests {
                     k: 2,
                     use_logits: true
                 },
-                ModeSpec::PromptLookup {
-                    k: 4,
-                    max_ngram: 3,
-                    corpus: false
+                ModeSpec::PromptLookup(lookup(4, 3, false)),
+                ModeSpec::PromptLookup(lookup(8, 2, true)),
+                ModeSpec::Verify(64),
+                ModeSpec::Eagle1(Some("small_8".into()), Some(lookup(4, 3, true))),
+                ModeSpec::Eagle2 {
+                    top_k: 4,
+                    max_draft_len: Some(4),
+                    num_layers: Some(1),
+                    lookup: Some(lookup(2, 3, false)),
                 },
-                ModeSpec::PromptLookup {
-                    k: 8,
-                    max_ngram: 2,
-                    corpus: true
-                },
-                ModeSpec::Verify(64)
             ]
         );
+        for (bad, why) in [
+            (
+                "plain+prompt_lookup:4",
+                "--modes plain+prompt_lookup:4: '+prompt_lookup' grafts onto eagle1 and eagle2 trees only",
+            ),
+            (
+                "eagle1+draft_target:4",
+                "--modes eagle1+draft_target:4: only prompt_lookup:K[:N[:corpus]] may follow '+'",
+            ),
+            (
+                "eagle1+prompt_lookup:4:3:all",
+                "--modes eagle1+prompt_lookup:4:3:all: prompt_lookup takes K, K:N or K:N:corpus",
+            ),
+            (
+                "eagle1+prompt_lookup:0",
+                "--modes eagle1+prompt_lookup:0: prompt_lookup needs a positive integer after ':'",
+            ),
+        ] {
+            assert_eq!(parse_modes(bad).unwrap_err().to_string(), why);
+        }
         assert_eq!(
             parse_modes("verify:0").unwrap_err().to_string(),
             "--modes verify:0: verify needs a positive integer after ':'"

@@ -8,10 +8,11 @@ use kestrel::draft_config::{DraftTargetModelConfig, PromptLookupFlag};
 use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
+use kestrel_core::SpeculativeMode;
 use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
     generate_with, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
-    TextCodec, TokenSink,
+    PromptLookup, TextCodec, TokenSink,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -99,6 +100,11 @@ struct Args {
     /// output unchanged.
     #[arg(long)]
     eagle_draft_vocab: Option<usize>,
+    /// Graft prompt lookup's drafts (--prompt_lookup_config, --prompt_lookup_corpus) onto
+    /// every EAGLE tree as one more branch, within the engine's max_draft_len: one
+    /// verification checks both drafters' guesses.
+    #[arg(long)]
+    eagle_prompt_lookup: bool,
     /// Draft engine for draft-target decoding (the target is --engine_dir).
     #[arg(long)]
     draft_engine_dir: Option<PathBuf>,
@@ -238,20 +244,43 @@ fn run(args: Args) -> Result<()> {
             );
         }
     }
-    let mode = match (&draft, &dtm) {
-        _ if lookup.is_some() => {
-            if eagle_flags.any() || args.no_speculation {
-                bail!("--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation");
-            }
-            let corpus = args
+    let prompt_lookup = match &lookup {
+        Some(flag) => Some(PromptLookup {
+            config: flag.lookup,
+            corpus: args
                 .prompt_lookup_corpus
                 .as_deref()
                 .map(|p| load_ngram_corpus(p, engine.config.vocab_size).map(Arc::new))
-                .transpose()?;
-            DecodeMode::PromptLookup {
-                config: lookup.as_ref().expect("checked").lookup,
-                corpus,
+                .transpose()?,
+        }),
+        None if args.eagle_prompt_lookup => {
+            bail!("--eagle_prompt_lookup needs --prompt_lookup_config \"[num_tokens,max_ngram]\"")
+        }
+        None => None,
+    };
+    let mode = match (&draft, &dtm) {
+        _ if args.eagle_prompt_lookup => {
+            if args.no_speculation {
+                bail!("--eagle_prompt_lookup cannot be combined with --no_speculation");
             }
+            if engine.plan.speculative_mode != SpeculativeMode::Eagle {
+                bail!(
+                    "--eagle_prompt_lookup grafts onto EAGLE trees, but {} was built with --speculative_decoding_mode {}",
+                    engine.dir.display(),
+                    engine.plan.speculative_mode.as_str()
+                );
+            }
+            let mut mode = eagle_mode(&engine, &eagle_flags, false)?;
+            if let DecodeMode::Eagle(options) = &mut mode {
+                options.lookup = prompt_lookup;
+            }
+            mode
+        }
+        _ if prompt_lookup.is_some() => {
+            if eagle_flags.any() || args.no_speculation {
+                bail!("--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation (--eagle_prompt_lookup grafts its drafts onto EAGLE's tree)");
+            }
+            DecodeMode::PromptLookup(prompt_lookup.expect("checked"))
         }
         (Some(draft), Some(c)) => {
             if eagle_flags.any() || args.no_speculation {

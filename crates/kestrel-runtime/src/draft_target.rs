@@ -27,16 +27,15 @@ use crate::logit_rows::{draws_on_device, row_tokens, LogitRows, LogitSlice};
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
-use crate::DraftTargetOptions;
+use crate::{DraftTargetOptions, PromptLookup};
 use candle_core::Tensor;
 use kestrel_core::checkpoint::TOKENIZER_FILE;
 use kestrel_core::SpeculativeMode;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::accept::{draft_target, draft_target_token_match, ChainAcceptance};
 use kestrel_spec::sampling::{probs, sample, sample_at};
-use kestrel_spec::{NgramCorpus, PromptLookupConfig};
+use kestrel_spec::PromptLookupConfig;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 pub(crate) struct DraftTargetDecoder<'e> {
@@ -56,13 +55,7 @@ enum Drafter<'e> {
     },
     /// The sequence's own tokens, backed by an n-gram model of other answers (prompt lookup
     /// decoding): no model, no cache.
-    Lookup(Lookup),
-}
-
-/// Prompt lookup's drafter.
-pub(crate) struct Lookup {
-    pub config: PromptLookupConfig,
-    pub corpus: Option<Arc<NgramCorpus>>,
+    Lookup(PromptLookup),
 }
 
 /// A batch's prompt keys in the two caches (the draft's only with a draft model).
@@ -138,7 +131,7 @@ impl<'e> DraftTargetDecoder<'e> {
     /// Prompt lookup decoding on `target`.
     pub fn prompt_lookup(
         target: &'e Engine,
-        lookup: Lookup,
+        lookup: PromptLookup,
         kv: &KvCacheOptions,
         max_output_len: usize,
     ) -> Result<Self> {
@@ -700,14 +693,13 @@ impl Decoder for DraftTargetDecoder<'_> {
 
 /// Every live sequence's drafts looked up in its own tokens (or the corpus), as many as fit
 /// before its length limit (none when nothing matches).
-fn look_up(lookup: &Lookup, seqs: &[Sequence], live: &[usize]) -> Proposals {
-    let corpus = lookup.corpus.as_deref();
+fn look_up(lookup: &PromptLookup, seqs: &[Sequence], live: &[usize]) -> Proposals {
     let list = live
         .iter()
         .map(|&i| {
             let s = &seqs[i];
             let limit = s.remaining().saturating_sub(1);
-            let tokens = lookup.config.propose(&s.tokens, limit, corpus);
+            let tokens = lookup.propose(&s.tokens, limit);
             Proposal {
                 index: i,
                 k: tokens.len(),

@@ -27,6 +27,8 @@ pub use request::{
 };
 
 /// How to decode.
+// Built once per request and passed by reference: its size costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum DecodeMode<'a> {
     Plain,
     /// EAGLE-1 (static tree) or EAGLE-2 (dynamic tree) with the engine's own draft head.
@@ -39,10 +41,22 @@ pub enum DecodeMode<'a> {
     /// Prompt lookup: drafts are the tokens that followed the latest earlier occurrence of
     /// the sequence's final n-gram in its own prompt and output, or, where it has nothing
     /// longer than one token to copy, the chain of an n-gram model of other answers.
-    PromptLookup {
-        config: kestrel_spec::PromptLookupConfig,
-        corpus: Option<std::sync::Arc<kestrel_spec::NgramCorpus>>,
-    },
+    PromptLookup(PromptLookup),
+}
+
+/// Prompt lookup's drafter: no model and no cache, only the sequence's own tokens and,
+/// optionally, an n-gram model of other answers.
+#[derive(Debug, Clone)]
+pub struct PromptLookup {
+    pub config: kestrel_spec::PromptLookupConfig,
+    pub corpus: Option<std::sync::Arc<kestrel_spec::NgramCorpus>>,
+}
+
+impl PromptLookup {
+    /// Up to `limit` drafts to follow `tokens` ([`kestrel_spec::PromptLookupConfig::propose`]).
+    pub(crate) fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
+        self.config.propose(tokens, limit, self.corpus.as_deref())
+    }
 }
 
 /// The tree EAGLE drafts, and how drafts are accepted.
@@ -56,6 +70,11 @@ pub struct EagleOptions {
     /// token outside the draft vocabulary is never proposed, and the target's own choice
     /// covers it.
     pub draft_vocab: Option<usize>,
+    /// Prompt lookup's drafts grafted onto every tree as one more branch
+    /// ([`kestrel_spec::graft_chain`]), within the engine's `max_draft_len`: the head and the
+    /// lookup guess differently, and one verification checks both. Not with children sampled
+    /// for exact acceptance (a static tree under sampling), whose laws the lookup lacks.
+    pub lookup: Option<PromptLookup>,
 }
 
 #[derive(Debug, Clone)]
@@ -137,13 +156,9 @@ pub fn generate_with(
                 draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
-        DecodeMode::PromptLookup { config, corpus } => {
-            let lookup = draft_target::Lookup {
-                config: *config,
-                corpus: corpus.clone(),
-            };
+        DecodeMode::PromptLookup(lookup) => {
             let mut decoder =
-                draft_target::DraftTargetDecoder::prompt_lookup(engine, lookup, kv, out)?;
+                draft_target::DraftTargetDecoder::prompt_lookup(engine, lookup.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }

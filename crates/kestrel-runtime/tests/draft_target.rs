@@ -14,7 +14,7 @@ use kestrel_model::llama::random_tensors;
 use kestrel_model::{OutputRows, SeqInput};
 use kestrel_runtime::{
     generate, DecodeMode, DraftTargetOptions, Engine, FinishReason, GenerationParams, NoSink,
-    SequenceOutput, TokenSink,
+    PromptLookup, SequenceOutput, TokenSink,
 };
 use kestrel_spec::sampling::probs;
 use kestrel_spec::{PromptLookupConfig, SamplingParams};
@@ -599,10 +599,10 @@ fn tokenizer_vocabularies_must_agree() {
 }
 
 fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
-    DecodeMode::PromptLookup {
+    DecodeMode::PromptLookup(PromptLookup {
         config: PromptLookupConfig::new(num_tokens, max_ngram).unwrap(),
         corpus: None,
-    }
+    })
 }
 
 /// The target of the prompt lookup tests, built to verify up to `max_draft_len` drafts.
@@ -722,10 +722,10 @@ fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
     let config = PromptLookupConfig::new(4, 3).unwrap();
     let with = run(
         &target,
-        &DecodeMode::PromptLookup {
+        &DecodeMode::PromptLookup(PromptLookup {
             config,
             corpus: Some(corpus),
-        },
+        }),
         &prompts,
         &params,
     );

@@ -52,6 +52,7 @@ fn static_mode(preset: &str) -> DecodeMode<'static> {
         tree: EagleTreeKind::Static(EagleTree::from_preset(preset, &limits()).unwrap()),
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
+        lookup: None,
     })
 }
 
@@ -73,6 +74,7 @@ fn capped_dynamic_mode(
         },
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
+        lookup: None,
     })
 }
 
@@ -326,6 +328,7 @@ fn greedy_eagle_equals_plain_on_random_trees() {
                     tree: EagleTreeKind::Static(tree),
                     acceptance: Acceptance::TokenMatch,
                     draft_vocab: None,
+                    lookup: None,
                 }),
             )
         })
@@ -349,61 +352,9 @@ fn typical_acceptance_at_temperature_zero_is_greedy() {
             posterior_threshold: 0.09,
         },
         draft_vocab: None,
+        lookup: None,
     });
     assert_lossless(&engine, &[("typical", typical)], 24);
-}
-
-/// The exact target distribution of the second generated token, marginalised over the first.
-fn second_token_distribution(engine: &Engine, prompt: &[u32], temperature: f32) -> Vec<f64> {
-    use kestrel_model::{OutputRows, SeqInput};
-    let model = &engine.model;
-    let probs_after = |tokens: &[u32]| -> Vec<f64> {
-        let mut cache = model.new_cache(16, 8).unwrap();
-        let seq = cache.add_sequence();
-        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-        let h = model
-            .forward(
-                &[SeqInput {
-                    seq,
-                    tokens,
-                    positions: &pos,
-                    mask: None,
-                    output_rows: OutputRows::Last,
-                }],
-                &mut cache,
-            )
-            .unwrap();
-        let logits: Vec<f32> = model
-            .logits(&h)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let p = kestrel_spec::sampling::probs(
-            &logits,
-            &SamplingParams {
-                temperature,
-                top_k: 0,
-                top_p: 1.0,
-                seed: 0,
-            },
-        );
-        p.iter().map(|&x| x as f64).collect()
-    };
-    let first = probs_after(prompt);
-    let mut second = vec![0f64; first.len()];
-    for (t0, &p0) in first.iter().enumerate() {
-        if p0 < 1e-9 {
-            continue;
-        }
-        let mut ctx = prompt.to_vec();
-        ctx.push(t0 as u32);
-        for (t1, p1) in probs_after(&ctx).iter().enumerate() {
-            second[t1] += p0 * p1;
-        }
-    }
-    second
 }
 
 #[test]
@@ -418,7 +369,7 @@ fn exact_sampling_follows_the_target_distribution() {
     let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
     let prompt = vec![3u32, 17, 9];
     let temperature = 1.5;
-    let expected = second_token_distribution(&engine, &prompt, temperature);
+    let expected = support::second_token_distribution(&engine, &prompt, temperature);
     // The whole vocabulary, and a draft vocabulary of its first 20 tokens: the proposal
     // then gives the other 28 probability 0, and the residual must restore them.
     let mode = |draft_vocab| {
@@ -426,70 +377,22 @@ fn exact_sampling_follows_the_target_distribution() {
             tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
             acceptance: Acceptance::Exact,
             draft_vocab,
+            lookup: None,
         })
     };
     for draft_vocab in [None, Some(20)] {
-        assert_second_token_follows(&engine, &mode(draft_vocab), &prompt, temperature, &expected);
+        support::assert_second_token_follows(
+            &engine,
+            &mode(draft_vocab),
+            &prompt,
+            temperature,
+            &expected,
+        );
     }
     // 20 tokens of a ranking (odd ids first): the proposal's columns are scattered back to
     // their token ids.
     let ranked = with_ranking(&engine_dir, cfg.vocab_size, |t| t % 2 == 1);
-    assert_second_token_follows(&ranked, &mode(Some(20)), &prompt, temperature, &expected);
-}
-
-/// Over 250 × 16 sampled runs of `mode` from `prompt`, the second token's counts pass a
-/// chi-square test (p = 0.001) against `expected`.
-fn assert_second_token_follows(
-    engine: &Engine,
-    mode: &DecodeMode,
-    prompt: &[u32],
-    temperature: f32,
-    expected: &[f64],
-) {
-    let batch = vec![prompt.to_vec(); 16];
-    let mut counts = vec![0u64; expected.len()];
-    let rounds = 250;
-    for seed in 0..rounds {
-        let params = GenerationParams {
-            max_output_len: 2,
-            sampling: SamplingParams {
-                temperature,
-                top_k: 0,
-                top_p: 1.0,
-                seed,
-            },
-            end_ids: vec![],
-        };
-        for out in run(engine, mode, &batch, &params) {
-            counts[out.output_ids[1] as usize] += 1;
-        }
-    }
-    let n = (rounds * 16) as f64;
-    // Pool bins with small expectations, then a chi-square test at p = 0.001.
-    let (mut stat, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
-    for (c, p) in counts.iter().zip(expected) {
-        let e = p * n;
-        if e < 5.0 {
-            pool_obs += *c as f64;
-            pool_exp += e;
-            continue;
-        }
-        stat += (*c as f64 - e).powi(2) / e;
-        df += 1;
-    }
-    if pool_exp > 0.0 {
-        stat += (pool_obs - pool_exp).powi(2) / pool_exp.max(1e-9);
-        df += 1;
-    }
-    let df = df - 1;
-    // Wilson–Hilferty approximation of the 0.999 quantile.
-    let k = df as f64;
-    let z = 3.090_232;
-    let critical = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
-    assert!(
-        stat < critical,
-        "chi-square {stat:.1} ≥ {critical:.1} with {df} degrees of freedom"
-    );
+    support::assert_second_token_follows(&ranked, &mode(Some(20)), &prompt, temperature, &expected);
 }
 
 #[test]
@@ -624,6 +527,7 @@ fn drafted_tokens_on_the_device_or_fetched_per_level_are_the_same_drafts() {
             tree: EagleTreeKind::Static(EagleTree::from_preset("mc_sim_7b_63", &limits()).unwrap()),
             acceptance,
             draft_vocab,
+            lookup: None,
         })
     };
     let typical = Acceptance::Typical {

@@ -251,6 +251,7 @@ fn measured_ranks_predict_spec_runs_steps_exactly() {
                 tree: EagleTreeKind::Static(tree.clone()),
                 acceptance: Acceptance::TokenMatch,
                 draft_vocab: None,
+                lookup: None,
             });
             let params = GenerationParams {
                 max_output_len: ANSWER,

@@ -130,18 +130,20 @@ impl Drafter<'_> {
 
     /// The static `tree` from every root. Top-k children stay where the head's logits are
     /// ([`NodeTokens::pooled`], unless [`crate::device::set_draft_on_device`] turned that
-    /// off); sampled ones are drawn into host tokens.
+    /// off or `host_tokens` asks for them on the host, where a lookup chain is grafted);
+    /// sampled ones are drawn into host tokens.
     pub fn draft_static<'t>(
         &mut self,
         tree: &'t EagleTree,
         roots: &[DraftRoot],
         choice: &ChildChoice,
         rngs: &mut [&mut SeqRng],
+        host_tokens: bool,
     ) -> Result<DraftedTrees<'t>> {
         let buf = tree.buffers();
         let n = buf.num_nodes();
         let vocab = self.base.config().vocab_size;
-        let pooled = matches!(choice, ChildChoice::TopK) && draft_on_device();
+        let pooled = matches!(choice, ChildChoice::TopK) && draft_on_device() && !host_tokens;
         let mut tokens = if pooled {
             NodeTokens::pooled(roots, n, roots[0].output.device())?
         } else {

@@ -23,13 +23,14 @@ use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
-use crate::{Acceptance, EagleOptions, EagleTreeKind};
+use crate::{Acceptance, EagleOptions, EagleTreeKind, PromptLookup};
 use candle_core::Tensor;
-use draft::{ChildChoice, DraftRoot, DraftVocab, Drafter};
+use draft::{ChildChoice, DraftRoot, DraftVocab, DraftedTree, Drafter};
 use kestrel_kernels::gather_rows;
 use kestrel_model::{EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput};
 use kestrel_spec::dynamic::DynamicTreeConfig;
-use kestrel_spec::SeqRng;
+use kestrel_spec::{graft_chain, SeqRng};
+use std::borrow::Cow;
 use std::time::Instant;
 
 pub(crate) struct EagleDecoder<'e> {
@@ -254,7 +255,13 @@ impl Decoder for EagleDecoder<'_> {
                         .filter(|(i, _)| live.contains(i))
                         .map(|(_, s)| &mut s.rng)
                         .collect();
-                    drafter.draft_static(tree, &roots, &choice, &mut rngs)?
+                    if self.options.lookup.is_some() && matches!(choice, ChildChoice::Sample(_)) {
+                        return Err(RuntimeError::InvalidRequest(
+                            "prompt lookup cannot join a static EAGLE tree under exact acceptance with sampling: the tree's children are drawn and the lookup's drafts have no draft law; use --eagle_sampling token_match or typical".into(),
+                        ));
+                    }
+                    let host_tokens = self.options.lookup.is_some();
+                    drafter.draft_static(tree, &roots, &choice, &mut rngs, host_tokens)?
                 }
                 (EagleTreeKind::Dynamic { .. }, Some(cfg)) => drafter.draft_dynamic(cfg, &roots)?,
                 (EagleTreeKind::Dynamic { .. }, None) => unreachable!("validated in new"),
@@ -266,6 +273,10 @@ impl Decoder for EagleDecoder<'_> {
             };
             timings.draft_s += draft_start.elapsed().as_secs_f64();
             let (mut trees, tree_tokens) = (drafted.trees, drafted.device_tokens);
+            if let Some(lookup) = &self.options.lookup {
+                let max_nodes = self.engine.plan.limits.max_draft_len + 1;
+                graft_lookups(lookup, &mut trees, &live, seqs, max_nodes);
+            }
 
             // Verify every tree in one target forward.
             let verify_start = Instant::now();
@@ -336,6 +347,26 @@ impl Decoder for EagleDecoder<'_> {
 
     fn pools(&self) -> Vec<PoolShape> {
         self.pools.clone()
+    }
+}
+
+/// Grafts each live sequence's prompt lookup drafts onto its drafted tree, keeping every tree
+/// within `max_nodes` (the engine verifies at most `max_draft_len + 1` rows a sequence).
+fn graft_lookups(
+    lookup: &PromptLookup,
+    trees: &mut [DraftedTree],
+    live: &[usize],
+    seqs: &[Sequence],
+    max_nodes: usize,
+) {
+    for (tree, &i) in trees.iter_mut().zip(live) {
+        let s = &seqs[i];
+        let chain = lookup.propose(&s.tokens, s.remaining().saturating_sub(1));
+        let room = max_nodes.saturating_sub(tree.tokens.len());
+        if let Some(g) = graft_chain(&tree.tokens, &tree.buffers, &chain, room) {
+            tree.tokens = g.tokens;
+            tree.buffers = Cow::Owned(g.buffers);
+        }
     }
 }
 

@@ -9,6 +9,8 @@ use kestrel_core::checkpoint::{
     CHECKPOINT_VERSION, CONFIG_FILE, EAGLE_PREFIX,
 };
 use kestrel_core::{DType as KDType, EagleHeadConfig, Mapping, ModelConfig, SpeculativeMode};
+use kestrel_runtime::{generate, DecodeMode, Engine, GenerationParams, NoSink};
+use kestrel_spec::SamplingParams;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -212,4 +214,115 @@ pub fn prompts() -> Vec<Vec<u32>> {
         vec![12; 1],
         vec![7, 30, 2, 19, 40, 11, 6, 25, 13, 38, 4],
     ]
+}
+
+/// The exact target distribution of the second generated token, marginalised over the first.
+pub fn second_token_distribution(engine: &Engine, prompt: &[u32], temperature: f32) -> Vec<f64> {
+    use kestrel_model::{OutputRows, SeqInput};
+    let model = &engine.model;
+    let probs_after = |tokens: &[u32]| -> Vec<f64> {
+        let mut cache = model.new_cache(16, 8).unwrap();
+        let seq = cache.add_sequence();
+        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+        let h = model
+            .forward(
+                &[SeqInput {
+                    seq,
+                    tokens,
+                    positions: &pos,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                }],
+                &mut cache,
+            )
+            .unwrap();
+        let logits: Vec<f32> = model
+            .logits(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let p = kestrel_spec::sampling::probs(
+            &logits,
+            &SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+            },
+        );
+        p.iter().map(|&x| x as f64).collect()
+    };
+    let first = probs_after(prompt);
+    let mut second = vec![0f64; first.len()];
+    for (t0, &p0) in first.iter().enumerate() {
+        if p0 < 1e-9 {
+            continue;
+        }
+        let mut ctx = prompt.to_vec();
+        ctx.push(t0 as u32);
+        for (t1, p1) in probs_after(&ctx).iter().enumerate() {
+            second[t1] += p0 * p1;
+        }
+    }
+    second
+}
+
+/// Over 250 × 16 sampled runs of `mode` from `prompt`, the second token's counts pass a
+/// chi-square test (p = 0.001) against `expected`.
+pub fn assert_second_token_follows(
+    engine: &Engine,
+    mode: &DecodeMode,
+    prompt: &[u32],
+    temperature: f32,
+    expected: &[f64],
+) {
+    let batch = vec![prompt.to_vec(); 16];
+    let mut counts = vec![0u64; expected.len()];
+    let rounds = 250;
+    for seed in 0..rounds {
+        let params = GenerationParams {
+            max_output_len: 2,
+            sampling: SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed,
+            },
+            end_ids: vec![],
+        };
+        for out in generate(engine, mode, &batch, &params, &mut NoSink)
+            .unwrap()
+            .0
+        {
+            counts[out.output_ids[1] as usize] += 1;
+        }
+    }
+    let n = (rounds * 16) as f64;
+    // Pool bins with small expectations, then a chi-square test at p = 0.001.
+    let (mut stat, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
+    for (c, p) in counts.iter().zip(expected) {
+        let e = p * n;
+        if e < 5.0 {
+            pool_obs += *c as f64;
+            pool_exp += e;
+            continue;
+        }
+        stat += (*c as f64 - e).powi(2) / e;
+        df += 1;
+    }
+    if pool_exp > 0.0 {
+        stat += (pool_obs - pool_exp).powi(2) / pool_exp.max(1e-9);
+        df += 1;
+    }
+    let df = df - 1;
+    // Wilson–Hilferty approximation of the 0.999 quantile.
+    let k = df as f64;
+    let z = 3.090_232;
+    let critical = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    assert!(
+        stat < critical,
+        "chi-square {stat:.1} ≥ {critical:.1} with {df} degrees of freedom"
+    );
 }
