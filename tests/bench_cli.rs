@@ -105,7 +105,7 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
             "--batch_sizes",
             "1,2",
             "--modes",
-            "plain,eagle1:[[0],[0,0],[1]],eagle2:2,prompt_lookup:3:2,verify:4",
+            "plain,eagle1:[[0],[0,0],[1]],eagle2:2,prompt_lookup:3:2,verify:4,eagle1:[[0],[0,0],[1]]+prompt_lookup:3:2,eagle2:2+prompt_lookup:2",
         ],
         &json,
     );
@@ -128,6 +128,8 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
             "eagle2:2",
             "prompt_lookup:3:2",
             "verify:4",
+            "eagle1:[[0],[0,0],[1]]+prompt_lookup:3:2",
+            "eagle2:2+prompt_lookup:2",
         ] {
             want.push((m.to_string(), b));
         }
@@ -499,6 +501,15 @@ fn bench_refuses_bad_input_in_one_line() {
             "prompt_lookup:4:3:corpus"
         ]),
         "--modes prompt_lookup:4:3:corpus needs --prompt_lookup_corpus"
+    );
+    assert_eq!(
+        bench_error(&[
+            "--engine_dir",
+            "/nonexistent",
+            "--modes",
+            "eagle1:small_8+prompt_lookup:4:3:corpus"
+        ]),
+        "--modes eagle1:small_8+prompt_lookup:4:3:corpus needs --prompt_lookup_corpus"
     );
     assert_eq!(
         bench_error(&[

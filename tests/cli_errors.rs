@@ -313,6 +313,39 @@ fn run_prompt_lookup_on_an_eagle_engine_gives_plain_greedy_output() {
         "corpus.json",
     );
     assert_eq!(with_corpus, plain);
+    // The lookup grafted onto EAGLE's trees, static and dynamic.
+    for tree in [
+        &["--eagle_choices", "small_8"][..],
+        &[
+            "--eagle_use_dynamic_tree",
+            "--eagle_dynamic_tree_max_top_k",
+            "3",
+        ],
+    ] {
+        let mut args = vec![
+            "--prompt_lookup_config",
+            "[4,2]",
+            "--prompt_lookup_corpus",
+            s(&corpus),
+            "--eagle_prompt_lookup",
+        ];
+        args.extend_from_slice(tree);
+        assert_eq!(run(&args, "grafted.json"), plain, "{tree:?}");
+    }
+    assert_eq!(
+        run_error(
+            &engine,
+            &[
+                "--input_text",
+                "a",
+                "--prompt_lookup_config",
+                "[4,2]",
+                "--eagle_prompt_lookup",
+                "--no_speculation"
+            ]
+        ),
+        "--eagle_prompt_lookup cannot be combined with --no_speculation"
+    );
     assert_eq!(
         run_error(
             &engine,
@@ -484,7 +517,18 @@ fn run_refuses_bad_requests() {
         ),
         (
             &["--input_text", "a", "--prompt_lookup_config", "[4,3]", "--no_speculation"],
-            "--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation".into(),
+            "--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation (--eagle_prompt_lookup grafts its drafts onto EAGLE's tree)".into(),
+        ),
+        (
+            &["--input_text", "a", "--eagle_prompt_lookup"],
+            "--eagle_prompt_lookup needs --prompt_lookup_config \"[num_tokens,max_ngram]\"".into(),
+        ),
+        (
+            &["--input_text", "a", "--prompt_lookup_config", "[4,3]", "--eagle_prompt_lookup"],
+            format!(
+                "--eagle_prompt_lookup grafts onto EAGLE trees, but {} was built with --speculative_decoding_mode none",
+                engine.display()
+            ),
         ),
         (
             &["--input_text", "a", "--prompt_lookup_config", "[4,3,[cpu,cpu]]"],

@@ -4,6 +4,8 @@
 //! distribution (chi-square against exact marginals), and incompatible engines are refused
 //! with exact messages.
 
+mod support;
+
 use candle_core::{Device, Tensor};
 use kestrel_build::{build_engine, BuildOptions, GemmPlugin, TargetDevice};
 use kestrel_core::checkpoint::{
@@ -11,12 +13,10 @@ use kestrel_core::checkpoint::{
 };
 use kestrel_core::{DType, Mapping, ModelConfig, SpeculativeMode};
 use kestrel_model::llama::random_tensors;
-use kestrel_model::{OutputRows, SeqInput};
 use kestrel_runtime::{
     generate, DecodeMode, DraftTargetOptions, Engine, FinishReason, GenerationParams, NoSink,
     PromptLookup, SequenceOutput, TokenSink,
 };
-use kestrel_spec::sampling::probs;
 use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -321,36 +321,6 @@ fn assert_fits(counts: &[usize], expected: &[f64], what: &str) {
     );
 }
 
-/// The target's warped next-token distribution after `tokens` (a fresh cache, one forward).
-fn next_probs(engine: &Engine, tokens: &[u32], sampling: &SamplingParams) -> Vec<f64> {
-    let mut cache = engine.model.new_cache(16, 8).unwrap();
-    let seq = cache.add_sequence();
-    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-    let hidden = engine
-        .model
-        .forward(
-            &[SeqInput {
-                seq,
-                tokens,
-                positions: &pos,
-                mask: None,
-                output_rows: OutputRows::Last,
-            }],
-            &mut cache,
-        )
-        .unwrap();
-    let logits = engine
-        .model
-        .logits(&hidden)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
-    probs(&logits[0], sampling)
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
-
 fn argmax_f64(p: &[f64]) -> u32 {
     (0..p.len()).fold(0, |b, i| if p[i] > p[b] { i } else { b }) as u32
 }
@@ -385,17 +355,20 @@ fn sampled_tokens_follow_the_target_distribution() {
     };
 
     // Exact marginals of tokens 1, 2 and 3.
-    let p1 = next_probs(&target, &prompt, &sampling);
+    let p1 = support::next_probs(&target, &prompt, &sampling);
     let mut p2 = vec![0.0; V];
     let mut p3 = vec![0.0; V];
     for (a, &pa) in p1.iter().enumerate().filter(|(_, &p)| p > 0.0) {
         let mut seq = prompt.clone();
         seq.push(a as u32);
-        let pb = next_probs(&target, &seq, &sampling);
+        let pb = support::next_probs(&target, &seq, &sampling);
         for (b, &pab) in pb.iter().enumerate().filter(|(_, &p)| p > 0.0) {
             p2[b] += pa * pab;
             seq.push(b as u32);
-            for (c, &pc) in next_probs(&target, &seq, &sampling).iter().enumerate() {
+            for (c, &pc) in support::next_probs(&target, &seq, &sampling)
+                .iter()
+                .enumerate()
+            {
                 p3[c] += pa * pab * pc;
             }
             seq.pop();
@@ -404,8 +377,8 @@ fn sampled_tokens_follow_the_target_distribution() {
     // The draft disagrees with the target often enough for rejections to matter.
     let likely = [prompt.clone(), vec![argmax_f64(&p1)]].concat();
     let (p, q) = (
-        next_probs(&target, &likely, &sampling),
-        next_probs(&draft, &likely, &sampling),
+        support::next_probs(&target, &likely, &sampling),
+        support::next_probs(&draft, &likely, &sampling),
     );
     let tv: f64 = p.iter().zip(&q).map(|(a, b)| (a - b).abs()).sum::<f64>() / 2.0;
     assert!(tv > 0.1, "draft too close to the target (TV {tv})");

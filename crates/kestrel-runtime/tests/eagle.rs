@@ -360,13 +360,8 @@ fn typical_acceptance_at_temperature_zero_is_greedy() {
 #[test]
 fn exact_sampling_follows_the_target_distribution() {
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(8);
-    let spec = EngineSpec {
-        max_batch_size: 16,
-        ..EngineSpec::default()
-    };
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (cfg, engine) = support::distribution_engine(dir.path());
+    let engine_dir = engine.dir.clone();
     let prompt = vec![3u32, 17, 9];
     let temperature = 1.5;
     let expected = support::second_token_distribution(&engine, &prompt, temperature);

@@ -149,13 +149,7 @@ fn grafted_lookups_keep_greedy_output_and_accept_where_the_head_misses() {
 #[test]
 fn grafted_lookups_keep_the_sampled_distribution() {
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(8);
-    let spec = EngineSpec {
-        max_batch_size: 16,
-        ..EngineSpec::default()
-    };
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (cfg, engine) = support::distribution_engine(dir.path());
     // Every token's chain continues with the next ids: a branch of 3 below every root.
     let cycle: Vec<u32> = (0..cfg.vocab_size as u32).chain(0..3).collect();
     let prompt = vec![3u32, 17, 9];

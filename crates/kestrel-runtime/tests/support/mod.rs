@@ -9,6 +9,7 @@ use kestrel_core::checkpoint::{
     CHECKPOINT_VERSION, CONFIG_FILE, EAGLE_PREFIX,
 };
 use kestrel_core::{DType as KDType, EagleHeadConfig, Mapping, ModelConfig, SpeculativeMode};
+use kestrel_model::{OutputRows, SeqInput};
 use kestrel_runtime::{generate, DecodeMode, Engine, GenerationParams, NoSink};
 use kestrel_spec::SamplingParams;
 use std::collections::{BTreeMap, HashMap};
@@ -216,45 +217,45 @@ pub fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
+/// The target's warped next-token distribution after `tokens` (a fresh cache, one forward).
+pub fn next_probs(engine: &Engine, tokens: &[u32], sampling: &SamplingParams) -> Vec<f64> {
+    let mut cache = engine.model.new_cache(16, 8).unwrap();
+    let seq = cache.add_sequence();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let hidden = engine
+        .model
+        .forward(
+            &[SeqInput {
+                seq,
+                tokens,
+                positions: &pos,
+                mask: None,
+                output_rows: OutputRows::Last,
+            }],
+            &mut cache,
+        )
+        .unwrap();
+    let logits = engine
+        .model
+        .logits(&hidden)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    kestrel_spec::sampling::probs(&logits[0], sampling)
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
 /// The exact target distribution of the second generated token, marginalised over the first.
 pub fn second_token_distribution(engine: &Engine, prompt: &[u32], temperature: f32) -> Vec<f64> {
-    use kestrel_model::{OutputRows, SeqInput};
-    let model = &engine.model;
-    let probs_after = |tokens: &[u32]| -> Vec<f64> {
-        let mut cache = model.new_cache(16, 8).unwrap();
-        let seq = cache.add_sequence();
-        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
-        let h = model
-            .forward(
-                &[SeqInput {
-                    seq,
-                    tokens,
-                    positions: &pos,
-                    mask: None,
-                    output_rows: OutputRows::Last,
-                }],
-                &mut cache,
-            )
-            .unwrap();
-        let logits: Vec<f32> = model
-            .logits(&h)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let p = kestrel_spec::sampling::probs(
-            &logits,
-            &SamplingParams {
-                temperature,
-                top_k: 0,
-                top_p: 1.0,
-                seed: 0,
-            },
-        );
-        p.iter().map(|&x| x as f64).collect()
+    let sampling = SamplingParams {
+        temperature,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
     };
-    let first = probs_after(prompt);
+    let first = next_probs(engine, prompt, &sampling);
     let mut second = vec![0f64; first.len()];
     for (t0, &p0) in first.iter().enumerate() {
         if p0 < 1e-9 {
@@ -262,11 +263,24 @@ pub fn second_token_distribution(engine: &Engine, prompt: &[u32], temperature: f
         }
         let mut ctx = prompt.to_vec();
         ctx.push(t0 as u32);
-        for (t1, p1) in probs_after(&ctx).iter().enumerate() {
+        for (t1, p1) in next_probs(engine, &ctx, &sampling).iter().enumerate() {
             second[t1] += p0 * p1;
         }
     }
     second
+}
+
+/// An engine whose head agrees with its base often, with batches of 16: for the sampled
+/// distribution tests.
+pub fn distribution_engine(dir: &Path) -> (ModelConfig, Engine) {
+    let (cfg, base, head) = agreeing_pair(8);
+    let spec = EngineSpec {
+        max_batch_size: 16,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir, &cfg, &base, Some(&head), &spec);
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    (cfg, engine)
 }
 
 /// Over 250 × 16 sampled runs of `mode` from `prompt`, the second token's counts pass a

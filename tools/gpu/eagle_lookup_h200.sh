@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Prompt lookup's drafts grafted onto EAGLE's trees (spec-bench eagle…+prompt_lookup:K:N:corpus,
+# spec-run --eagle_prompt_lookup) on the H200, against plain decoding, the lookup alone and
+# EAGLE alone, in one call: real SmolLM2 + heads/smollm2-eagle (draft vocabulary 4,096) +
+# heads/smollm2-ngram, bf16, CUDA graphs, greedy, MT-bench 1-20 (chat template), 128 tokens,
+# batch 1 and 4; the whole set twice (runs 1 and 2), for the drift between runs.
+#
+# Staging (TRAIN_DATA=0 tools/gpu/pack.sh with BINS="spec-bench convert-checkpoint spec-build"):
+#   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
+#   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/eagle_lookup_h200.sh
+# Results: $OUT/eagle_lookup.txt, the JSON reports in $OUT/eagle_lookup.tar.gz.
+# `eagle_lookup_h200.sh sampled` instead samples (temperature 0.8, top_p 0.9, seed 3, EAGLE's
+# token matching) the same modes at batch 1 and 4, twice ($OUT/eagle_lookup_sampled.txt).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/session-env.sh"
+E=/tmp/el; mkdir -p $E
+HEAD=heads/smollm2-eagle
+CORPUS=heads/smollm2-ngram/corpus.safetensors
+smollm2_engine bfloat16 eagle $E/eng_e16 $HEAD
+L=prompt_lookup:4:3:corpus
+MODES="plain,$L,eagle1:$HEAD/tree_h200.json,eagle1:$HEAD/tree_h200.json+$L,eagle1:[[0],[1]]+$L,eagle1:[[0]]+$L,eagle2:4:4:1+$L,eagle1:[[0]]+prompt_lookup:6:3:corpus,eagle1:small_8+$L,plain"
+SAMPLING=()
+NAME=eagle_lookup
+if [ "${1:-}" = sampled ]; then
+  SAMPLING=(--temperature 0.8 --top_p 0.9 --random_seed 3)
+  MODES="plain,$L,eagle1:$HEAD/tree_h200.json,eagle1:$HEAD/tree_h200.json+$L,eagle1:[[0]]+$L,plain"
+  NAME=eagle_lookup_sampled
+fi
+for run in 1 2; do
+  $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 "${SAMPLING[@]}" \
+    --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1,4 \
+    --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
+done
+python3 - "$E" <<'PY' | tee "$OUT/$NAME.txt"
+import json, sys
+for run in ["1", "2"]:
+    print(f"== run {run}")
+    print(f"{'mode':66s} {'batch':>5s} {'tok/s':>8s} {'step ms':>8s} {'draft ms':>8s} {'tau':>5s} {'vs plain':>8s} same_as_plain")
+    for r in json.load(open(f"{sys.argv[1]}/{run}.json"))["results"]:
+        mode = r['mode'].replace('heads/smollm2-eagle/', '')
+        print(f"{mode:66s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r.get('step_latency_ms') or 0:8.3f}"
+              f" {1e3 * (r.get('draft_s') or 0) / max(r['steps'] or 1, 1):8.3f} {r['mean_accepted_len'] or 0:5.2f} {r.get('speedup_vs_plain') or 0:8.2f} {r['same_output_as_plain']}")
+PY
+tar -C $E -czf "$OUT/$NAME.tar.gz" 1.json 2.json
