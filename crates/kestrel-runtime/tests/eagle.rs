@@ -10,10 +10,12 @@ use kestrel_runtime::{
     generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams,
     NoSink, SequenceOutput,
 };
-use kestrel_spec::tree::TreeLimits;
 use kestrel_spec::{EagleTree, SamplingParams};
 use std::collections::BTreeMap;
-use support::{agreeing_pair, build, prompts, random_head, seeded_uniform, EngineSpec};
+use support::{
+    agreeing_pair, build, prompts, random_head, run, seeded_uniform, static_tree, tree_limits,
+    EngineSpec,
+};
 
 fn greedy(max_output_len: usize) -> GenerationParams {
     GenerationParams {
@@ -23,33 +25,13 @@ fn greedy(max_output_len: usize) -> GenerationParams {
     }
 }
 
-fn run(
-    engine: &Engine,
-    mode: &DecodeMode,
-    prompts: &[Vec<u32>],
-    params: &GenerationParams,
-) -> Vec<SequenceOutput> {
-    generate(engine, mode, prompts, params, &mut NoSink)
-        .unwrap()
-        .0
-}
-
 fn ids(outputs: &[SequenceOutput]) -> Vec<Vec<u32>> {
     outputs.iter().map(|o| o.output_ids.clone()).collect()
 }
 
-fn limits() -> TreeLimits {
-    TreeLimits {
-        num_eagle_layers: 4,
-        max_non_leaves_per_layer: 10,
-        max_draft_len: 63,
-        max_top_k: 10,
-    }
-}
-
 fn static_mode(preset: &str) -> DecodeMode<'static> {
     DecodeMode::Eagle(EagleOptions {
-        tree: EagleTreeKind::Static(EagleTree::from_preset(preset, &limits()).unwrap()),
+        tree: static_tree(preset),
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
         lookup: None,
@@ -217,11 +199,7 @@ fn a_ranked_draft_vocabulary_drafts_its_first_tokens() {
 #[test]
 fn greedy_eagle_equals_plain_with_a_random_head() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = support::tiny_config(2);
-    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
-    let head = random_head(&cfg, 6);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let engine = support::random_head_engine(dir.path());
     let modes = [
         ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
         ("small_8", static_mode("small_8")),
@@ -320,8 +298,8 @@ fn greedy_eagle_equals_plain_on_random_trees() {
     let modes: Vec<(String, DecodeMode)> = (0..6)
         .map(|seed| {
             let choices = random_tree(seed);
-            let tree =
-                EagleTree::new(&choices, &limits()).unwrap_or_else(|e| panic!("{choices:?}: {e}"));
+            let tree = EagleTree::new(&choices, &tree_limits())
+                .unwrap_or_else(|e| panic!("{choices:?}: {e}"));
             (
                 format!("{choices:?}"),
                 DecodeMode::Eagle(EagleOptions {
@@ -347,7 +325,9 @@ fn typical_acceptance_at_temperature_zero_is_greedy() {
     let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
     let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
     let typical = DecodeMode::Eagle(EagleOptions {
-        tree: EagleTreeKind::Static(EagleTree::from_preset("mc_sim_7b_63", &limits()).unwrap()),
+        tree: EagleTreeKind::Static(
+            EagleTree::from_preset("mc_sim_7b_63", &tree_limits()).unwrap(),
+        ),
         acceptance: Acceptance::Typical {
             posterior_threshold: 0.09,
         },
@@ -369,7 +349,7 @@ fn exact_sampling_follows_the_target_distribution() {
     // then gives the other 28 probability 0, and the residual must restore them.
     let mode = |draft_vocab| {
         DecodeMode::Eagle(EagleOptions {
-            tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &limits()).unwrap()),
+            tree: EagleTreeKind::Static(EagleTree::from_preset("small_8", &tree_limits()).unwrap()),
             acceptance: Acceptance::Exact,
             draft_vocab,
             lookup: None,
@@ -519,7 +499,9 @@ fn drafted_tokens_on_the_device_or_fetched_per_level_are_the_same_drafts() {
     let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
     let mode = |acceptance: Acceptance, draft_vocab: Option<usize>| {
         DecodeMode::Eagle(EagleOptions {
-            tree: EagleTreeKind::Static(EagleTree::from_preset("mc_sim_7b_63", &limits()).unwrap()),
+            tree: EagleTreeKind::Static(
+                EagleTree::from_preset("mc_sim_7b_63", &tree_limits()).unwrap(),
+            ),
             acceptance,
             draft_vocab,
             lookup: None,

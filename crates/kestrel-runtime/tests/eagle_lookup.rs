@@ -6,53 +6,12 @@ mod support;
 
 use candle_core::Device;
 use kestrel_runtime::{
-    generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, GenerationParams,
-    NoSink, PromptLookup, SequenceOutput,
+    generate, Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine, NoSink, PromptLookup,
+    SequenceOutput,
 };
-use kestrel_spec::tree::TreeLimits;
-use kestrel_spec::{EagleTree, NgramCorpus, PromptLookupConfig, SamplingParams};
+use kestrel_spec::{NgramCorpus, PromptLookupConfig};
 use std::sync::Arc;
-use support::{agreeing_pair, build, prompts, random_head, EngineSpec};
-
-fn params(max_output_len: usize, temperature: f32, seed: u64) -> GenerationParams {
-    GenerationParams {
-        max_output_len,
-        sampling: SamplingParams {
-            temperature,
-            top_k: 0,
-            top_p: 1.0,
-            seed,
-        },
-        end_ids: vec![],
-    }
-}
-
-fn run(
-    engine: &Engine,
-    mode: &DecodeMode,
-    prompts: &[Vec<u32>],
-    p: &GenerationParams,
-) -> Vec<SequenceOutput> {
-    generate(engine, mode, prompts, p, &mut NoSink).unwrap().0
-}
-
-fn static_tree(preset: &str) -> EagleTreeKind {
-    let limits = TreeLimits {
-        num_eagle_layers: 4,
-        max_non_leaves_per_layer: 10,
-        max_draft_len: 63,
-        max_top_k: 10,
-    };
-    EagleTreeKind::Static(EagleTree::from_preset(preset, &limits).unwrap())
-}
-
-fn dynamic_tree(top_k: usize) -> EagleTreeKind {
-    EagleTreeKind::Dynamic {
-        top_k,
-        max_draft_len: None,
-        num_layers: None,
-    }
-}
+use support::{agreeing_pair, build, dynamic_tree, prompts, run, sampled, static_tree, EngineSpec};
 
 fn eagle(
     tree: EagleTreeKind,
@@ -86,13 +45,9 @@ fn tokens_per_step(outputs: &[SequenceOutput]) -> f64 {
 #[test]
 fn grafted_lookups_keep_greedy_output_and_accept_where_the_head_misses() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = support::tiny_config(2);
-    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
-    let head = random_head(&cfg, 6);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let engine = support::random_head_engine(dir.path());
     let prompts = prompts();
-    let greedy = params(40, 0.0, 0);
+    let greedy = sampled(40, 0.0, 0);
     let plain = run(&engine, &DecodeMode::Plain, &prompts, &greedy);
     let plain_ids: Vec<Vec<u32>> = plain.iter().map(|o| o.output_ids.clone()).collect();
     let answers: Vec<Vec<u32>> = prompts
@@ -182,13 +137,13 @@ fn drawn_children_refuse_a_grafted_lookup() {
         Acceptance::Exact,
         Some(lookup(4, None)),
     );
-    let err = generate(&engine, &mode, &prompts(), &params(8, 0.8, 1), &mut NoSink).unwrap_err();
+    let err = generate(&engine, &mode, &prompts(), &sampled(8, 0.8, 1), &mut NoSink).unwrap_err();
     assert_eq!(
         err.to_string(),
         "prompt lookup cannot join a static EAGLE tree under exact acceptance with sampling: the tree's children are drawn and the lookup's drafts have no draft law; use --eagle_sampling token_match or typical"
     );
     // Greedy, every rule is argmax matching and the graft is allowed.
-    let greedy = params(8, 0.0, 0);
+    let greedy = sampled(8, 0.0, 0);
     let plain = run(&engine, &DecodeMode::Plain, &prompts(), &greedy);
     let grafted = run(&engine, &mode, &prompts(), &greedy);
     for (g, p) in grafted.iter().zip(&plain) {

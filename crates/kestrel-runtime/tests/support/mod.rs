@@ -296,20 +296,7 @@ pub fn assert_second_token_follows(
     let mut counts = vec![0u64; expected.len()];
     let rounds = 250;
     for seed in 0..rounds {
-        let params = GenerationParams {
-            max_output_len: 2,
-            sampling: SamplingParams {
-                temperature,
-                top_k: 0,
-                top_p: 1.0,
-                seed,
-            },
-            end_ids: vec![],
-        };
-        for out in generate(engine, mode, &batch, &params, &mut NoSink)
-            .unwrap()
-            .0
-        {
+        for out in run(engine, mode, &batch, &sampled(2, temperature, seed)) {
             counts[out.output_ids[1] as usize] += 1;
         }
     }
@@ -339,4 +326,65 @@ pub fn assert_second_token_follows(
         stat < critical,
         "chi-square {stat:.1} ≥ {critical:.1} with {df} degrees of freedom"
     );
+}
+
+/// Generates for `prompts` with `mode`, without streaming.
+pub fn run(
+    engine: &Engine,
+    mode: &DecodeMode,
+    prompts: &[Vec<u32>],
+    params: &GenerationParams,
+) -> Vec<kestrel_runtime::SequenceOutput> {
+    generate(engine, mode, prompts, params, &mut NoSink)
+        .unwrap()
+        .0
+}
+
+/// The tree limits of [`EngineSpec::default`]'s engines.
+pub fn tree_limits() -> kestrel_spec::TreeLimits {
+    kestrel_spec::TreeLimits {
+        num_eagle_layers: 4,
+        max_non_leaves_per_layer: 10,
+        max_draft_len: 63,
+        max_top_k: 10,
+    }
+}
+
+/// A preset EAGLE-1 tree within [`tree_limits`].
+pub fn static_tree(preset: &str) -> kestrel_runtime::EagleTreeKind {
+    kestrel_runtime::EagleTreeKind::Static(
+        kestrel_spec::EagleTree::from_preset(preset, &tree_limits()).unwrap(),
+    )
+}
+
+/// EAGLE-2 at the engine's limits.
+pub fn dynamic_tree(top_k: usize) -> kestrel_runtime::EagleTreeKind {
+    kestrel_runtime::EagleTreeKind::Dynamic {
+        top_k,
+        max_draft_len: None,
+        num_layers: None,
+    }
+}
+
+/// A two-layer engine with a random head, which rarely agrees with its base.
+pub fn random_head_engine(dir: &Path) -> Engine {
+    let cfg = tiny_config(2);
+    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let head = random_head(&cfg, 6);
+    let engine_dir = build(dir, &cfg, &base, Some(&head), &EngineSpec::default());
+    Engine::load(&engine_dir, &Device::Cpu).unwrap()
+}
+
+/// Sampling at `temperature` alone (no top-k or top-p), no end ids.
+pub fn sampled(max_output_len: usize, temperature: f32, seed: u64) -> GenerationParams {
+    GenerationParams {
+        max_output_len,
+        sampling: SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        },
+        end_ids: vec![],
+    }
 }
