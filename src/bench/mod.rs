@@ -997,9 +997,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             };
             let graphs_before = activity(target);
             probe.start_run();
-            // One call, as spec-run makes: the runtime cuts it into batches of `batch` (the
-            // limit set above) over one set of KV pools, so CUDA graphs captured for the first
-            // batch's layouts serve the later ones. A call per batch gave every batch new
+            // One call, as spec-run makes: the runtime keeps up to `batch` sequences (the
+            // limit set above) in flight over one set of KV pools, so CUDA graphs captured for
+            // the first steps' layouts serve the later ones. A call per batch gave every batch new
             // pools, and so new graphs: EAGLE-2's dozens of layouts were run eagerly twice and
             // captured again for every prompt.
             let (outputs, timings) = generate(

@@ -21,7 +21,7 @@
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Decoder};
+use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Admission, Decoder};
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::logit_rows::{draws_on_device, row_tokens, LogitRows, LogitSlice};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -155,18 +155,49 @@ impl<'e> DraftTargetDecoder<'e> {
         })
     }
 
-    fn run(
+    /// Admits prompts as the batch has room and decodes until every sequence is done.
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
         &mut self,
-        seqs: &mut [Sequence],
-        ids: &[Ids],
-        prefixes: &Prefixes,
+        admission: &mut Admission,
+        seqs: &mut Vec<Sequence>,
+        ids: &mut Vec<Ids>,
+        prefixes: &mut Prefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
-        self.prefill(seqs, ids, prefixes, params, sink, timings)?;
         loop {
-            self.free_finished(seqs, ids, prefixes)?;
+            for (s, id) in seqs.iter().zip(ids.iter()) {
+                if !s.is_live() {
+                    self.free(s.index, *id, prefixes)?;
+                    admission.release(s.index);
+                }
+            }
+            let admitted = admission.admit()?;
+            if !admitted.is_empty() {
+                let first = seqs.len();
+                for _ in &admitted {
+                    let draft = match &mut self.drafter {
+                        Drafter::Model { cache, .. } => Some(cache.add_sequence()),
+                        Drafter::Lookup(_) => None,
+                    };
+                    ids.push(Ids {
+                        target: self.target_cache.add_sequence(),
+                        draft,
+                    });
+                }
+                seqs.extend(admitted);
+                self.prefill(
+                    &mut seqs[first..],
+                    &ids[first..],
+                    prefixes,
+                    params,
+                    sink,
+                    timings,
+                )?;
+                continue;
+            }
             let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
             if live.is_empty() {
                 return Ok(());
@@ -180,23 +211,24 @@ impl<'e> DraftTargetDecoder<'e> {
         }
     }
 
-    /// Both models read every prompt (past its cached blocks) in one varlen forward each; the
-    /// target's last row gives the first token.
+    /// Both models read every newly admitted prompt (past its cached blocks) in one varlen
+    /// forward each; the target's last row gives the first token.
     fn prefill(
         &mut self,
         seqs: &mut [Sequence],
         ids: &[Ids],
-        prefixes: &Prefixes,
+        prefixes: &mut Prefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
         let start = Instant::now();
         let target_ids: Vec<SeqId> = ids.iter().map(|id| id.target).collect();
+        prefixes.target.add(&self.target_cache, seqs);
         let blocks = prefixes.target.cached_blocks(&self.target_cache, seqs);
         let reused = prefixes
             .target
-            .attach(&mut self.target_cache, &target_ids, &blocks)?;
+            .attach(&mut self.target_cache, seqs, &target_ids, &blocks)?;
         count_prompt(timings, 0, seqs.iter().map(|s| s.prompt_len), &reused);
 
         let pos = prompt_positions(seqs, &reused);
@@ -227,14 +259,15 @@ impl<'e> DraftTargetDecoder<'e> {
         // The draft reads the prompts of the sequences that go on; the first generated token
         // is fed by the first draft step.
         let (Drafter::Model { engine, cache }, Some(draft_prefixes)) =
-            (&mut self.drafter, &prefixes.draft)
+            (&mut self.drafter, &mut prefixes.draft)
         else {
             timings.prefill_s += start.elapsed().as_secs_f64();
             return Ok(());
         };
         let draft_ids: Vec<SeqId> = ids.iter().filter_map(|id| id.draft).collect();
+        draft_prefixes.add(cache, seqs);
         let blocks = draft_prefixes.cached_blocks(cache, seqs);
-        let draft_reused = draft_prefixes.attach(cache, &draft_ids, &blocks)?;
+        let draft_reused = draft_prefixes.attach(cache, seqs, &draft_ids, &blocks)?;
         let live: Vec<bool> = seqs.iter().map(Sequence::is_live).collect();
         let prompt_lens = seqs
             .iter()
@@ -270,16 +303,7 @@ impl<'e> DraftTargetDecoder<'e> {
         Ok(())
     }
 
-    fn free_finished(&mut self, seqs: &[Sequence], ids: &[Ids], prefixes: &Prefixes) -> Result<()> {
-        for (i, (s, id)) in seqs.iter().zip(ids).enumerate() {
-            if !s.is_live() {
-                self.free(i, *id, prefixes)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Frees sequence `i` from both caches, offering its prompt blocks for reuse.
+    /// Frees the sequence of index `i` from both caches, offering its prompt blocks for reuse.
     fn free(&mut self, i: usize, id: Ids, prefixes: &Prefixes) -> Result<()> {
         prefixes.target.free(&mut self.target_cache, i, id.target)?;
         match (&mut self.drafter, &prefixes.draft, id.draft) {
@@ -647,43 +671,35 @@ impl<'e> DraftTargetDecoder<'e> {
 }
 
 impl Decoder for DraftTargetDecoder<'_> {
-    fn run_batch(
+    fn run(
         &mut self,
-        seqs: &mut [Sequence],
+        admission: &mut Admission,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
-    ) -> Result<()> {
-        let draft_cache = match &mut self.drafter {
-            Drafter::Model { cache, .. } => Some(cache),
-            Drafter::Lookup(_) => None,
+    ) -> Result<Vec<Sequence>> {
+        let mut seqs = Vec::new();
+        let mut ids = Vec::new();
+        let mut prefixes = Prefixes {
+            target: PromptPrefixes::new(Slots::Tokens),
+            draft: matches!(self.drafter, Drafter::Model { .. })
+                .then(|| PromptPrefixes::new(Slots::Tokens)),
         };
-        let (draft_ids, draft_prefixes) = match draft_cache {
-            Some(cache) => {
-                let ids: Vec<Option<SeqId>> =
-                    seqs.iter().map(|_| Some(cache.add_sequence())).collect();
-                (ids, Some(PromptPrefixes::new(cache, seqs, Slots::Tokens)))
-            }
-            None => (vec![None; seqs.len()], None),
-        };
-        let ids: Vec<Ids> = draft_ids
-            .into_iter()
-            .map(|draft| Ids {
-                target: self.target_cache.add_sequence(),
-                draft,
-            })
-            .collect();
-        let prefixes = Prefixes {
-            target: PromptPrefixes::new(&self.target_cache, seqs, Slots::Tokens),
-            draft: draft_prefixes,
-        };
-        let result = self.run(seqs, &ids, &prefixes, params, sink, timings);
-        // Whatever happened, the caches hold nothing of this batch afterwards (but cached
+        let result = self.decode(
+            admission,
+            &mut seqs,
+            &mut ids,
+            &mut prefixes,
+            params,
+            sink,
+            timings,
+        );
+        // Whatever happened, the caches hold nothing of this run afterwards (but cached
         // prompt blocks).
-        for (i, id) in ids.iter().enumerate() {
-            self.free(i, *id, &prefixes)?;
+        for (s, id) in seqs.iter().zip(&ids) {
+            self.free(s.index, *id, &prefixes)?;
         }
-        result
+        result.map(|()| seqs)
     }
 
     fn pools(&self) -> Vec<PoolShape> {

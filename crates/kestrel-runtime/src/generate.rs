@@ -1,6 +1,7 @@
-//! The driver shared by all decoding modes: validates the request, splits it into batches of
-//! at most `max_batch_size` (and no more than the decoder's KV pools hold) and hands each
-//! batch to a [`Decoder`].
+//! The driver shared by all decoding modes: validates the request and hands it to a
+//! [`Decoder`], which admits prompts through an [`Admission`] as its batch has room (in-flight
+//! batching: a finished sequence's slot and KV blocks go to the next prompt at once, rather
+//! than when its whole batch is done).
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
@@ -13,18 +14,19 @@ use kestrel_core::plan::BuildLimits;
 use kestrel_model::{OutputRows, SeqId, SeqInput};
 use std::time::Instant;
 
-/// One decoding mode: runs a batch of sequences to completion.
+/// One decoding mode: runs every prompt of `admission` to completion, admitting them as its
+/// batch has room, and returns the sequences in admission (= prompt) order.
 pub(crate) trait Decoder {
-    fn run_batch(
+    fn run(
         &mut self,
-        seqs: &mut [Sequence],
+        admission: &mut Admission,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
-    ) -> Result<()>;
+    ) -> Result<Vec<Sequence>>;
 
-    /// The decoder's KV pools, the target's first: for batching and `RunTimings::kv_pools`,
-    /// whose counters `run_batch` adds to in the same order.
+    /// The decoder's KV pools, the target's first: for admission and `RunTimings::kv_pools`,
+    /// whose counters `run` adds to in the same order.
     fn pools(&self) -> Vec<PoolShape>;
 }
 
@@ -51,75 +53,119 @@ pub(crate) fn drive(
             .collect(),
         ..Default::default()
     };
+    let mut admission = Admission::new(prompts, pools, params, limits);
+    let seqs = decoder.run(&mut admission, params, sink, &mut timings)?;
     let mut outputs = Vec::with_capacity(prompts.len());
-    let mut first = 0;
-    while first < prompts.len() {
-        let end = batch_end(&pools, prompts, first, params, limits)?;
-        let mut seqs: Vec<Sequence> = prompts[first..end]
-            .iter()
-            .enumerate()
-            .map(|(i, p)| Sequence::new(first + i, p, params, limits))
-            .collect();
-        decoder.run_batch(&mut seqs, params, sink, &mut timings)?;
-        for mut s in seqs {
-            let generated = s.output().len();
-            s.stats.finish(generated);
-            timings.generated_tokens += generated;
-            outputs.push(SequenceOutput {
-                output_ids: s.output().to_vec(),
-                finish_reason: s.finish.expect("a finished batch has finished sequences"),
-                stats: s.stats,
-            });
-        }
-        first = end;
+    for mut s in seqs {
+        let generated = s.output().len();
+        s.stats.finish(generated);
+        timings.generated_tokens += generated;
+        outputs.push(SequenceOutput {
+            output_ids: s.output().to_vec(),
+            finish_reason: s.finish.expect("a finished run has finished sequences"),
+            stats: s.stats,
+        });
     }
     timings.total_s = start.elapsed().as_secs_f64();
     Ok((outputs, timings))
 }
 
-/// The end of the batch that starts at prompt `first`: at most `max_batch_size` prompts,
-/// and only as many as every pool holds at their longest (prompt + `max_output_len`, capped
-/// at `max_seq_len`, plus a verification step). Pools of the default size always hold a
-/// full batch, so only `--kv_cache_free_gpu_memory_fraction` makes batches smaller.
-fn batch_end(
-    pools: &[PoolShape],
-    prompts: &[Vec<u32>],
-    first: usize,
-    params: &GenerationParams,
-    limits: &BuildLimits,
-) -> Result<usize> {
-    let longest = |p: &[u32]| (p.len() + params.max_output_len).min(limits.max_seq_len);
-    let mut used = vec![0; pools.len()];
-    let mut end = first;
-    while end < prompts.len() && end - first < limits.max_batch_size {
-        let len = longest(&prompts[end]);
-        if pools
-            .iter()
-            .zip(&used)
-            .any(|(p, &u)| u + p.blocks_for(len) > p.blocks)
-        {
-            break;
+/// The prompts of a request waiting for a place in the batch. A prompt is admitted, in
+/// order, while fewer than `max_batch_size` sequences are live and every pool still holds its
+/// longest length (prompt + `max_output_len`, capped at `max_seq_len`, plus a verification
+/// step) on top of the live sequences' own; a finished sequence's reservation is released at
+/// once. Pools of the default size always hold a full batch, so only
+/// `--kv_cache_free_gpu_memory_fraction` makes batches smaller.
+pub(crate) struct Admission<'a> {
+    prompts: &'a [Vec<u32>],
+    pools: Vec<PoolShape>,
+    params: &'a GenerationParams,
+    limits: &'a BuildLimits,
+    next: usize,
+    /// Blocks reserved in each pool by the live sequences.
+    used: Vec<usize>,
+    /// Per admitted sequence: its reservation, until released.
+    held: Vec<Option<Vec<usize>>>,
+}
+
+impl<'a> Admission<'a> {
+    pub fn new(
+        prompts: &'a [Vec<u32>],
+        pools: Vec<PoolShape>,
+        params: &'a GenerationParams,
+        limits: &'a BuildLimits,
+    ) -> Self {
+        let used = vec![0; pools.len()];
+        Admission {
+            prompts,
+            pools,
+            params,
+            limits,
+            next: 0,
+            used,
+            held: Vec::new(),
         }
-        for (p, u) in pools.iter().zip(used.iter_mut()) {
-            *u += p.blocks_for(len);
+    }
+
+    /// Whether every prompt has been admitted.
+    pub fn is_empty(&self) -> bool {
+        self.next == self.prompts.len()
+    }
+
+    fn live(&self) -> usize {
+        self.held.iter().filter(|h| h.is_some()).count()
+    }
+
+    /// The next prompts that fit, as new sequences (none when the batch is full or the next
+    /// prompt waits for blocks). A prompt that cannot fit even alone is an error.
+    pub fn admit(&mut self) -> Result<Vec<Sequence>> {
+        let mut admitted = Vec::new();
+        while !self.is_empty() && self.live() < self.limits.max_batch_size {
+            let i = self.next;
+            let len =
+                (self.prompts[i].len() + self.params.max_output_len).min(self.limits.max_seq_len);
+            let need: Vec<usize> = self.pools.iter().map(|p| p.blocks_for(len)).collect();
+            let fits = |used: &[usize]| {
+                self.pools
+                    .iter()
+                    .zip(used)
+                    .zip(&need)
+                    .all(|((p, &u), &n)| u + n <= p.blocks)
+            };
+            if !fits(&self.used) {
+                if self.live() == 0 {
+                    let (p, n) = self
+                        .pools
+                        .iter()
+                        .zip(&need)
+                        .find(|(p, &n)| n > p.blocks)
+                        .expect("some pool is too small");
+                    return Err(RuntimeError::InvalidRequest(format!(
+                        "input {i} needs {n} KV blocks of {} tokens in the {} cache, which has {}: raise {FRACTION_FLAG} or lower --max_output_len",
+                        p.block_size, p.name, p.blocks
+                    )));
+                }
+                break;
+            }
+            for (u, n) in self.used.iter_mut().zip(&need) {
+                *u += n;
+            }
+            self.held.push(Some(need));
+            admitted.push(Sequence::new(i, &self.prompts[i], self.params, self.limits));
+            self.next += 1;
         }
-        end += 1;
+        Ok(admitted)
     }
-    if end == first {
-        let len = longest(&prompts[first]);
-        let p = pools
-            .iter()
-            .find(|p| p.blocks_for(len) > p.blocks)
-            .expect("some pool is too small");
-        return Err(RuntimeError::InvalidRequest(format!(
-            "input {first} needs {} KV blocks of {} tokens in the {} cache, which has {}: raise {FRACTION_FLAG} or lower --max_output_len",
-            p.blocks_for(len),
-            p.block_size,
-            p.name,
-            p.blocks
-        )));
+
+    /// Returns the KV reservation of the sequence of index `index` (once; later calls do
+    /// nothing).
+    pub fn release(&mut self, index: usize) {
+        if let Some(need) = self.held.get_mut(index).and_then(Option::take) {
+            for (u, n) in self.used.iter_mut().zip(need) {
+                *u -= n;
+            }
+        }
     }
-    Ok(end)
 }
 
 /// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order:
@@ -198,7 +244,7 @@ mod tests {
     use kestrel_spec::SamplingParams;
 
     #[test]
-    fn batches_are_cut_to_what_every_pool_holds() {
+    fn prompts_are_admitted_while_every_pool_holds_them() {
         let limits = BuildLimits {
             max_batch_size: 4,
             max_input_len: 32,
@@ -220,21 +266,34 @@ mod tests {
             sampling: SamplingParams::greedy(),
             end_ids: vec![],
         };
+        let indices = |seqs: Vec<Sequence>| seqs.iter().map(|s| s.index).collect::<Vec<_>>();
         // Prompts of 4 tokens: 4 + 12 + 4 = 20 slots, 3 blocks of 8 or 5 blocks of 4.
         let prompts = vec![vec![1u32; 4]; 6];
-        let roomy = [pool("target", 100, 8), pool("draft", 100, 4)];
-        assert_eq!(batch_end(&roomy, &prompts, 0, &params, &limits).unwrap(), 4);
-        assert_eq!(batch_end(&roomy, &prompts, 4, &params, &limits).unwrap(), 6);
+        let roomy = vec![pool("target", 100, 8), pool("draft", 100, 4)];
+        let mut a = Admission::new(&prompts, roomy, &params, &limits);
+        assert_eq!(indices(a.admit().unwrap()), vec![0, 1, 2, 3]);
+        // The batch is full until a sequence finishes; its place goes to the next prompt.
+        assert!(a.admit().unwrap().is_empty());
+        a.release(2);
+        a.release(2);
+        assert_eq!(indices(a.admit().unwrap()), vec![4]);
+        assert!(!a.is_empty());
         // The draft pool (11 blocks of 4) holds two such sequences.
-        let tight = [pool("target", 100, 8), pool("draft", 11, 4)];
-        assert_eq!(batch_end(&tight, &prompts, 0, &params, &limits).unwrap(), 2);
-        // A longer prompt needs more: 30 + 12 + 4 = 46 slots, 12 blocks of 4.
+        let tight = vec![pool("target", 100, 8), pool("draft", 11, 4)];
+        let mut a = Admission::new(&prompts, tight.clone(), &params, &limits);
+        assert_eq!(indices(a.admit().unwrap()), vec![0, 1]);
+        a.release(0);
+        assert_eq!(indices(a.admit().unwrap()), vec![2]);
+        // A longer prompt needs more: 30 + 12 + 4 = 46 slots, 12 blocks of 4, more than the
+        // pool has even empty.
         let mut mixed = prompts.clone();
         mixed[1] = vec![1; 30];
-        assert_eq!(batch_end(&tight, &mixed, 0, &params, &limits).unwrap(), 1);
-        let err = batch_end(&tight, &mixed, 1, &params, &limits).unwrap_err();
+        let mut a = Admission::new(&mixed, tight, &params, &limits);
+        assert_eq!(indices(a.admit().unwrap()), vec![0]);
+        assert!(a.admit().unwrap().is_empty());
+        a.release(0);
         assert_eq!(
-            err.to_string(),
+            a.admit().err().expect("input 1 cannot fit").to_string(),
             "input 1 needs 12 KV blocks of 4 tokens in the draft cache, which has 11: raise --kv_cache_free_gpu_memory_fraction or lower --max_output_len"
         );
     }

@@ -132,7 +132,7 @@ pub fn generate(
 }
 
 /// [`generate`] with the KV caches sized and shared as `kv` says. Prefix reuse lasts for
-/// this call: its later batches reuse the prompt blocks of its earlier ones.
+/// this call: prompts admitted later reuse the prompt blocks of finished sequences.
 pub fn generate_with(
     engine: &Engine,
     mode: &DecodeMode,

@@ -2,7 +2,9 @@
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::generate::{count_prompt, prompt_batch, prompt_positions, sample_rows, Decoder};
+use crate::generate::{
+    count_prompt, prompt_batch, prompt_positions, sample_rows, Admission, Decoder,
+};
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
@@ -29,26 +31,26 @@ impl<'e> PlainDecoder<'e> {
     }
 }
 
-impl Decoder for PlainDecoder<'_> {
-    fn run_batch(
+impl PlainDecoder<'_> {
+    /// Newly admitted sequences: cached prefix blocks first, then every prompt's remaining
+    /// tokens in one varlen forward, whose last row of each gives its first token.
+    fn prefill(
         &mut self,
         seqs: &mut [Sequence],
+        ids: &[SeqId],
+        prefixes: &mut PromptPrefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<()> {
         let model = &self.engine.model;
         let start = Instant::now();
-        let ids: Vec<SeqId> = seqs.iter().map(|_| self.cache.add_sequence()).collect();
-
-        // Cached prefix blocks first; then every prompt's remaining tokens in one varlen
-        // forward, whose last row of each gives its first token.
-        let prefixes = PromptPrefixes::new(&self.cache, seqs, Slots::Tokens);
+        prefixes.add(&self.cache, seqs);
         let blocks = prefixes.cached_blocks(&self.cache, seqs);
-        let reused = prefixes.attach(&mut self.cache, &ids, &blocks)?;
+        let reused = prefixes.attach(&mut self.cache, seqs, ids, &blocks)?;
         count_prompt(timings, 0, seqs.iter().map(|s| s.prompt_len), &reused);
         let pos = prompt_positions(seqs, &reused);
-        let batch = prompt_batch(seqs, &ids, &reused, &pos, OutputRows::Last);
+        let batch = prompt_batch(seqs, ids, &reused, &pos, OutputRows::Last);
         let hidden = model.forward_prompt(&batch, &mut self.cache)?;
         let logits = model.logits(&hidden)?;
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
@@ -60,18 +62,49 @@ impl Decoder for PlainDecoder<'_> {
             s.stats.reused_prompt_tokens = r;
             s.commit(&[t], params, sink);
         }
+        Ok(())
+    }
+}
 
-        let step_start = Instant::now();
+impl Decoder for PlainDecoder<'_> {
+    fn run(
+        &mut self,
+        admission: &mut Admission,
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
+    ) -> Result<Vec<Sequence>> {
+        let model = &self.engine.model;
+        let mut seqs: Vec<Sequence> = Vec::new();
+        let mut ids: Vec<SeqId> = Vec::new();
+        let mut prefixes = PromptPrefixes::new(Slots::Tokens);
         loop {
-            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
-            for (i, s) in seqs.iter().enumerate() {
+            for (s, &id) in seqs.iter().zip(&ids) {
                 if !s.is_live() {
-                    prefixes.free(&mut self.cache, i, ids[i])?;
+                    prefixes.free(&mut self.cache, s.index, id)?;
+                    admission.release(s.index);
                 }
             }
-            if live.is_empty() {
-                break;
+            let admitted = admission.admit()?;
+            if !admitted.is_empty() {
+                let first = seqs.len();
+                ids.extend(admitted.iter().map(|_| self.cache.add_sequence()));
+                seqs.extend(admitted);
+                self.prefill(
+                    &mut seqs[first..],
+                    &ids[first..],
+                    &mut prefixes,
+                    params,
+                    sink,
+                    timings,
+                )?;
+                continue;
             }
+            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            if live.is_empty() {
+                return Ok(seqs);
+            }
+            let step_start = Instant::now();
             let pos: Vec<[u32; 1]> = live
                 .iter()
                 .map(|&i| [(seqs[i].tokens.len() - 1) as u32])
@@ -89,20 +122,14 @@ impl Decoder for PlainDecoder<'_> {
                 .collect();
             let hidden = model.forward(&batch, &mut self.cache)?;
             let logits = model.logits(&hidden)?;
-            let mut rows: Vec<&mut Sequence> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| live.contains(i))
-                .map(|(_, s)| s)
-                .collect();
+            let mut rows: Vec<&mut Sequence> = seqs.iter_mut().filter(|s| s.is_live()).collect();
             let next = sample_rows(&logits, &mut rows, params)?;
             for (s, t) in rows.iter_mut().zip(next) {
                 s.stats.record_step(1);
                 s.commit(&[t], params, sink);
             }
+            timings.verify_s += step_start.elapsed().as_secs_f64();
         }
-        timings.verify_s += step_start.elapsed().as_secs_f64();
-        Ok(())
     }
 
     fn pools(&self) -> Vec<PoolShape> {

@@ -21,28 +21,35 @@ pub(crate) enum Slots {
     Pairs,
 }
 
-/// The prompt keys of a batch in one cache; empty when the cache does not reuse prefixes.
+/// The prompt keys, in one cache, of every sequence a run has admitted (indexed by
+/// [`Sequence::index`]); empty when the cache does not reuse prefixes.
 pub(crate) struct PromptPrefixes {
+    slots: Slots,
     keys: Vec<PrefixKeys>,
 }
 
 impl PromptPrefixes {
-    pub fn new(cache: &PagedKvCache, seqs: &[Sequence], slots: Slots) -> Self {
+    pub fn new(slots: Slots) -> Self {
+        PromptPrefixes {
+            slots,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Keys the prompts of newly admitted sequences (in index order, after every earlier one).
+    pub fn add(&mut self, cache: &PagedKvCache, seqs: &[Sequence]) {
         if !cache.prefix_reuse() {
-            return PromptPrefixes { keys: Vec::new() };
+            return;
         }
         let bs = cache.block_size();
-        let keys = seqs
-            .iter()
-            .map(|s| {
-                let prompt = &s.tokens[..s.prompt_len];
-                match slots {
-                    Slots::Tokens => PrefixKeys::new(&[], prompt, bs),
-                    Slots::Pairs => PrefixKeys::new(&prompt[..1], &prompt[1..], bs),
-                }
-            })
-            .collect();
-        PromptPrefixes { keys }
+        for s in seqs {
+            debug_assert_eq!(s.index, self.keys.len(), "sequences are admitted in order");
+            let prompt = &s.tokens[..s.prompt_len];
+            self.keys.push(match self.slots {
+                Slots::Tokens => PrefixKeys::new(&[], prompt, bs),
+                Slots::Pairs => PrefixKeys::new(&prompt[..1], &prompt[1..], bs),
+            });
+        }
     }
 
     /// Per sequence: how many leading blocks of its prompt the cache holds, leaving at least
@@ -50,26 +57,26 @@ impl PromptPrefixes {
     pub fn cached_blocks(&self, cache: &PagedKvCache, seqs: &[Sequence]) -> Vec<usize> {
         let bs = cache.block_size();
         seqs.iter()
-            .enumerate()
-            .map(|(i, s)| match self.keys.get(i) {
+            .map(|s| match self.keys.get(s.index) {
                 Some(k) => cache.cached_prefix_blocks(k, (s.prompt_len - 1) / bs),
                 None => 0,
             })
             .collect()
     }
 
-    /// Attaches `blocks[i]` cached blocks to sequence `ids[i]`; returns the prompt tokens
-    /// each sequence got from the cache.
+    /// Attaches `blocks[i]` cached blocks to sequence `seqs[i]` (cache handle `ids[i]`);
+    /// returns the prompt tokens each sequence got from the cache.
     pub fn attach(
         &self,
         cache: &mut PagedKvCache,
+        seqs: &[Sequence],
         ids: &[SeqId],
         blocks: &[usize],
     ) -> Result<Vec<usize>> {
         let bs = cache.block_size();
         let mut reused = vec![0; ids.len()];
-        for (i, (&id, &n)) in ids.iter().zip(blocks).enumerate() {
-            if let Some(k) = self.keys.get(i) {
+        for (i, ((s, &id), &n)) in seqs.iter().zip(ids).zip(blocks).enumerate() {
+            if let Some(k) = self.keys.get(s.index) {
                 cache.attach_prefix(id, k, n)?;
                 reused[i] = n * bs;
             }
@@ -77,12 +84,13 @@ impl PromptPrefixes {
         Ok(reused)
     }
 
-    /// Offers sequence `i`'s prompt blocks for reuse and frees it (when it is still there).
-    pub fn free(&self, cache: &mut PagedKvCache, i: usize, id: SeqId) -> Result<()> {
+    /// Offers the prompt blocks of the sequence of index `index` for reuse and frees it (when
+    /// it is still there).
+    pub fn free(&self, cache: &mut PagedKvCache, index: usize, id: SeqId) -> Result<()> {
         if !cache.contains(id) {
             return Ok(());
         }
-        if let Some(k) = self.keys.get(i) {
+        if let Some(k) = self.keys.get(index) {
             cache.register_prefix(id, k)?;
         }
         cache.free_sequence(id)?;

@@ -17,7 +17,7 @@ mod node_tokens;
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{
-    count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Decoder,
+    count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Admission, Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -147,45 +147,40 @@ impl<'e> EagleDecoder<'e> {
     }
 }
 
-impl Decoder for EagleDecoder<'_> {
-    fn run_batch(
+impl EagleDecoder<'_> {
+    /// Newly admitted sequences: cached prefix blocks (a sequence reuses a block only when
+    /// both caches hold it, since the head's pairs need the base features of every position
+    /// it has not cached), then every uncached prompt position's feature, whose last one's
+    /// logits give the first token; returns each sequence's pairs for the head.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill(
         &mut self,
         seqs: &mut [Sequence],
+        base_ids: &[SeqId],
+        head_ids: &[SeqId],
+        base_prefixes: &mut PromptPrefixes,
+        head_prefixes: &mut PromptPrefixes,
         params: &GenerationParams,
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
-    ) -> Result<()> {
+    ) -> Result<Vec<Option<Pending>>> {
         let model = &self.engine.model;
         let start = Instant::now();
-        let base_ids: Vec<SeqId> = seqs
-            .iter()
-            .map(|_| self.base_cache.add_sequence())
-            .collect();
-        let head_ids: Vec<SeqId> = seqs
-            .iter()
-            .map(|_| self.head_cache.add_sequence())
-            .collect();
-
-        // Cached prefix blocks: a sequence reuses a block only when both caches hold it,
-        // since the head's pairs need the base features of every position it has not cached.
-        let base_prefixes = PromptPrefixes::new(&self.base_cache, seqs, Slots::Tokens);
-        let head_prefixes = PromptPrefixes::new(&self.head_cache, seqs, Slots::Pairs);
+        base_prefixes.add(&self.base_cache, seqs);
+        head_prefixes.add(&self.head_cache, seqs);
         let blocks: Vec<usize> = base_prefixes
             .cached_blocks(&self.base_cache, seqs)
             .into_iter()
             .zip(head_prefixes.cached_blocks(&self.head_cache, seqs))
             .map(|(b, h)| b.min(h))
             .collect();
-        let reused = base_prefixes.attach(&mut self.base_cache, &base_ids, &blocks)?;
-        head_prefixes.attach(&mut self.head_cache, &head_ids, &blocks)?;
+        let reused = base_prefixes.attach(&mut self.base_cache, seqs, base_ids, &blocks)?;
+        head_prefixes.attach(&mut self.head_cache, seqs, head_ids, &blocks)?;
         for pool in 0..2 {
             count_prompt(timings, pool, seqs.iter().map(|s| s.prompt_len), &reused);
         }
-
-        // Prefill: every uncached prompt position's feature feeds the head; the last one's
-        // logits give the first token.
         let pos = prompt_positions(seqs, &reused);
-        let batch = prompt_batch(seqs, &base_ids, &reused, &pos, OutputRows::All);
+        let batch = prompt_batch(seqs, base_ids, &reused, &pos, OutputRows::All);
         let taps = &self.head.config().feature_layers;
         let tapped = model.forward_tapped(&batch, &mut self.base_cache, taps, true)?;
         let hidden = self.head.fuse_features(&tapped)?;
@@ -196,7 +191,7 @@ impl Decoder for EagleDecoder<'_> {
             lasts.push(tapped.narrow(0, offset - 1, 1)?);
         }
         let logits = model.logits(&model.final_hidden(&Tensor::cat(&lasts, 0)?)?)?;
-        let mut pending: Vec<Option<Pending>> = Vec::with_capacity(seqs.len());
+        let mut pending = Vec::with_capacity(seqs.len());
         let mut all: Vec<&mut Sequence> = seqs.iter_mut().collect();
         let first = sample_rows(&logits, &mut all, params)?;
         let ttft = start.elapsed().as_secs_f64();
@@ -217,22 +212,62 @@ impl Decoder for EagleDecoder<'_> {
             }));
             offset += n - r;
         }
+        Ok(pending)
+    }
+}
 
+impl Decoder for EagleDecoder<'_> {
+    fn run(
+        &mut self,
+        admission: &mut Admission,
+        params: &GenerationParams,
+        sink: &mut dyn TokenSink,
+        timings: &mut RunTimings,
+    ) -> Result<Vec<Sequence>> {
+        let model = &self.engine.model;
+        let taps = &self.head.config().feature_layers;
+        let mut seqs: Vec<Sequence> = Vec::new();
+        let (mut base_ids, mut head_ids) = (Vec::new(), Vec::new());
+        let mut pending: Vec<Option<Pending>> = Vec::new();
+        let mut base_prefixes = PromptPrefixes::new(Slots::Tokens);
+        let mut head_prefixes = PromptPrefixes::new(Slots::Pairs);
         loop {
             for (i, s) in seqs.iter().enumerate() {
                 if !s.is_live() && self.base_cache.contains(base_ids[i]) {
                     base_prefixes.free(&mut self.base_cache, i, base_ids[i])?;
                     head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
                     pending[i] = None;
+                    admission.release(i);
                 }
+            }
+            let admitted = admission.admit()?;
+            if !admitted.is_empty() {
+                let first = seqs.len();
+                for _ in &admitted {
+                    base_ids.push(self.base_cache.add_sequence());
+                    head_ids.push(self.head_cache.add_sequence());
+                }
+                seqs.extend(admitted);
+                let new = self.prefill(
+                    &mut seqs[first..],
+                    &base_ids[first..],
+                    &head_ids[first..],
+                    &mut base_prefixes,
+                    &mut head_prefixes,
+                    params,
+                    sink,
+                    timings,
+                )?;
+                pending.extend(new);
+                continue;
             }
             let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
             if live.is_empty() {
-                break;
+                return Ok(seqs);
             }
 
             let draft_start = Instant::now();
-            let roots = self.advance_head(&live, seqs, &head_ids, &pending)?;
+            let roots = self.advance_head(&live, &seqs, &head_ids, &pending)?;
             let mut drafter = Drafter {
                 head: self.head,
                 base: model,
@@ -275,7 +310,7 @@ impl Decoder for EagleDecoder<'_> {
             let (mut trees, tree_tokens) = (drafted.trees, drafted.device_tokens);
             if let Some(lookup) = &self.options.lookup {
                 let max_nodes = self.engine.plan.limits.max_draft_len + 1;
-                graft_lookups(lookup, &mut trees, &live, seqs, max_nodes);
+                graft_lookups(lookup, &mut trees, &live, &seqs, max_nodes);
             }
 
             // Verify every tree in one target forward.
@@ -311,7 +346,7 @@ impl Decoder for EagleDecoder<'_> {
                 &mut trees,
                 tree_tokens.as_ref(),
                 &live,
-                seqs,
+                &mut seqs,
                 &params.sampling,
                 device_laws.as_ref(),
                 self.draft_vocab.as_ref().and_then(|v| v.col_of.as_ref()),
@@ -342,7 +377,6 @@ impl Decoder for EagleDecoder<'_> {
             }
             timings.verify_s += verify_start.elapsed().as_secs_f64();
         }
-        Ok(())
     }
 
     fn pools(&self) -> Vec<PoolShape> {

@@ -1,0 +1,138 @@
+//! In-flight batching: a sequence that finishes gives its place in the batch to the next
+//! prompt at once, in every decoding mode, and no sequence's output depends on which others
+//! shared its steps.
+
+mod support;
+
+use candle_core::Device;
+use kestrel_runtime::{
+    generate, Acceptance, DecodeMode, EagleOptions, Engine, GenerationParams, PromptLookup,
+    TokenSink,
+};
+use kestrel_spec::{PromptLookupConfig, SamplingParams};
+use support::{agreeing_pair, build, dynamic_tree, run, sampled, static_tree, EngineSpec};
+
+/// Records which sequence each streamed token belongs to, in order.
+#[derive(Default)]
+struct Order(Vec<usize>);
+
+impl TokenSink for Order {
+    fn on_tokens(&mut self, index: usize, tokens: &[u32]) {
+        self.0.extend(tokens.iter().map(|_| index));
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![3, 17, 9],
+        vec![5, 1, 44, 20, 20, 8, 31],
+        vec![12],
+        vec![7, 30, 2, 19, 40, 11],
+        vec![21, 22],
+    ]
+}
+
+fn modes() -> Vec<(&'static str, DecodeMode<'static>)> {
+    let eagle = |tree, lookup| {
+        DecodeMode::Eagle(EagleOptions {
+            tree,
+            acceptance: Acceptance::TokenMatch,
+            draft_vocab: None,
+            lookup,
+        })
+    };
+    let lookup = || PromptLookup {
+        config: PromptLookupConfig::new(3, 2).unwrap(),
+        corpus: None,
+    };
+    vec![
+        ("plain", DecodeMode::Plain),
+        ("eagle small_8", eagle(static_tree("small_8"), None)),
+        ("eagle2 top 3", eagle(dynamic_tree(3), None)),
+        (
+            "eagle small_8 + lookup",
+            eagle(static_tree("small_8"), Some(lookup())),
+        ),
+        ("prompt lookup", DecodeMode::PromptLookup(lookup())),
+    ]
+}
+
+/// `engine` decoding `prompts` with at most `batch` sequences at once.
+fn with_batch(engine: &mut Engine, batch: usize, f: impl FnOnce(&Engine)) {
+    let built = engine.plan.limits.max_batch_size;
+    engine.plan.limits.max_batch_size = batch;
+    f(engine);
+    engine.plan.limits.max_batch_size = built;
+}
+
+#[test]
+fn a_finished_sequence_gives_its_place_to_the_next_prompt_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let mut engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    // Sequence 0 stops at its second token (an end id), the others run 24 tokens.
+    let free = GenerationParams {
+        max_output_len: 24,
+        sampling: SamplingParams::greedy(),
+        end_ids: vec![],
+    };
+    let alone = run(&engine, &DecodeMode::Plain, &prompts[..1], &free);
+    let end = alone[0].output_ids[1];
+    let params = GenerationParams {
+        end_ids: vec![end],
+        ..free
+    };
+    for (name, mode) in modes() {
+        with_batch(&mut engine, 2, |engine| {
+            let mut order = Order::default();
+            let (outputs, _) = generate(engine, &mode, &prompts, &params, &mut order).unwrap();
+            let lengths: Vec<usize> = outputs.iter().map(|o| o.output_ids.len()).collect();
+            assert_eq!(lengths, vec![2, 24, 24, 24, 24], "{name}");
+            // Sequence 2 streamed its first token while sequence 1 was still decoding: it
+            // took sequence 0's place, not a place in the next batch of two.
+            let first_of_2 = order.0.iter().position(|&i| i == 2).unwrap();
+            let last_of_1 = order.0.iter().rposition(|&i| i == 1).unwrap();
+            assert!(first_of_2 < last_of_1, "{name}: {:?}", order.0);
+        });
+    }
+}
+
+/// Batches of 1, 2 and 5 give every sequence the same tokens, greedy and sampled: a sequence's
+/// stream and the batch-invariant CPU kernels do not depend on its neighbours.
+#[test]
+fn outputs_do_not_depend_on_the_batch_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let spec = EngineSpec {
+        max_batch_size: 5,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
+    let mut engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    for params in [
+        GenerationParams {
+            max_output_len: 20,
+            sampling: SamplingParams::greedy(),
+            end_ids: vec![7, 30],
+        },
+        GenerationParams {
+            end_ids: vec![7, 30],
+            ..sampled(20, 0.9, 4)
+        },
+    ] {
+        for (name, mode) in modes() {
+            let mut by_batch = Vec::new();
+            for batch in [1, 2, 5] {
+                with_batch(&mut engine, batch, |engine| {
+                    let out = run(engine, &mode, &prompts, &params);
+                    by_batch.push(out.iter().map(|o| o.output_ids.clone()).collect::<Vec<_>>());
+                });
+            }
+            assert_eq!(by_batch[1], by_batch[0], "{name}, batches of 2");
+            assert_eq!(by_batch[2], by_batch[0], "{name}, batches of 5");
+        }
+    }
+}
