@@ -409,46 +409,142 @@ impl PagedKvCache {
     /// `base_len + kept[i]` to `base_len + i` in every layer and sets the length to
     /// `base_len + kept.len()`, freeing blocks past the end.
     pub fn compact(&mut self, seq: SeqId, base_len: usize, kept: &[usize]) -> Result<()> {
-        let len = self.seq_len(seq)?;
-        if base_len > len {
-            return Err(invalid(format!(
-                "compact of sequence {seq:?}: base_len {base_len} exceeds its length {len}"
-            )));
-        }
-        let appended = len - base_len;
-        if let Some(&bad) = kept.iter().find(|&&k| k >= appended) {
-            return Err(invalid(format!(
-                "compact of sequence {seq:?}: kept index {bad} is not among the {appended} appended slots"
-            )));
-        }
-        let identity = kept.iter().enumerate().all(|(i, &k)| i == k);
-        if !identity && self.move_kernel {
-            let src = self.slot_rows(seq, base_len, appended)?;
-            let moves: Vec<(u32, u32)> = kept
-                .iter()
-                .enumerate()
-                .filter(|&(i, &k)| i != k)
-                .map(|(i, &k)| (src[k], src[i]))
-                .collect();
-            let pools: Vec<Tensor> = self.k.iter().chain(&self.v).cloned().collect();
-            kestrel_kernels::kv_move(&pools, &moves)?;
-        } else if !identity && !kept.is_empty() {
-            let src = self.slot_rows(seq, base_len, appended)?;
-            let src: Vec<u32> = kept.iter().map(|&k| src[k]).collect();
-            let dst = self.slot_rows(seq, base_len, kept.len())?;
-            let src = Tensor::new(src.as_slice(), &self.device)?;
-            for layer in 0..self.num_layers() {
-                let (k, v) = self.gather(layer, &src)?;
-                self.write(layer, &dst, &k, &v)?;
+        self.compact_all(&[Compaction {
+            seq,
+            base_len,
+            kept,
+        }])
+    }
+
+    /// [`PagedKvCache::compact`] of several sequences, their slot moves in one launch where
+    /// the move kernel runs (the sequences' slots are disjoint, so their moves are too).
+    pub fn compact_all(&mut self, items: &[Compaction]) -> Result<()> {
+        let mut moves: Vec<(u32, u32)> = Vec::new();
+        for c in items {
+            let len = self.seq_len(c.seq)?;
+            if c.base_len > len {
+                return Err(invalid(format!(
+                    "compact of sequence {:?}: base_len {} exceeds its length {len}",
+                    c.seq, c.base_len
+                )));
+            }
+            let appended = len - c.base_len;
+            if let Some(&bad) = c.kept.iter().find(|&&k| k >= appended) {
+                return Err(invalid(format!(
+                    "compact of sequence {:?}: kept index {bad} is not among the {appended} appended slots",
+                    c.seq
+                )));
+            }
+            let identity = c.kept.iter().enumerate().all(|(i, &k)| i == k);
+            if identity || c.kept.is_empty() {
+                continue;
+            }
+            let src = self.slot_rows(c.seq, c.base_len, appended)?;
+            if self.move_kernel {
+                moves.extend(
+                    c.kept
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, &k)| i != k)
+                        .map(|(i, &k)| (src[k], src[i])),
+                );
+            } else {
+                let src: Vec<u32> = c.kept.iter().map(|&k| src[k]).collect();
+                let dst = self.slot_rows(c.seq, c.base_len, c.kept.len())?;
+                let src = Tensor::new(src.as_slice(), &self.device)?;
+                for layer in 0..self.num_layers() {
+                    let (k, v) = self.gather(layer, &src)?;
+                    self.write(layer, &dst, &k, &v)?;
+                }
             }
         }
-        self.truncate(seq, base_len + kept.len())
+        if !moves.is_empty() {
+            let pools: Vec<Tensor> = self.k.iter().chain(&self.v).cloned().collect();
+            kestrel_kernels::kv_move(&pools, &moves)?;
+        }
+        for c in items {
+            self.truncate(c.seq, c.base_len + c.kept.len())?;
+        }
+        Ok(())
     }
+}
+
+/// One sequence's part of [`PagedKvCache::compact_all`].
+pub struct Compaction<'a> {
+    pub seq: SeqId,
+    pub base_len: usize,
+    pub kept: &'a [usize],
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two sequences compacted in one call end with the pools and lengths that compacting
+    /// each on its own gives.
+    #[test]
+    fn compacting_sequences_together_equals_one_by_one() {
+        let dev = Device::Cpu;
+        let filled = || {
+            // 2 layers, 1 KV head of width 2, 4 blocks of 8 slots.
+            let mut c = PagedKvCache::new(2, 1, 2, 4, 8, DType::F32, &dev).unwrap();
+            let (a, b) = (c.add_sequence(), c.add_sequence());
+            c.reserve(&[(a, 9), (b, 7)]).unwrap();
+            for (seq, n) in [(a, 9), (b, 7)] {
+                let rows = c.slot_rows(seq, 0, n).unwrap();
+                for layer in 0..2 {
+                    let vals: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&r| [r as f32, (100 * layer) as f32 + r as f32])
+                        .collect();
+                    let k = Tensor::from_vec(vals.clone(), (n, 1, 2), &dev).unwrap();
+                    let v = (k.clone() * -1.0).unwrap();
+                    c.write(layer, &rows, &k, &v).unwrap();
+                }
+                c.set_len(seq, n).unwrap();
+            }
+            (c, a, b)
+        };
+        let pools = |c: &PagedKvCache| -> Vec<Vec<f32>> {
+            c.k.iter()
+                .chain(&c.v)
+                .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        let (mut one_by_one, a, b) = filled();
+        one_by_one.compact(a, 4, &[0, 2, 4]).unwrap();
+        one_by_one.compact(b, 3, &[0, 3]).unwrap();
+        let (mut together, a2, b2) = filled();
+        together
+            .compact_all(&[
+                Compaction {
+                    seq: a2,
+                    base_len: 4,
+                    kept: &[0, 2, 4],
+                },
+                Compaction {
+                    seq: b2,
+                    base_len: 3,
+                    kept: &[0, 3],
+                },
+            ])
+            .unwrap();
+        assert_eq!(pools(&together), pools(&one_by_one));
+        assert_eq!(together.seq_len(a2).unwrap(), 7);
+        assert_eq!(together.seq_len(b2).unwrap(), 5);
+        let err = together
+            .compact_all(&[Compaction {
+                seq: b2,
+                base_len: 3,
+                kept: &[0, 5],
+            }])
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("kept index 5 is not among the 2 appended slots"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn allocation_truncate_and_exhaustion() {

@@ -31,7 +31,7 @@ mod step_ids;
 pub mod unshard;
 mod weights;
 
-pub use cache::{PagedKvCache, SeqId};
+pub use cache::{Compaction, PagedKvCache, SeqId};
 pub use cuda_kernels::CudaKernels;
 pub use eagle::{EagleHead, EagleSeqInput, TrainUnroll};
 pub use error::{ModelError, Result};

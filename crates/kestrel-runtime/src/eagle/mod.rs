@@ -27,7 +27,9 @@ use crate::{Acceptance, EagleOptions, EagleTreeKind, PromptLookup};
 use candle_core::Tensor;
 use draft::{ChildChoice, DraftRoot, DraftVocab, DraftedTree, Drafter};
 use kestrel_kernels::gather_rows;
-use kestrel_model::{EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput};
+use kestrel_model::{
+    Compaction, EagleHead, EagleSeqInput, OutputRows, PagedKvCache, SeqId, SeqInput,
+};
 use kestrel_spec::dynamic::DynamicTreeConfig;
 use kestrel_spec::{graft_chain, SeqRng};
 use std::borrow::Cow;
@@ -401,29 +403,42 @@ impl Decoder for EagleDecoder<'_> {
                 device_laws.as_ref(),
                 self.draft_vocab.as_ref().and_then(|v| v.col_of.as_ref()),
             )?;
+            // Every sequence's accepted slots move into place in one launch, and their features
+            // (the verification's rows at the accepted nodes) come out in one gather.
+            let compactions: Vec<Compaction> = live
+                .iter()
+                .zip(&bases)
+                .zip(&accepted)
+                .map(|((&i, &base_len), acc)| Compaction {
+                    seq: base_ids[i],
+                    base_len,
+                    kept: &acc.accepted_nodes,
+                })
+                .collect();
+            self.base_cache.compact_all(&compactions)?;
+            let mut kept_rows: Vec<u32> = Vec::new();
             let mut offset = 0;
+            for (tree, acc) in trees.iter().zip(&accepted) {
+                kept_rows.extend(acc.accepted_nodes.iter().map(|&r| (offset + r) as u32));
+                offset += tree.tokens.len();
+            }
+            let rows = Tensor::new(kept_rows.as_slice(), tapped.device())?;
+            let features = self.head.fuse_features(&gather_rows(&tapped, &rows)?)?;
+            let mut first_row = 0;
             for (((&i, tree), &base_len), acc) in live.iter().zip(&trees).zip(&bases).zip(accepted)
             {
-                let n = tree.tokens.len();
                 let s = &mut seqs[i];
-                self.base_cache
-                    .compact(base_ids[i], base_len, &acc.accepted_nodes)?;
-                let kept_rows: Vec<u32> = acc
-                    .accepted_nodes
-                    .iter()
-                    .map(|&r| (offset + r) as u32)
-                    .collect();
-                let rows = Tensor::new(kept_rows.as_slice(), tapped.device())?;
-                s.stats.draft_tokens += n - 1;
+                let kept = acc.accepted_nodes.len();
+                s.stats.draft_tokens += tree.tokens.len() - 1;
                 s.stats.accepted_draft_tokens += acc.accepted_len;
                 s.stats.record_step(acc.tokens.len());
                 s.commit(&acc.tokens, params, sink);
                 pending[i] = Some(Pending {
                     tokens: acc.tokens,
-                    features: self.head.fuse_features(&gather_rows(&tapped, &rows)?)?,
+                    features: features.narrow(0, first_row, kept)?,
                     start: base_len,
                 });
-                offset += n;
+                first_row += kept;
             }
             timings.verify_s += verify_start.elapsed().as_secs_f64();
         }
