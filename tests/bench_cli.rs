@@ -224,6 +224,39 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
     );
 }
 
+/// `--in_flight` is recorded, and static batches give every mode the tokens in-flight ones do.
+#[test]
+fn in_flight_or_static_batches_give_the_same_output() {
+    let (_tmp, engine, prompts, json) = eagle_bench();
+    let run = |on: &str| {
+        let report = bench_ok(
+            &[
+                "--engine_dir",
+                s(&engine),
+                "--prompts",
+                s(&prompts),
+                "--num_prompts",
+                "3",
+                "--max_output_len",
+                "12",
+                "--batch_sizes",
+                "2",
+                "--modes",
+                "plain,eagle1:[[0],[0,0],[1]],prompt_lookup:3:2",
+                "--in_flight",
+                on,
+            ],
+            &json,
+        );
+        assert_eq!(report["in_flight"], on == "on");
+        results(&report)
+            .iter()
+            .map(|r| r["output_digest"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run("on"), run("off"));
+}
+
 /// `--draft_on_device` is recorded, and either way a run gives the same tokens and
 /// acceptance: greedy and sampled (token matching and typical acceptance), with a draft
 /// vocabulary. (The tiny head rarely agrees with its target; the runtime's EAGLE tests check
@@ -492,6 +525,10 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--draft_on_device", "yes"]),
         "--draft_on_device yes: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--in_flight", "sometimes"]),
+        "--in_flight sometimes: expected on or off"
     );
     assert_eq!(
         bench_error(&[

@@ -130,6 +130,11 @@ pub struct BenchArgs {
     /// to measure what the round trips cost. The output is the same.
     #[arg(long, default_value = "on")]
     pub draft_on_device: String,
+    /// In-flight batching: `on` (a finished sequence's place goes to the next prompt at once)
+    /// or `off` (static batches: the next prompts wait for the whole batch), to measure what
+    /// it saves. The output is the same.
+    #[arg(long, default_value = "on")]
+    pub in_flight: String,
     /// Before timing a mode at a batch size, run it once on the first batch for this many
     /// tokens, so that one-time costs (a GPU driver compiling kernels on first use) stay out
     /// of its figures; 0 times the first run cold.
@@ -483,6 +488,9 @@ pub struct BenchReport {
     /// Whether EAGLE's static trees kept their top-k drafted tokens on the device
     /// (`--draft_on_device`).
     pub draft_on_device: bool,
+    /// Whether finished sequences gave their places to the next prompts at once
+    /// (`--in_flight`).
+    pub in_flight: bool,
     /// `--eagle_sampling` and `--eagle_posterior_threshold`: how sampled EAGLE modes accepted.
     pub eagle_sampling: Option<String>,
     pub eagle_posterior_threshold: Option<f32>,
@@ -719,6 +727,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     kestrel_runtime::device::set_device_sampling(device_sampling);
     let draft_on_device = on_off("--draft_on_device", &args.draft_on_device)?;
     kestrel_runtime::device::set_draft_on_device(draft_on_device);
+    let in_flight = on_off("--in_flight", &args.in_flight)?;
+    kestrel_runtime::set_in_flight_batching(in_flight);
     let sampling = args.sampling.params();
     sampling.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let device = kestrel_runtime::device::parse(&args.device)?;
@@ -1116,6 +1126,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         sampling,
         device_sampling: device.is_cuda() && device_sampling,
         draft_on_device,
+        in_flight,
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_posterior_threshold: args.eagle_posterior_threshold,
         cuda_graph_failure: engine

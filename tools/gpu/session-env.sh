@@ -15,11 +15,11 @@ run_gpu_tests() {
 }
 
 # smollm2_engine DTYPE MODE DIR [HEAD]: SmolLM2 from the staged GGUF (+ the EAGLE head at
-# HEAD) built for the H200, batches up to 4; the checkpoint goes to DIR.ckpt.
+# HEAD) built for the H200, batches up to $MAX_BATCH (default 4); the checkpoint goes to DIR.ckpt.
 smollm2_engine() {
   local head=(); [ -n "${4:-}" ] && head=(--eagle_model_dir "$4" --max_draft_len 63 --num_eagle_layers 6 --max_non_leaves_per_layer 10)
   $B/convert-checkpoint --gguf $S/smol.gguf "${head[@]}" --output_dir "$3.ckpt" --dtype "$1" --workers 16 > /dev/null &&
     $B/spec-build --checkpoint_dir "$3.ckpt" --output_dir "$3" --target_device cuda:sm_90 \
-      --speculative_decoding_mode "$2" --max_batch_size 4 --max_input_len 1024 --max_seq_len 2048 > /dev/null ||
+      --speculative_decoding_mode "$2" --max_batch_size "${MAX_BATCH:-4}" --max_input_len 1024 --max_seq_len 2048 > /dev/null ||
     { echo "engine $3 failed"; exit 1; }
 }

@@ -12,6 +12,7 @@ use crate::sequence::{validate_prompts, Sequence};
 use candle_core::Tensor;
 use kestrel_core::plan::BuildLimits;
 use kestrel_model::{OutputRows, SeqId, SeqInput};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 /// One decoding mode: runs every prompt of `admission` to completion, admitting them as its
@@ -70,6 +71,15 @@ pub(crate) fn drive(
     Ok((outputs, timings))
 }
 
+static IN_FLIGHT: AtomicBool = AtomicBool::new(true);
+
+/// Whether a finished sequence's place goes to the next prompt at once (the default) or only
+/// once its whole batch has finished (static batches, for comparisons: `spec-bench
+/// --in_flight off`). Outputs are the same either way.
+pub fn set_in_flight_batching(enabled: bool) {
+    IN_FLIGHT.store(enabled, Ordering::Relaxed);
+}
+
 /// The prompts of a request waiting for a place in the batch. A prompt is admitted, in
 /// order, while fewer than `max_batch_size` sequences are live and every pool still holds its
 /// longest length (prompt + `max_output_len`, capped at `max_seq_len`, plus a verification
@@ -120,6 +130,9 @@ impl<'a> Admission<'a> {
     /// prompt waits for blocks). A prompt that cannot fit even alone is an error.
     pub fn admit(&mut self) -> Result<Vec<Sequence>> {
         let mut admitted = Vec::new();
+        if !IN_FLIGHT.load(Ordering::Relaxed) && self.live() > 0 {
+            return Ok(admitted);
+        }
         while !self.is_empty() && self.live() < self.limits.max_batch_size {
             let i = self.next;
             let len =

@@ -20,6 +20,7 @@ mod sequence;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use engine::{Engine, TextCodec};
 pub use error::{Result, RuntimeError};
+pub use generate::set_in_flight_batching;
 pub use kv_budget::KvCacheOptions;
 pub use request::{
     FinishReason, GenerationParams, KvPoolStats, NoSink, RunTimings, SeqStats, SequenceOutput,
