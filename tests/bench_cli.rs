@@ -173,6 +173,15 @@ fn batch_sweep_writes_one_entry_per_mode_and_batch_size() {
         if mode == "plain" {
             assert_eq!(tau, 1.0);
             assert!(r["same_output_as_plain"].is_null());
+            // A step commits one token of every live sequence (the first came from the
+            // prefill): alone, one step a token; two at a time, at least half as many.
+            let decoded = r["generated_tokens"].as_u64().unwrap() - r["requests"].as_u64().unwrap();
+            let steps = r["steps"].as_u64().unwrap();
+            if batch == 1 {
+                assert_eq!(steps, decoded, "{r}");
+            } else {
+                assert!(steps >= decoded / 2 && steps < decoded, "{r}");
+            }
         } else {
             assert!(tau >= 1.0, "{r}");
             // Greedy speculation reproduces plain decoding exactly.

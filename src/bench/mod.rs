@@ -627,24 +627,25 @@ impl Sizes {
     }
 }
 
-/// Step counts, context and KV figures of a generation run.
+/// Context and KV figures of a generation run.
 struct RunShape {
-    batch_steps: usize,
     mean_context_len: f64,
     kv_read_bytes: f64,
     kv_in_use_bytes: u64,
 }
 
+/// `kv_in_use_bytes` is the most any `batch` consecutive sequences held at their ends: the
+/// live set of static batches, and about that of in-flight ones, whose sequences are
+/// admitted in order.
 fn run_shape(
     prompts: &[Vec<u32>],
     outputs: &[SequenceOutput],
     batch: usize,
     kv_tok: u64,
 ) -> RunShape {
-    let (mut batch_steps, mut seq_steps, mut ctx_steps) = (0usize, 0f64, 0f64);
+    let (mut seq_steps, mut ctx_steps) = (0f64, 0f64);
     let mut kv_in_use = 0u64;
     for (ps, os) in prompts.chunks(batch).zip(outputs.chunks(batch)) {
-        batch_steps += os.iter().map(|o| o.stats.steps).max().unwrap_or(0);
         let mut held = 0u64;
         for (p, o) in ps.iter().zip(os) {
             let n = o.stats.steps as f64;
@@ -656,7 +657,6 @@ fn run_shape(
         kv_in_use = kv_in_use.max(held);
     }
     RunShape {
-        batch_steps,
         mean_context_len: ctx_steps / seq_steps.max(1.0),
         kv_read_bytes: ctx_steps * kv_tok as f64,
         kv_in_use_bytes: kv_in_use,
@@ -1032,7 +1032,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 .sum();
             let prompt_tokens: usize = batch_prompts.iter().map(Vec::len).sum();
             let bytes_total =
-                shape_of.batch_steps as f64 * sizes.weight_bytes as f64 + shape_of.kv_read_bytes;
+                timings.batch_steps as f64 * sizes.weight_bytes as f64 + shape_of.kv_read_bytes;
             // Sampled speculation keeps the target's distribution, not plain decoding's draws.
             let (speedup, same) = match &plain {
                 Some((base, plain_ids)) => (
@@ -1052,7 +1052,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     None
                 }
             };
-            let batch_steps = shape_of.batch_steps.max(1) as f64;
+            let batch_steps = timings.batch_steps.max(1) as f64;
             results.push(ModeResult {
                 mode: spec.clone(),
                 batch_size: batch,
@@ -1063,7 +1063,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 prefill_tokens_per_s: Some(
                     prompt_tokens as f64 / timings.prefill_s.max(f64::EPSILON),
                 ),
-                steps: shape_of.batch_steps,
+                steps: timings.batch_steps,
                 step_latency_ms: decode_s / batch_steps * 1e3,
                 time_to_first_token_ms: Some(
                     outputs

@@ -208,6 +208,7 @@ impl<'e> DraftTargetDecoder<'e> {
             let verify_start = Instant::now();
             self.verify(seqs, ids, &proposals, params, sink)?;
             timings.verify_s += verify_start.elapsed().as_secs_f64();
+            timings.batch_steps += 1;
         }
     }
 

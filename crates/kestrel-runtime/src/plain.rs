@@ -129,6 +129,7 @@ impl Decoder for PlainDecoder<'_> {
                 s.commit(&[t], params, sink);
             }
             timings.verify_s += step_start.elapsed().as_secs_f64();
+            timings.batch_steps += 1;
         }
     }
 

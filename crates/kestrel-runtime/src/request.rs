@@ -77,6 +77,8 @@ pub struct RunTimings {
     pub verify_s: f64,
     pub total_s: f64,
     pub generated_tokens: usize,
+    /// Decode or speculative steps run (each over every live sequence of the batch).
+    pub batch_steps: usize,
     /// One entry per KV cache the decoder holds: the target's first, then the draft's or
     /// the EAGLE head's.
     pub kv_pools: Vec<KvPoolStats>,

@@ -441,6 +441,7 @@ impl Decoder for EagleDecoder<'_> {
                 first_row += kept;
             }
             timings.verify_s += verify_start.elapsed().as_secs_f64();
+            timings.batch_steps += 1;
         }
     }
 
