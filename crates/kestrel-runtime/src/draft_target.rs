@@ -168,11 +168,8 @@ impl<'e> DraftTargetDecoder<'e> {
         timings: &mut RunTimings,
     ) -> Result<()> {
         loop {
-            for (s, id) in seqs.iter().zip(ids.iter()) {
-                if !s.is_live() {
-                    self.free(s.index, *id, prefixes)?;
-                    admission.release(s.index);
-                }
+            for i in admission.retire(seqs) {
+                self.free(i, ids[i], prefixes)?;
             }
             let admitted = admission.admit()?;
             if !admitted.is_empty() {
@@ -198,7 +195,7 @@ impl<'e> DraftTargetDecoder<'e> {
                 )?;
                 continue;
             }
-            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            let live = admission.active().to_vec();
             if live.is_empty() {
                 return Ok(());
             }

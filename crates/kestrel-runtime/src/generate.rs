@@ -96,6 +96,10 @@ pub(crate) struct Admission<'a> {
     used: Vec<usize>,
     /// Per admitted sequence: its reservation, until released.
     held: Vec<Option<Vec<usize>>>,
+    /// Admitted sequences not yet released.
+    live: usize,
+    /// Their indices, ascending.
+    active: Vec<usize>,
 }
 
 impl<'a> Admission<'a> {
@@ -114,6 +118,8 @@ impl<'a> Admission<'a> {
             next: 0,
             used,
             held: Vec::new(),
+            live: 0,
+            active: Vec::new(),
         }
     }
 
@@ -122,18 +128,14 @@ impl<'a> Admission<'a> {
         self.next == self.prompts.len()
     }
 
-    fn live(&self) -> usize {
-        self.held.iter().filter(|h| h.is_some()).count()
-    }
-
     /// The next prompts that fit, as new sequences (none when the batch is full or the next
     /// prompt waits for blocks). A prompt that cannot fit even alone is an error.
     pub fn admit(&mut self) -> Result<Vec<Sequence>> {
         let mut admitted = Vec::new();
-        if !IN_FLIGHT.load(Ordering::Relaxed) && self.live() > 0 {
+        if !IN_FLIGHT.load(Ordering::Relaxed) && self.live > 0 {
             return Ok(admitted);
         }
-        while !self.is_empty() && self.live() < self.limits.max_batch_size {
+        while !self.is_empty() && self.live < self.limits.max_batch_size {
             let i = self.next;
             let len =
                 (self.prompts[i].len() + self.params.max_output_len).min(self.limits.max_seq_len);
@@ -146,7 +148,7 @@ impl<'a> Admission<'a> {
                     .all(|((p, &u), &n)| u + n <= p.blocks)
             };
             if !fits(&self.used) {
-                if self.live() == 0 {
+                if self.live == 0 {
                     let (p, n) = self
                         .pools
                         .iter()
@@ -164,21 +166,64 @@ impl<'a> Admission<'a> {
                 *u += n;
             }
             self.held.push(Some(need));
+            self.live += 1;
+            self.active.push(i);
             admitted.push(Sequence::new(i, &self.prompts[i], self.params, self.limits));
             self.next += 1;
         }
         Ok(admitted)
     }
 
+    /// Releases the sequences of `seqs` (indexed as admitted) that finished since the last
+    /// call and returns their indices, for the decoder to free them from its caches. Walks the
+    /// live sequences only, not every finished one.
+    pub fn retire(&mut self, seqs: &[Sequence]) -> Vec<usize> {
+        let finished: Vec<usize> = self
+            .active
+            .iter()
+            .copied()
+            .filter(|&i| !seqs[i].is_live())
+            .collect();
+        self.active.retain(|&i| seqs[i].is_live());
+        for &i in &finished {
+            self.release(i);
+        }
+        finished
+    }
+
+    /// The admitted sequences not retired yet, ascending: after [`Admission::retire`], the
+    /// live ones.
+    pub fn active(&self) -> &[usize] {
+        &self.active
+    }
+
     /// Returns the KV reservation of the sequence of index `index` (once; later calls do
     /// nothing).
-    pub fn release(&mut self, index: usize) {
+    fn release(&mut self, index: usize) {
         if let Some(need) = self.held.get_mut(index).and_then(Option::take) {
             for (u, n) in self.used.iter_mut().zip(need) {
                 *u -= n;
             }
+            self.live -= 1;
         }
     }
+}
+
+/// `&mut` to the sequences at the ascending indices `at`, in order, without walking the rest.
+pub(crate) fn seqs_at<'a>(seqs: &'a mut [Sequence], at: &[usize]) -> Vec<&'a mut Sequence> {
+    let mut out = Vec::with_capacity(at.len());
+    let mut rest = seqs;
+    let mut base = 0;
+    for &i in at {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - base);
+        let (s, tail) = tail
+            .split_first_mut()
+            .expect("indices within the sequences");
+        out.push(s);
+        rest = tail;
+        base = i + 1;
+    }
+    out
 }
 
 /// Picks the next token of each row of `logits` (`[rows, vocab]`, f32) for `seqs`, in order:
@@ -254,6 +299,7 @@ pub(crate) fn positions(start: usize, n: usize) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::FinishReason;
     use kestrel_spec::SamplingParams;
 
     #[test]
@@ -279,18 +325,30 @@ mod tests {
             sampling: SamplingParams::greedy(),
             end_ids: vec![],
         };
-        let indices = |seqs: Vec<Sequence>| seqs.iter().map(|s| s.index).collect::<Vec<_>>();
+        let indices_of = |seqs: &[Sequence]| seqs.iter().map(|s| s.index).collect::<Vec<_>>();
+        let indices = |seqs: Vec<Sequence>| indices_of(&seqs);
         // Prompts of 4 tokens: 4 + 12 + 4 = 20 slots, 3 blocks of 8 or 5 blocks of 4.
         let prompts = vec![vec![1u32; 4]; 6];
         let roomy = vec![pool("target", 100, 8), pool("draft", 100, 4)];
         let mut a = Admission::new(&prompts, roomy, &params, &limits);
-        assert_eq!(indices(a.admit().unwrap()), vec![0, 1, 2, 3]);
+        let mut seqs = a.admit().unwrap();
+        assert_eq!(indices_of(&seqs), vec![0, 1, 2, 3]);
         // The batch is full until a sequence finishes; its place goes to the next prompt.
         assert!(a.admit().unwrap().is_empty());
-        a.release(2);
-        a.release(2);
-        assert_eq!(indices(a.admit().unwrap()), vec![4]);
+        assert!(a.retire(&seqs).is_empty());
+        seqs[2].finish = Some(FinishReason::Stop);
+        assert_eq!(a.retire(&seqs), vec![2]);
+        assert_eq!(a.retire(&seqs), Vec::<usize>::new());
+        seqs.extend(a.admit().unwrap());
+        assert_eq!(indices_of(&seqs[4..]), vec![4]);
+        assert_eq!(a.active(), &[0, 1, 3, 4]);
         assert!(!a.is_empty());
+        // The live ones, in order, mutably.
+        let live: Vec<usize> = seqs_at(&mut seqs, &[1, 3, 4])
+            .iter()
+            .map(|s| s.index)
+            .collect();
+        assert_eq!(live, vec![1, 3, 4]);
         // The draft pool (11 blocks of 4) holds two such sequences.
         let tight = vec![pool("target", 100, 8), pool("draft", 11, 4)];
         let mut a = Admission::new(&prompts, tight.clone(), &params, &limits);

@@ -3,7 +3,7 @@
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::generate::{
-    count_prompt, prompt_batch, prompt_positions, sample_rows, Admission, Decoder,
+    count_prompt, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission, Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -79,11 +79,8 @@ impl Decoder for PlainDecoder<'_> {
         let mut ids: Vec<SeqId> = Vec::new();
         let mut prefixes = PromptPrefixes::new(Slots::Tokens);
         loop {
-            for (s, &id) in seqs.iter().zip(&ids) {
-                if !s.is_live() {
-                    prefixes.free(&mut self.cache, s.index, id)?;
-                    admission.release(s.index);
-                }
+            for i in admission.retire(&seqs) {
+                prefixes.free(&mut self.cache, i, ids[i])?;
             }
             let admitted = admission.admit()?;
             if !admitted.is_empty() {
@@ -100,7 +97,7 @@ impl Decoder for PlainDecoder<'_> {
                 )?;
                 continue;
             }
-            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            let live = admission.active().to_vec();
             if live.is_empty() {
                 return Ok(seqs);
             }
@@ -122,7 +119,7 @@ impl Decoder for PlainDecoder<'_> {
                 .collect();
             let hidden = model.forward(&batch, &mut self.cache)?;
             let logits = model.logits(&hidden)?;
-            let mut rows: Vec<&mut Sequence> = seqs.iter_mut().filter(|s| s.is_live()).collect();
+            let mut rows = seqs_at(&mut seqs, &live);
             let next = sample_rows(&logits, &mut rows, params)?;
             for (s, t) in rows.iter_mut().zip(next) {
                 s.stats.record_step(1);

@@ -17,7 +17,8 @@ mod node_tokens;
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{
-    count_prompt, positions, prompt_batch, prompt_positions, sample_rows, Admission, Decoder,
+    count_prompt, positions, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission,
+    Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -284,13 +285,10 @@ impl Decoder for EagleDecoder<'_> {
         let mut base_prefixes = PromptPrefixes::new(Slots::Tokens);
         let mut head_prefixes = PromptPrefixes::new(Slots::Pairs);
         loop {
-            for (i, s) in seqs.iter().enumerate() {
-                if !s.is_live() && self.base_cache.contains(base_ids[i]) {
-                    base_prefixes.free(&mut self.base_cache, i, base_ids[i])?;
-                    head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
-                    pending[i] = None;
-                    admission.release(i);
-                }
+            for i in admission.retire(&seqs) {
+                base_prefixes.free(&mut self.base_cache, i, base_ids[i])?;
+                head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
+                pending[i] = None;
             }
             let admitted = admission.admit()?;
             if !admitted.is_empty() {
@@ -313,7 +311,7 @@ impl Decoder for EagleDecoder<'_> {
                 pending.extend(new);
                 continue;
             }
-            let live: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_live()).collect();
+            let live = admission.active().to_vec();
             if live.is_empty() {
                 return Ok(seqs);
             }
@@ -336,11 +334,9 @@ impl Decoder for EagleDecoder<'_> {
                     } else {
                         ChildChoice::TopK
                     };
-                    let mut rngs: Vec<&mut SeqRng> = seqs
-                        .iter_mut()
-                        .enumerate()
-                        .filter(|(i, _)| live.contains(i))
-                        .map(|(_, s)| &mut s.rng)
+                    let mut rngs: Vec<&mut SeqRng> = seqs_at(&mut seqs, &live)
+                        .into_iter()
+                        .map(|s| &mut s.rng)
                         .collect();
                     if self.options.lookup.is_some() && matches!(choice, ChildChoice::Sample(_)) {
                         return Err(RuntimeError::InvalidRequest(
