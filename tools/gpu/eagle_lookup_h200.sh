@@ -13,7 +13,9 @@
 # `eagle_lookup_h200.sh sampled` instead samples (temperature 0.8, top_p 0.9, seed 3, EAGLE's
 # token matching) the same modes at batch 1 and 4, twice ($OUT/eagle_lookup_sampled.txt);
 # `eagle_lookup_h200.sh deep` runs the deep trees (EAGLE-2 top-10 with 60 nodes, mc_sim_7b_63)
-# with and without a lookup grafted on, batch 1, twice ($OUT/eagle_lookup_deep.txt).
+# with and without a lookup grafted on, batch 1, twice ($OUT/eagle_lookup_deep.txt);
+# `eagle_lookup_h200.sh long` runs answers of up to 512 tokens (they end at their own end
+# token), batch 1, the lookup, EAGLE and their unions up to EAGLE-2 ($OUT/eagle_lookup_long.txt).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
@@ -25,11 +27,17 @@ L=prompt_lookup:4:3:corpus
 MODES="plain,$L,eagle1:$HEAD/tree_h200.json,eagle1:$HEAD/tree_h200.json+$L,eagle1:[[0],[1]]+$L,eagle1:[[0]]+$L,eagle2:4:4:1+$L,eagle1:[[0]]+prompt_lookup:6:3:corpus,eagle1:small_8+$L,plain"
 SAMPLING=()
 BATCHES=1,4
+MAX_LEN=128
 NAME=eagle_lookup
 if [ "${1:-}" = sampled ]; then
   SAMPLING=(--temperature 0.8 --top_p 0.9 --random_seed 3)
   MODES="plain,$L,eagle1:$HEAD/tree_h200.json,eagle1:$HEAD/tree_h200.json+$L,eagle1:[[0]]+$L,plain"
   NAME=eagle_lookup_sampled
+elif [ "${1:-}" = long ]; then
+  MODES="plain,$L,prompt_lookup:8:3:corpus,eagle1:$HEAD/tree_h200.json,eagle1:$HEAD/tree_h200.json+$L,eagle1:[[0],[1]]+$L,eagle1:[[0],[1]]+prompt_lookup:8:3:corpus,eagle1:[[0],[1]]+prompt_lookup:12:3:corpus,eagle2:10:50+prompt_lookup:12:3:corpus,eagle1:$HEAD/tree_12.json+prompt_lookup:8:3:corpus,plain"
+  BATCHES=1
+  MAX_LEN=512
+  NAME=eagle_lookup_long
 elif [ "${1:-}" = deep ]; then
   MODES="plain,eagle2:10:60,eagle2:10:57+prompt_lookup:6:3:corpus,eagle1:mc_sim_7b_63,eagle1:$HEAD/tree_12.json,eagle1:$HEAD/tree_12.json+prompt_lookup:6:3:corpus"
   BATCHES=1
@@ -37,7 +45,7 @@ elif [ "${1:-}" = deep ]; then
 fi
 for run in 1 2; do
   $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 "${SAMPLING[@]}" \
-    --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes $BATCHES \
+    --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len $MAX_LEN --batch_sizes $BATCHES \
     --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
 done
 python3 - "$E" <<'PY' | tee "$OUT/$NAME.txt"
