@@ -58,7 +58,7 @@ enum Drafter<'e> {
     Lookup(PromptLookup),
 }
 
-/// A batch's prompt keys in the two caches (the draft's only with a draft model).
+/// A run's prompt keys in the two caches (the draft's only with a draft model).
 struct Prefixes {
     target: PromptPrefixes,
     draft: Option<PromptPrefixes>,
@@ -171,10 +171,8 @@ impl<'e> DraftTargetDecoder<'e> {
             for i in admission.retire(seqs) {
                 self.free(i, ids[i], prefixes)?;
             }
-            let admitted = admission.admit()?;
-            if !admitted.is_empty() {
-                let first = seqs.len();
-                for _ in &admitted {
+            if let Some(first) = admission.admit_into(seqs)? {
+                for _ in first..seqs.len() {
                     let draft = match &mut self.drafter {
                         Drafter::Model { cache, .. } => Some(cache.add_sequence()),
                         Drafter::Lookup(_) => None,
@@ -184,7 +182,6 @@ impl<'e> DraftTargetDecoder<'e> {
                         draft,
                     });
                 }
-                seqs.extend(admitted);
                 self.prefill(
                     &mut seqs[first..],
                     &ids[first..],

@@ -94,11 +94,9 @@ pub(crate) struct Admission<'a> {
     next: usize,
     /// Blocks reserved in each pool by the live sequences.
     used: Vec<usize>,
-    /// Per admitted sequence: its reservation, until released.
-    held: Vec<Option<Vec<usize>>>,
-    /// Admitted sequences not yet released.
-    live: usize,
-    /// Their indices, ascending.
+    /// Per admitted sequence: the blocks it reserved in each pool.
+    held: Vec<Vec<usize>>,
+    /// The admitted sequences not retired yet, ascending.
     active: Vec<usize>,
 }
 
@@ -118,7 +116,6 @@ impl<'a> Admission<'a> {
             next: 0,
             used,
             held: Vec::new(),
-            live: 0,
             active: Vec::new(),
         }
     }
@@ -128,14 +125,15 @@ impl<'a> Admission<'a> {
         self.next == self.prompts.len()
     }
 
-    /// The next prompts that fit, as new sequences (none when the batch is full or the next
-    /// prompt waits for blocks). A prompt that cannot fit even alone is an error.
-    pub fn admit(&mut self) -> Result<Vec<Sequence>> {
-        let mut admitted = Vec::new();
-        if !IN_FLIGHT.load(Ordering::Relaxed) && self.live > 0 {
-            return Ok(admitted);
+    /// Appends the next prompts that fit to `seqs` as new sequences and returns the index of
+    /// the first (`None` when the batch is full or the next prompt waits for blocks). A prompt
+    /// that cannot fit even alone is an error.
+    pub fn admit_into(&mut self, seqs: &mut Vec<Sequence>) -> Result<Option<usize>> {
+        let first = seqs.len();
+        if !IN_FLIGHT.load(Ordering::Relaxed) && !self.active.is_empty() {
+            return Ok(None);
         }
-        while !self.is_empty() && self.live < self.limits.max_batch_size {
+        while !self.is_empty() && self.active.len() < self.limits.max_batch_size {
             let i = self.next;
             let len =
                 (self.prompts[i].len() + self.params.max_output_len).min(self.limits.max_seq_len);
@@ -148,7 +146,7 @@ impl<'a> Admission<'a> {
                     .all(|((p, &u), &n)| u + n <= p.blocks)
             };
             if !fits(&self.used) {
-                if self.live == 0 {
+                if self.active.is_empty() {
                     let (p, n) = self
                         .pools
                         .iter()
@@ -165,13 +163,12 @@ impl<'a> Admission<'a> {
             for (u, n) in self.used.iter_mut().zip(&need) {
                 *u += n;
             }
-            self.held.push(Some(need));
-            self.live += 1;
+            self.held.push(need);
             self.active.push(i);
-            admitted.push(Sequence::new(i, &self.prompts[i], self.params, self.limits));
+            seqs.push(Sequence::new(i, &self.prompts[i], self.params, self.limits));
             self.next += 1;
         }
-        Ok(admitted)
+        Ok((seqs.len() > first).then_some(first))
     }
 
     /// Releases the sequences of `seqs` (indexed as admitted) that finished since the last
@@ -186,7 +183,9 @@ impl<'a> Admission<'a> {
             .collect();
         self.active.retain(|&i| seqs[i].is_live());
         for &i in &finished {
-            self.release(i);
+            for (u, n) in self.used.iter_mut().zip(&self.held[i]) {
+                *u -= n;
+            }
         }
         finished
     }
@@ -195,17 +194,6 @@ impl<'a> Admission<'a> {
     /// live ones.
     pub fn active(&self) -> &[usize] {
         &self.active
-    }
-
-    /// Returns the KV reservation of the sequence of index `index` (once; later calls do
-    /// nothing).
-    fn release(&mut self, index: usize) {
-        if let Some(need) = self.held.get_mut(index).and_then(Option::take) {
-            for (u, n) in self.used.iter_mut().zip(need) {
-                *u -= n;
-            }
-            self.live -= 1;
-        }
     }
 }
 
@@ -326,20 +314,21 @@ mod tests {
             end_ids: vec![],
         };
         let indices_of = |seqs: &[Sequence]| seqs.iter().map(|s| s.index).collect::<Vec<_>>();
-        let indices = |seqs: Vec<Sequence>| indices_of(&seqs);
+        let finish = |seqs: &mut [Sequence], i: usize| seqs[i].finish = Some(FinishReason::Stop);
         // Prompts of 4 tokens: 4 + 12 + 4 = 20 slots, 3 blocks of 8 or 5 blocks of 4.
         let prompts = vec![vec![1u32; 4]; 6];
         let roomy = vec![pool("target", 100, 8), pool("draft", 100, 4)];
         let mut a = Admission::new(&prompts, roomy, &params, &limits);
-        let mut seqs = a.admit().unwrap();
+        let mut seqs = Vec::new();
+        assert_eq!(a.admit_into(&mut seqs).unwrap(), Some(0));
         assert_eq!(indices_of(&seqs), vec![0, 1, 2, 3]);
         // The batch is full until a sequence finishes; its place goes to the next prompt.
-        assert!(a.admit().unwrap().is_empty());
+        assert_eq!(a.admit_into(&mut seqs).unwrap(), None);
         assert!(a.retire(&seqs).is_empty());
-        seqs[2].finish = Some(FinishReason::Stop);
+        finish(&mut seqs, 2);
         assert_eq!(a.retire(&seqs), vec![2]);
         assert_eq!(a.retire(&seqs), Vec::<usize>::new());
-        seqs.extend(a.admit().unwrap());
+        assert_eq!(a.admit_into(&mut seqs).unwrap(), Some(4));
         assert_eq!(indices_of(&seqs[4..]), vec![4]);
         assert_eq!(a.active(), &[0, 1, 3, 4]);
         assert!(!a.is_empty());
@@ -352,19 +341,26 @@ mod tests {
         // The draft pool (11 blocks of 4) holds two such sequences.
         let tight = vec![pool("target", 100, 8), pool("draft", 11, 4)];
         let mut a = Admission::new(&prompts, tight.clone(), &params, &limits);
-        assert_eq!(indices(a.admit().unwrap()), vec![0, 1]);
-        a.release(0);
-        assert_eq!(indices(a.admit().unwrap()), vec![2]);
+        let mut seqs = Vec::new();
+        a.admit_into(&mut seqs).unwrap();
+        assert_eq!(indices_of(&seqs), vec![0, 1]);
+        finish(&mut seqs, 0);
+        a.retire(&seqs);
+        assert_eq!(a.admit_into(&mut seqs).unwrap(), Some(2));
+        assert_eq!(indices_of(&seqs[2..]), vec![2]);
         // A longer prompt needs more: 30 + 12 + 4 = 46 slots, 12 blocks of 4, more than the
         // pool has even empty.
         let mut mixed = prompts.clone();
         mixed[1] = vec![1; 30];
         let mut a = Admission::new(&mixed, tight, &params, &limits);
-        assert_eq!(indices(a.admit().unwrap()), vec![0]);
-        assert!(a.admit().unwrap().is_empty());
-        a.release(0);
+        let mut seqs = Vec::new();
+        a.admit_into(&mut seqs).unwrap();
+        assert_eq!(indices_of(&seqs), vec![0]);
+        assert_eq!(a.admit_into(&mut seqs).unwrap(), None);
+        finish(&mut seqs, 0);
+        a.retire(&seqs);
         assert_eq!(
-            a.admit().err().expect("input 1 cannot fit").to_string(),
+            a.admit_into(&mut seqs).unwrap_err().to_string(),
             "input 1 needs 12 KV blocks of 4 tokens in the draft cache, which has 11: raise --kv_cache_free_gpu_memory_fraction or lower --max_output_len"
         );
     }

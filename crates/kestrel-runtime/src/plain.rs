@@ -82,11 +82,8 @@ impl Decoder for PlainDecoder<'_> {
             for i in admission.retire(&seqs) {
                 prefixes.free(&mut self.cache, i, ids[i])?;
             }
-            let admitted = admission.admit()?;
-            if !admitted.is_empty() {
-                let first = seqs.len();
-                ids.extend(admitted.iter().map(|_| self.cache.add_sequence()));
-                seqs.extend(admitted);
+            if let Some(first) = admission.admit_into(&mut seqs)? {
+                ids.extend((first..seqs.len()).map(|_| self.cache.add_sequence()));
                 self.prefill(
                     &mut seqs[first..],
                     &ids[first..],

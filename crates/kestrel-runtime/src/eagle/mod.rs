@@ -290,14 +290,11 @@ impl Decoder for EagleDecoder<'_> {
                 head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
                 pending[i] = None;
             }
-            let admitted = admission.admit()?;
-            if !admitted.is_empty() {
-                let first = seqs.len();
-                for _ in &admitted {
+            if let Some(first) = admission.admit_into(&mut seqs)? {
+                for _ in first..seqs.len() {
                     base_ids.push(self.base_cache.add_sequence());
                     head_ids.push(self.head_cache.add_sequence());
                 }
-                seqs.extend(admitted);
                 let new = self.prefill(
                     &mut seqs[first..],
                     &base_ids[first..],
