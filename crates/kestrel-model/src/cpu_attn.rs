@@ -7,7 +7,6 @@ use crate::error::Result;
 use crate::matvec::WeightElem;
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// Below this many multiply-adds the work runs on the calling thread.
 const PAR_MIN_WORK: usize = 1 << 18;
@@ -132,7 +131,7 @@ fn run<T: WithDType + WeightElem>(
                     }
                 };
                 if n * nh * l * d >= PAR_MIN_WORK {
-                    out.par_chunks_mut(d).enumerate().for_each(task);
+                    crate::team::for_each_chunk_mut(&mut out, d, |i, o| task((i, o)));
                 } else {
                     out.chunks_mut(d).enumerate().for_each(task);
                 }

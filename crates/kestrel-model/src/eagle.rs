@@ -299,7 +299,8 @@ impl EagleHead {
         cache: &mut PagedKvCache,
     ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
-            return rayon::scope(|_| self.forward_impl(base, batch, device_ids, cache));
+            let rows = batch.iter().map(|s| s.tokens.len()).sum();
+            return crate::team::run(rows, || self.forward_impl(base, batch, device_ids, cache));
         }
         self.forward_impl(base, batch, device_ids, cache)
     }

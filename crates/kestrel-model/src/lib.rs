@@ -28,6 +28,7 @@ mod row_gemm;
 mod step;
 mod step_graph;
 mod step_ids;
+mod team;
 pub mod unshard;
 mod weights;
 

@@ -464,9 +464,10 @@ impl Llama {
         taps: &[usize],
     ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
-            // One hop into rayon's pool per step, so the kernels' parallel loops join on
-            // worker threads instead of blocking the caller on a lock per operation.
-            return rayon::scope(|_| self.forward_impl(batch, device_ids, cache, matvec, taps));
+            let rows = batch.iter().map(|s| s.tokens.len()).sum();
+            return crate::team::run(rows, || {
+                self.forward_impl(batch, device_ids, cache, matvec, taps)
+            });
         }
         self.forward_impl(batch, device_ids, cache, matvec, taps)
     }

@@ -1,15 +1,15 @@
 //! A multi-threaded CPU kernel for `x · wᵀ` when `x` has only a few rows (decode, drafts):
 //! each weight row is streamed from memory once and dotted with every row of `x`. Weight
-//! rows are split over rayon's pool; the dot product is written so that the compiler
-//! vectorises it, and an AVX2 copy is picked at run time where the CPU has it (no
-//! `RUSTFLAGS` needed), with rows taken in pairs on AVX-512 (the same arithmetic, two rows a
-//! register) and the weights prefetched ahead of the stream. f16/bf16 weights are widened to
-//! f32 (exactly) in registers as they load, and accumulated in f32.
+//! rows are split over the step's team (`team.rs`) or rayon's pool; the dot product is
+//! written so that the compiler vectorises it, and an AVX2 copy is picked at run time where
+//! the CPU has it (no `RUSTFLAGS` needed), with rows taken in pairs on AVX-512 (the same
+//! arithmetic, two rows a register) and the weights prefetched ahead of the stream.
+//! f16/bf16 weights are widened to f32 (exactly) in registers as they load, and accumulated
+//! in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, WithDType};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
-use rayon::prelude::*;
 
 /// Largest number of rows of `x` the kernel is used for; longer prefill chunks go to candle's
 /// GEMM.
@@ -23,7 +23,7 @@ use rayon::prelude::*;
 /// the prompt's forward is the same call in every decoding mode.
 pub const MAX_ROWS: usize = 1024;
 
-/// Weight rows per rayon task: enough for long sequential streams, few enough to balance.
+/// Weight rows per task: enough for long sequential streams, few enough to balance.
 fn rows_per_task(n: usize) -> usize {
     n.div_ceil(4 * rayon::current_num_threads()).clamp(16, 256)
 }
@@ -166,41 +166,38 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
     let per_task = rows_per_task(n).next_multiple_of(TILE_N);
     // Column-major result chunks ([n, m]), transposed at the end when m > 1.
     let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(per_task * m)
-        .enumerate()
-        .for_each(|(task, out)| {
-            let j0 = task * per_task;
-            let rows = out.len() / m;
-            for jb in (0..rows).step_by(TILE_N) {
-                let nj = TILE_N.min(rows - jb);
-                let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
-                if let (Some(pair), Some(xi)) = (pairs, &paired) {
-                    let n_pairs = m.div_ceil(2);
-                    for p0 in (0..n_pairs).step_by(PAIRS_MAX) {
-                        let np = PAIRS_MAX.min(n_pairs - p0);
-                        let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
-                        pair(xi, x, wtile, k, (p0, np), nj, &mut res);
-                        for (i, row) in res.iter().enumerate().take((m - 2 * p0).min(2 * np)) {
-                            for (j, &v) in row.iter().enumerate().take(nj) {
-                                out[(jb + j) * m + 2 * p0 + i] = v;
-                            }
+    crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
+        let j0 = task * per_task;
+        let rows = out.len() / m;
+        for jb in (0..rows).step_by(TILE_N) {
+            let nj = TILE_N.min(rows - jb);
+            let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
+            if let (Some(pair), Some(xi)) = (pairs, &paired) {
+                let n_pairs = m.div_ceil(2);
+                for p0 in (0..n_pairs).step_by(PAIRS_MAX) {
+                    let np = PAIRS_MAX.min(n_pairs - p0);
+                    let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
+                    pair(xi, x, wtile, k, (p0, np), nj, &mut res);
+                    for (i, row) in res.iter().enumerate().take((m - 2 * p0).min(2 * np)) {
+                        for (j, &v) in row.iter().enumerate().take(nj) {
+                            out[(jb + j) * m + 2 * p0 + i] = v;
                         }
                     }
-                    continue;
                 }
-                for ib in (0..m).step_by(TILE_M) {
-                    let mi = TILE_M.min(m - ib);
-                    let mut res = [[0f32; TILE_N]; TILE_M];
-                    tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
-                    for (i, row) in res.iter().enumerate().take(mi) {
-                        for (j, &v) in row.iter().enumerate().take(nj) {
-                            out[(jb + j) * m + ib + i] = v;
-                        }
+                continue;
+            }
+            for ib in (0..m).step_by(TILE_M) {
+                let mi = TILE_M.min(m - ib);
+                let mut res = [[0f32; TILE_N]; TILE_M];
+                tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
+                for (i, row) in res.iter().enumerate().take(mi) {
+                    for (j, &v) in row.iter().enumerate().take(nj) {
+                        out[(jb + j) * m + ib + i] = v;
                     }
                 }
             }
-        });
+        }
+    });
     if m == 1 {
         return out_t;
     }
