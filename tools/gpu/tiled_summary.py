@@ -18,6 +18,7 @@ for path in sorted(sys.argv[1:]):
         else:
             cells.append(
                 f"{r['mode']} b{r['batch_size']} {r['tokens_per_s']:.1f} tok/s "
-                f"{r['step_latency_ms']:.3f} ms digest {r.get('output_digest')}"
+                f"{r['step_latency_ms']:.3f} ms roofline {r.get('roofline_fraction', 0):.3f} "
+                f"digest {r.get('output_digest')}"
             )
     print(f"{tag:28s} " + " | ".join(cells))
