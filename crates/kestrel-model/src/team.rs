@@ -242,12 +242,16 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
 
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool")
+    }
+
     #[test]
     fn every_chunk_runs_once_inside_a_team_and_outside() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .expect("pool");
+        let pool = pool(3);
         pool.install(|| {
             for inside in [true, false] {
                 let counts: Vec<AtomicU32> = (0..1000).map(|_| AtomicU32::new(0)).collect();
@@ -275,10 +279,7 @@ mod tests {
 
     #[test]
     fn a_loop_inside_a_task_runs_and_the_team_survives_it() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .expect("pool");
+        let pool = pool(2);
         let total = pool.install(|| {
             run(1, || {
                 let mut outer = vec![0u64; 8];
@@ -298,10 +299,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_reaches_the_caller() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .expect("pool");
+        let pool = pool(2);
         let r = pool.install(|| {
             catch_unwind(AssertUnwindSafe(|| {
                 run(1, || {
