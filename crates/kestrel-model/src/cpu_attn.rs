@@ -89,54 +89,70 @@ fn run<T: WithDType + WeightElem>(
         with_slice::<T, _>(k_pool, |kp| {
             with_slice::<T, _>(v_pool, |vp| {
                 let mut out = vec![0f32; n * nh * d];
-                let task = |(idx, o): (usize, &mut [f32])| {
-                    let (i, h) = (idx / nh, idx % nh);
-                    let kvh = h / g;
+                // A task is one row's group of g query heads, which share a KV head: half
+                // precision K and V rows are widened once for the group, not once a head.
+                let half = T::as_f32(&[]).is_none();
+                let task = |idx: usize, o: &mut [f32]| {
+                    let (i, kvh) = (idx / nkv, idx % nkv);
+                    let widen_rows = |pool: &[T]| {
+                        let mut w = vec![0f32; if half { l * d } else { 0 }];
+                        for (j, &r) in rows.iter().enumerate().filter(|_| half) {
+                            let base = (r as usize * nkv + kvh) * d;
+                            T::widen(&pool[base..base + d], &mut w[j * d..(j + 1) * d]);
+                        }
+                        w
+                    };
+                    let (kw, vw) = (widen_rows(kp), widen_rows(vp));
                     let mut qf = vec![0f32; d];
-                    T::widen(&q[(i * nh + h) * d..(i * nh + h + 1) * d], &mut qf);
-                    let mut kf = vec![0f32; d];
                     let mut scores = Vec::with_capacity(l);
-                    for (j, &r) in rows.iter().enumerate() {
-                        let base = (r as usize * nkv + kvh) * d;
-                        let krow: &[f32] = match T::as_f32(&kp[base..base + d]) {
-                            Some(k) => k,
-                            None => {
-                                T::widen(&kp[base..base + d], &mut kf);
-                                &kf
+                    for (hh, o) in o.chunks_mut(d).enumerate() {
+                        let h = kvh * g + hh;
+                        T::widen(&q[(i * nh + h) * d..(i * nh + h + 1) * d], &mut qf);
+                        scores.clear();
+                        for (j, &r) in rows.iter().enumerate() {
+                            let krow = slot_row(kp, &kw, (r as usize * nkv + kvh) * d, j, d);
+                            let m = mask.map_or(0.0, |m| m[i * l + j]);
+                            scores.push(dot(&qf, krow) * scale + m);
+                        }
+                        let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                        let mut z = 0f32;
+                        for sc in scores.iter_mut() {
+                            *sc = (*sc - max).exp();
+                            z += *sc;
+                        }
+                        let inv = 1.0 / z;
+                        for (j, &r) in rows.iter().enumerate() {
+                            let p = scores[j] * inv;
+                            let vrow = slot_row(vp, &vw, (r as usize * nkv + kvh) * d, j, d);
+                            for (acc, v) in o.iter_mut().zip(vrow) {
+                                *acc += p * v;
                             }
-                        };
-                        let m = mask.map_or(0.0, |m| m[i * l + j]);
-                        scores.push(dot(&qf, krow) * scale + m);
-                    }
-                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    let mut z = 0f32;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        z += *sc;
-                    }
-                    let inv = 1.0 / z;
-                    for (j, &r) in rows.iter().enumerate() {
-                        let p = scores[j] * inv;
-                        let base = (r as usize * nkv + kvh) * d;
-                        let vrow: &[f32] = match T::as_f32(&vp[base..base + d]) {
-                            Some(v) => v,
-                            None => {
-                                T::widen(&vp[base..base + d], &mut kf);
-                                &kf
-                            }
-                        };
-                        for (acc, v) in o.iter_mut().zip(vrow) {
-                            *acc += p * v;
                         }
                     }
                 };
                 if n * nh * l * d >= PAR_MIN_WORK {
-                    crate::team::for_each_chunk_mut(&mut out, d, |i, o| task((i, o)));
+                    crate::team::for_each_chunk_mut(&mut out, g * d, task);
                 } else {
-                    out.chunks_mut(d).enumerate().for_each(task);
+                    out.chunks_mut(g * d)
+                        .enumerate()
+                        .for_each(|(i, o)| task(i, o));
                 }
                 Ok(out)
             })
         })
     })
+}
+
+/// Slot `j`'s row at `base` of a pool: read in place in f32, else from its widened copy.
+fn slot_row<'a, T: WeightElem>(
+    pool: &'a [T],
+    widened: &'a [f32],
+    base: usize,
+    j: usize,
+    d: usize,
+) -> &'a [f32] {
+    match T::as_f32(&pool[base..base + d]) {
+        Some(row) => row,
+        None => &widened[j * d..(j + 1) * d],
+    }
 }
