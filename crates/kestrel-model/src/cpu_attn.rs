@@ -8,8 +8,10 @@ use crate::matvec::WeightElem;
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
-/// Below this many multiply-adds the work runs on the calling thread.
-const PAR_MIN_WORK: usize = 1 << 18;
+/// Below this many multiply-adds the work runs on the calling thread. Inside a step's team a
+/// parallel loop costs a few µs, so a decode step's attention over ~100 slots already gains
+/// from it (it was 2^18 under rayon alone, whose loops woke a sleeping worker).
+const PAR_MIN_WORK: usize = 1 << 14;
 
 pub(crate) struct AttnShape {
     pub n: usize,
