@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two spec-bench builds against each other on this machine's CPU, alternating (base, new,
-# base, new) so that drift shows: real SmolLM2 (the demo's f32 EAGLE engine, work/smollm2-engine
-# from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
+# base, new) so that drift shows: real SmolLM2 (ENGINE, default the demo's f32 EAGLE engine
+# work/smollm2-engine from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
 # decoding, EAGLE-1 with tree_cpu, prompt lookup backed by the shipped corpus, and both grafted.
 # Usage: bash tools/cpu_ab.sh BASE_SPEC_BENCH NEW_SPEC_BENCH [OUT_DIR]
 # e.g. (base from a worktree of the previous commit; copy each binary out after its build):
@@ -10,12 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=$1; NEW=$2; OUT=${3:-/tmp/cpu_ab}
 mkdir -p "$OUT"
+ENGINE=${ENGINE:-work/smollm2-engine}
 TREE=heads/smollm2-eagle/tree_cpu.json
 MODES=${MODES:-"plain,eagle1:$TREE,prompt_lookup:3:3:corpus,eagle1:$TREE+prompt_lookup:3:3:corpus"}
 for round in 1 2; do
   for build in base new; do
     bin=$BASE; [ $build = new ] && bin=$NEW
-    "$bin" --engine_dir work/smollm2-engine --prompts ../shared/data/mt_bench/question.jsonl \
+    "$bin" --engine_dir "$ENGINE" --prompts ../shared/data/mt_bench/question.jsonl \
       --num_prompts 5 --chat --max_output_len 64 --batch_sizes 1 --eagle_draft_vocab 4096 \
       --prompt_lookup_corpus heads/smollm2-ngram/corpus.safetensors --modes "$MODES" \
       --output_json "$OUT/${round}_$build.json" > "$OUT/${round}_$build.log" 2>&1
