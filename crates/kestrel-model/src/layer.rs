@@ -227,6 +227,10 @@ impl RmsNorm {
         if dtype == DType::F32 {
             return Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps as f32)?);
         }
+        if x.device().is_cpu() {
+            // The same bits as the ops below, in one pass.
+            return crate::cpu_norm::rms_norm_half(&x, &self.w, self.eps as f32);
+        }
         let normed =
             candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.ones, self.eps as f32)?;
         Ok(normed.to_dtype(dtype)?.broadcast_mul(&self.w)?)

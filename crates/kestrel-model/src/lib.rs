@@ -16,6 +16,7 @@ mod arena;
 mod batched_attn;
 pub mod cache;
 mod cpu_attn;
+mod cpu_norm;
 pub mod cuda_kernels;
 pub mod eagle;
 pub mod error;
