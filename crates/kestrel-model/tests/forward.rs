@@ -30,20 +30,7 @@ fn positions(start: usize, n: usize) -> Vec<u32> {
 /// Feeds `tokens` causally at positions continuing the sequence; returns all rows.
 fn feed(m: &Llama, cache: &mut PagedKvCache, seq: SeqId, tokens: &[u32]) -> Vec<Vec<f32>> {
     let start = cache.seq_len(seq).unwrap();
-    let pos = positions(start, tokens.len());
-    let out = m
-        .forward(
-            &[SeqInput {
-                seq,
-                tokens,
-                positions: &pos,
-                mask: None,
-                output_rows: OutputRows::All,
-            }],
-            cache,
-        )
-        .unwrap();
-    rows(&out)
+    rows(&forward_rows(m, cache, seq, tokens, start, None))
 }
 
 fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {

@@ -2,9 +2,12 @@
 //! matvec's weight-row tasks, attention's (row, head) tasks, shared by a step's team of
 //! spinning helpers) only decide which thread computes an output, never how.
 
+mod common;
+
 use candle_core::Device;
+use common::forward_rows;
 use kestrel_core::{DType, ModelConfig};
-use kestrel_model::{Llama, OutputRows, SeqInput};
+use kestrel_model::Llama;
 
 /// Wide enough that every loop splits into many tasks, and attention over the context goes
 /// parallel (its threshold is 2^18 multiply-adds a call).
@@ -29,20 +32,8 @@ fn step_bits(m: &Llama, threads: usize) -> Vec<Vec<u32>> {
         let seq = cache.add_sequence();
         let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 5) % 2048).collect();
         let mut bits = Vec::new();
-        let mut run = |cache: &mut _, tokens: &[u32], start: u32, mask: Option<&[bool]>| {
-            let pos: Vec<u32> = (start..start + tokens.len() as u32).collect();
-            let out = m
-                .forward(
-                    &[SeqInput {
-                        seq,
-                        tokens,
-                        positions: &pos,
-                        mask,
-                        output_rows: OutputRows::All,
-                    }],
-                    cache,
-                )
-                .unwrap();
+        let mut run = |cache: &mut _, tokens: &[u32], start: usize, mask: Option<&[bool]>| {
+            let out = forward_rows(m, cache, seq, tokens, start, mask);
             let logits = m.logits(&out).unwrap();
             for row in logits.to_vec2::<f32>().unwrap() {
                 bits.push(row.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());

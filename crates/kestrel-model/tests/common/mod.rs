@@ -4,6 +4,7 @@
 
 use candle_core::{Device, Tensor};
 use kestrel_core::{EagleHeadConfig, ModelConfig};
+use kestrel_model::{Llama, OutputRows, PagedKvCache, SeqId, SeqInput};
 use std::collections::BTreeMap;
 
 pub fn tiny_cfg(heads: usize, kv: usize, tied: bool, llama3: bool) -> ModelConfig {
@@ -334,4 +335,28 @@ pub fn random_head_tensors(
         out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu).unwrap());
     }
     out
+}
+
+/// One sequence's forward over `tokens` at positions `start..` (causal without a `mask`),
+/// every row out.
+pub fn forward_rows(
+    m: &Llama,
+    cache: &mut PagedKvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    start: usize,
+    mask: Option<&[bool]>,
+) -> Tensor {
+    let pos: Vec<u32> = (start as u32..(start + tokens.len()) as u32).collect();
+    m.forward(
+        &[SeqInput {
+            seq,
+            tokens,
+            positions: &pos,
+            mask,
+            output_rows: OutputRows::All,
+        }],
+        cache,
+    )
+    .unwrap()
 }
