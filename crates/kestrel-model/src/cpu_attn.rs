@@ -91,42 +91,43 @@ fn run<T: WithDType + WeightElem>(
         with_slice::<T, _>(k_pool, |kp| {
             with_slice::<T, _>(v_pool, |vp| {
                 let mut out = vec![0f32; n * nh * d];
-                // A task is one row's group of g query heads, which share a KV head: half
-                // precision K and V rows are widened once for the group, not once a head.
-                let half = T::as_f32(&[]).is_none();
+                // A task is one row's group of g query heads, which share a KV head: each
+                // slot's K and V rows are read (and, in half precision, widened) once for the
+                // group. Every head still sees its own operations in slot order.
                 let task = |idx: usize, o: &mut [f32]| {
                     let (i, kvh) = (idx / nkv, idx % nkv);
-                    let widen_rows = |pool: &[T]| {
-                        let mut w = vec![0f32; if half { l * d } else { 0 }];
-                        for (j, &r) in rows.iter().enumerate().filter(|_| half) {
-                            let base = (r as usize * nkv + kvh) * d;
-                            T::widen(&pool[base..base + d], &mut w[j * d..(j + 1) * d]);
-                        }
-                        w
-                    };
-                    let (kw, vw) = (widen_rows(kp), widen_rows(vp));
-                    let mut qf = vec![0f32; d];
-                    let mut scores = Vec::with_capacity(l);
-                    for (hh, o) in o.chunks_mut(d).enumerate() {
+                    let mut qf = vec![0f32; g * d];
+                    for (hh, qh) in qf.chunks_mut(d).enumerate() {
                         let h = kvh * g + hh;
-                        T::widen(&q[(i * nh + h) * d..(i * nh + h + 1) * d], &mut qf);
-                        scores.clear();
-                        for (j, &r) in rows.iter().enumerate() {
-                            let krow = slot_row(kp, &kw, (r as usize * nkv + kvh) * d, j, d);
-                            let m = mask.map_or(0.0, |m| m[i * l + j]);
-                            scores.push(dot(&qf, krow) * scale + m);
+                        T::widen(&q[(i * nh + h) * d..(i * nh + h + 1) * d], qh);
+                    }
+                    let mut scratch = vec![0f32; d];
+                    // scores[hh · l + j]: head hh's score of slot j, then its softmax weight.
+                    let mut scores = vec![0f32; g * l];
+                    for (j, &r) in rows.iter().enumerate() {
+                        let base = (r as usize * nkv + kvh) * d;
+                        let krow = slot_row(&kp[base..base + d], &mut scratch);
+                        let m = mask.map_or(0.0, |m| m[i * l + j]);
+                        for (hh, qh) in qf.chunks(d).enumerate() {
+                            scores[hh * l + j] = dot(qh, krow) * scale + m;
                         }
-                        let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    }
+                    let mut inv = vec![0f32; g];
+                    for (s, inv) in scores.chunks_mut(l).zip(&mut inv) {
+                        let max = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                         let mut z = 0f32;
-                        for sc in scores.iter_mut() {
+                        for sc in s.iter_mut() {
                             *sc = (*sc - max).exp();
                             z += *sc;
                         }
-                        let inv = 1.0 / z;
-                        for (j, &r) in rows.iter().enumerate() {
-                            let p = scores[j] * inv;
-                            let vrow = slot_row(vp, &vw, (r as usize * nkv + kvh) * d, j, d);
-                            for (acc, v) in o.iter_mut().zip(vrow) {
+                        *inv = 1.0 / z;
+                    }
+                    for (j, &r) in rows.iter().enumerate() {
+                        let base = (r as usize * nkv + kvh) * d;
+                        let vrow = slot_row(&vp[base..base + d], &mut scratch);
+                        for (hh, oh) in o.chunks_mut(d).enumerate() {
+                            let p = scores[hh * l + j] * inv[hh];
+                            for (acc, v) in oh.iter_mut().zip(vrow) {
                                 *acc += p * v;
                             }
                         }
@@ -145,16 +146,13 @@ fn run<T: WithDType + WeightElem>(
     })
 }
 
-/// Slot `j`'s row at `base` of a pool: read in place in f32, else from its widened copy.
-fn slot_row<'a, T: WeightElem>(
-    pool: &'a [T],
-    widened: &'a [f32],
-    base: usize,
-    j: usize,
-    d: usize,
-) -> &'a [f32] {
-    match T::as_f32(&pool[base..base + d]) {
-        Some(row) => row,
-        None => &widened[j * d..(j + 1) * d],
+/// A slot's K or V row in f32: read in place, or widened into `scratch`.
+fn slot_row<'a, T: WeightElem>(row: &'a [T], scratch: &'a mut [f32]) -> &'a [f32] {
+    match T::as_f32(row) {
+        Some(r) => r,
+        None => {
+            T::widen(row, scratch);
+            scratch
+        }
     }
 }
