@@ -12,6 +12,7 @@
 //! ([`CudaKernels`]: paged attention, KV append, fused add + RMSNorm, SwiGLU) run those
 //! (`kestrel-kernels`) instead of sequences of candle ops.
 
+mod amx;
 mod arena;
 mod batched_attn;
 pub mod cache;

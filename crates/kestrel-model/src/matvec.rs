@@ -24,7 +24,7 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 pub const MAX_ROWS: usize = 1024;
 
 /// Weight rows per task: enough for long sequential streams, few enough to balance.
-fn rows_per_task(n: usize) -> usize {
+pub(crate) fn rows_per_task(n: usize) -> usize {
     n.div_ceil(4 * rayon::current_num_threads()).clamp(16, 256)
 }
 
@@ -198,6 +198,11 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
             }
         }
     });
+    transpose(out_t, m, n)
+}
+
+/// `[n, m]` (column-major results) → `[m, n]`.
+fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return out_t;
     }
@@ -574,9 +579,14 @@ impl CustomOp2 for MatMulNt {
                 CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect())
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let mut xf = vec![0f32; m * k];
-                bf16::widen(slice(x, l1)?, &mut xf);
-                let out = matmul_nt(&xf, slice(w, l2)?, m, k, n);
+                let (x, w) = (slice(x, l1)?, slice(w, l2)?);
+                let out = if crate::amx::applies(k, n) {
+                    transpose(crate::amx::matmul_nt_t(x, w, m, k, n), m, n)
+                } else {
+                    let mut xf = vec![0f32; m * k];
+                    bf16::widen(x, &mut xf);
+                    matmul_nt(&xf, w, m, k, n)
+                };
                 CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect())
             }
             _ => candle_core::bail!(
