@@ -4,6 +4,7 @@
 # work/smollm2-engine from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
 # decoding, EAGLE-1 with tree_cpu, prompt lookup backed by the shipped corpus, and both grafted.
 # Usage: bash tools/cpu_ab.sh BASE_SPEC_BENCH NEW_SPEC_BENCH [OUT_DIR]
+# (a BASE or NEW may be a wrapper script, e.g. one that sets KESTREL_CPU_AMX=0 and execs the binary)
 # e.g. (base from a worktree of the previous commit; copy each binary out after its build):
 #   git worktree add /tmp/base HEAD~1 && (cd /tmp/base && cargo build --release --bin spec-bench)
 set -euo pipefail
@@ -33,6 +34,7 @@ for rnd in (1, 2):
             mode = r["mode"].replace("eagle1:heads/smollm2-eagle/", "eagle1:")
             vs = r["speedup_vs_plain"]
             cells.append(f"{mode} {r['tokens_per_s']:.1f} tok/s {r['step_latency_ms']:.1f} ms"
+                         f" ttft {r['time_to_first_token_ms']:.0f} ms"
                          f" τ {r['mean_accepted_len']:.2f}" + (f" {vs:.2f}x" if vs else "")
                          + f" {r['output_digest']}")
         print(f"{rnd} {build:4s} " + " | ".join(cells))

@@ -99,11 +99,12 @@ fn bench(c: &mut Criterion) {
     let prompt: Vec<u32> = (0..128u32).map(|i| (i * 104729) % 49152).collect();
     let prompt_pos: Vec<u32> = (0..128).collect();
     group.throughput(Throughput::Elements(prompt.len() as u64));
+    // Through `forward_prompt`, the call every decoding mode prefills a prompt with.
     group.bench_function("prefill_128", |b| {
         b.iter(|| {
             let s = cache.add_sequence();
             let h = model
-                .forward(
+                .forward_prompt(
                     &[SeqInput {
                         seq: s,
                         tokens: &prompt,

@@ -1,125 +1,106 @@
-//! bf16 `x · wᵀ` on Intel AMX (Sapphire Rapids and later), for the CPU's bf16 engines.
+//! bf16 `x · wᵀ` on Intel AMX (Sapphire Rapids and later) for the prompts of the CPU's bf16
+//! engines.
 //!
-//! Why: the AVX kernels of `matvec.rs` spend one 8-lane FMA per 8 weights per row, so each
-//! row of a verification costs about what the weight stream does (on 2 cores a verified
-//! SmolLM2 row cost ~15% of a bf16 step, and bf16 speculation ran slower than bf16 plain
-//! decoding). A `tdpbf16ps` multiplies a 16 × 32 tile of weights by 32 × 16 inputs, so up
-//! to 16 rows ride along with each weight load at no extra cost.
+//! Why prompts only: a `tdpbf16ps` multiplies 16 weight rows × 32 of K by up to 16 input
+//! rows at once, so a 128-token SmolLM2 prompt prefills ~1.6× faster than through the AVX
+//! kernel of `matvec.rs` on 2 cores. But a one-row decode step streamed the weights slower
+//! through the tiles than through that kernel (~15 against ~13.5 ms a step), and decode and
+//! verification steps must share one kernel to keep greedy speculation exact, so those
+//! steps stay on `matvec.rs` (docs/gpu-results.md, session 20).
 //!
-//! Batch invariance, the property that keeps greedy speculation exact: output `(i, j)` is
-//! one accumulator tile element, zeroed, then updated by one `tdpbf16ps` per 32-wide chunk
-//! of K in order, each taking that chunk's products of row `i` of `x` and row `j` of `w`
-//! only. Which 16 rows share the tile, and how many of them are real (the rest are zeros),
-//! changes no arithmetic of a row. Whether this path runs depends on the machine and the
-//! shape (K a multiple of 32, N of 16), never on the number of rows.
+//! Why that is exact: every decoding mode prefills a prompt through the same call
+//! (`Llama::forward_prompt`), and this kernel's rows do not depend on how many rows a call
+//! has: output `(i, j)` is one accumulator tile element, zeroed, then updated by one
+//! `tdpbf16ps` per 32-wide chunk of K in order, each taking that chunk of row `i` of `x` and
+//! row `j` of `w` only. So a prompt prefilled whole, or only its part past a cached prefix,
+//! gets the same K/V bits. Whether it runs depends on the machine and the shape (K a
+//! multiple of 32, N of 16), never on the rows.
 //!
 //! The inputs are bf16 already (a bf16 engine's activations), so nothing is rounded on the
-//! way in; products are exact in f32 and the tile sums them in f32 (AMX flushes subnormals).
-//! The results therefore differ in the last bits from the AVX path, which sums in another
-//! order: an engine takes one path or the other for the whole run.
+//! way in; products are exact in f32 and the tile sums them in f32 (AMX flushes subnormals)
+//! in its own order, so results differ in the last bits from the AVX kernel's.
 
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use half::bf16;
 
 /// Elements of K one tile op takes (64 bytes of bf16 a tile row).
-pub(crate) const K_CHUNK: usize = 32;
+const K_CHUNK: usize = 32;
 /// Output columns (weight rows) and input rows of one accumulator tile.
-pub(crate) const TILE: usize = 16;
+const TILE: usize = 16;
 /// Groups of 16 input rows a pass over the columns takes (128 rows: 384 KiB of SmolLM2's
 /// widest inputs, within a core's L2).
 const BAND_GROUPS: usize = 8;
 
-/// Whether the bf16 products of this process run on AMX: the CPU has AMX-TILE and AMX-BF16,
-/// Linux granted the tile state, and `KESTREL_CPU_AMX` is not `0` (which keeps the AVX
-/// path, to compare the two on one machine).
-pub(crate) fn available() -> bool {
+/// Whether this process may use AMX: the CPU has AMX-TILE and AMX-BF16, Linux granted the
+/// tile state, and `KESTREL_CPU_AMX` is not `0` (which keeps prompts on the AVX kernel, to
+/// compare the two on one machine).
+fn available() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KESTREL_CPU_AMX").as_deref() != Ok("0") && imp::enable())
 }
 
-/// Whether a bf16 product of `k`-wide rows into `n` columns takes AMX on this machine.
-pub(crate) fn applies(k: usize, n: usize) -> bool {
-    k > 0 && k.is_multiple_of(K_CHUNK) && n.is_multiple_of(TILE) && available()
+/// Whether `x [m, k] · w [n, k]ᵀ` takes [`MatMulTiles`]: both bf16 on the CPU, K a multiple
+/// of 32, N of 16, on a machine with AMX.
+pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
+    let (Ok((_, k)), Ok((n, wk))) = (x.dims2(), w.dims2()) else {
+        return false;
+    };
+    x.device().is_cpu()
+        && x.dtype() == candle_core::DType::BF16
+        && w.dtype() == candle_core::DType::BF16
+        && k == wk
+        && k > 0
+        && k.is_multiple_of(K_CHUNK)
+        && n.is_multiple_of(TILE)
+        && available()
+}
+
+/// `x · wᵀ` on AMX as a candle op (bf16 in, bf16 out, f32 sums). Check [`applies`].
+pub(crate) struct MatMulTiles;
+
+impl CustomOp2 for MatMulTiles {
+    fn name(&self) -> &'static str {
+        "kestrel-amx-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, k2) = l2.shape().dims2()?;
+        if k != k2 || !k.is_multiple_of(K_CHUNK) || !n.is_multiple_of(TILE) || !available() {
+            candle_core::bail!("amx: {m}x{k} · ({n}x{k2})ᵀ does not take AMX here");
+        }
+        let (CpuStorage::BF16(x), CpuStorage::BF16(w)) = (s1, s2) else {
+            candle_core::bail!("amx: {:?} · {:?}, not bf16", s1.dtype(), s2.dtype());
+        };
+        let (x, w) = (crate::matvec::slice(x, l1)?, crate::matvec::slice(w, l2)?);
+        let out = crate::matvec::transpose(matmul_nt_t(x, w, m, k, n), m, n);
+        let out = out.iter().map(|&v| bf16::from_f32(v)).collect();
+        Ok((CpuStorage::BF16(out), Shape::from((m, n))))
+    }
 }
 
 /// `x [m, k] · w [n, k]ᵀ` as `[n, m]` (column-major, as `matvec::matmul_nt` builds it), f32.
-/// Call only where [`applies`] holds.
-pub(crate) fn matmul_nt_t(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
-    assert!(
-        applies(k, n),
-        "amx: {m}x{k} · {n}x{k} does not take AMX here"
-    );
-    assert_eq!(
-        x.len(),
-        m * k,
-        "amx: x has {} elements, not {m}x{k}",
-        x.len()
-    );
-    assert_eq!(
-        w.len(),
-        n * k,
-        "amx: w has {} elements, not {n}x{k}",
-        w.len()
-    );
+fn matmul_nt_t(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
     let packed = pack_inputs(x, m, k);
     let per_task = crate::matvec::rows_per_task(n).next_multiple_of(2 * TILE);
     let mut out_t = vec![0f32; n * m];
     crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
-        let j0 = task * per_task;
-        imp::columns(&packed, w, false, k, m, j0, out);
+        imp::columns(&packed, w, k, m, task * per_task, out);
     });
     out_t
-}
-
-/// As [`matmul_nt_t`] with `w` in [`pack_weights`]' layout.
-pub(crate) fn matmul_nt_t_tiled(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
-    assert!(
-        applies(k, n),
-        "amx: {m}x{k} · {n}x{k} does not take AMX here"
-    );
-    let packed = pack_inputs(x, m, k);
-    let per_task = crate::matvec::rows_per_task(n).next_multiple_of(2 * TILE);
-    let mut out_t = vec![0f32; n * m];
-    crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
-        imp::columns(&packed, w, true, k, m, task * per_task, out);
-    });
-    out_t
-}
-
-/// `w [n, k]` in tile order: each block of 16 rows as its 32-wide chunks of K in turn, each
-/// chunk its 16 rows of 64 bytes (one tile load of 1 KiB).
-pub(crate) fn matmul_nt_t4(
-    x: &[bf16],
-    w: &[bf16],
-    tiled: bool,
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Vec<f32> {
-    let packed = pack_inputs(x, m, k);
-    let per_task = crate::matvec::rows_per_task(n).next_multiple_of(4 * TILE);
-    let mut out_t = vec![0f32; n * m];
-    crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
-        imp::columns4(&packed, w, tiled, k, m, task * per_task, out);
-    });
-    out_t
-}
-
-pub(crate) fn pack_weights(w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
-    let mut out = Vec::with_capacity(n * k);
-    for block in w.chunks_exact(TILE * k) {
-        for c in 0..k / K_CHUNK {
-            for r in 0..TILE {
-                out.extend_from_slice(&block[r * k + c * K_CHUNK..][..K_CHUNK]);
-            }
-        }
-    }
-    out
 }
 
 /// `x`'s rows as tdpbf16ps's second operand: for each group of 16 rows and each 32-wide chunk
 /// of K, a 16 × 16 tile of bf16 pairs, element `(kk, i)` holding `x[16g + i][32c + 2kk ..
 /// 32c + 2kk + 2]` (rows past `m` are zeros). Group g, chunk c starts at `(g·chunks + c)·512`.
-pub(crate) fn pack_inputs(x: &[bf16], m: usize, k: usize) -> Vec<bf16> {
+fn pack_inputs(x: &[bf16], m: usize, k: usize) -> Vec<bf16> {
     let chunks = k / K_CHUNK;
     let groups = m.div_ceil(TILE);
     let mut out = vec![bf16::ZERO; groups * chunks * TILE * K_CHUNK];
@@ -143,8 +124,9 @@ mod imp {
     use std::arch::asm;
 
     /// The tile configuration (`ldtilecfg`'s 64-byte operand, palette 1): tmm0 and tmm1 the
-    /// accumulators of two 16-column blocks (16 rows × 16 f32), tmm2 and tmm3 their weight
-    /// tiles (16 weight rows × 32 bf16), tmm4 the inputs (16 pairs of K × 16 rows of x).
+    /// accumulators of two 16-column blocks (16 rows × 16 f32); tmm2, tmm3 (tmm5, tmm6)
+    /// their weight tiles (16 weight rows × 32 bf16) of even (odd) chunks of K; tmm4 (tmm7)
+    /// the inputs (16 pairs of K × 16 rows of x) of those chunks.
     #[repr(C, align(64))]
     struct TileConfig {
         palette: u8,
@@ -170,109 +152,6 @@ mod imp {
         }
         c
     };
-
-    fn prefetch_distance() -> usize {
-        static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        *D.get_or_init(|| {
-            std::env::var("KESTREL_AMX_PF")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(8)
-        })
-    }
-
-    /// Asks for chunks `c` and `c + 1` (bytes 64c .. 64c + 128) of 16 weight rows from `rows`.
-    #[inline(always)]
-    unsafe fn prefetch_rows(rows: *const bf16, stride: usize, c: usize) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let base = (rows as *const i8).wrapping_add(c * 64);
-        for r in 0..TILE {
-            let p = base.wrapping_add(r * stride);
-            _mm_prefetch::<_MM_HINT_T0>(p);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
-        }
-    }
-
-    /// Four 16-column blocks a pass (tmm0-3 accumulate, tmm4/tmm5 take the weight tiles in
-    /// turn, tmm6 the inputs).
-    pub(super) fn columns4(
-        packed: &[bf16],
-        w: &[bf16],
-        tiled: bool,
-        k: usize,
-        m: usize,
-        j0: usize,
-        out: &mut [f32],
-    ) {
-        let cols = out.len() / m;
-        let chunks = k / K_CHUNK;
-        let (stride, step) = if tiled {
-            (64, TILE * K_CHUNK)
-        } else {
-            (k * std::mem::size_of::<bf16>(), K_CHUNK)
-        };
-        let mut acc = [[[0f32; TILE]; TILE]; 4];
-        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig) };
-        let groups = m.div_ceil(TILE);
-        for band in (0..groups).step_by(BAND_GROUPS) {
-            for b in (0..cols).step_by(4 * TILE) {
-                let blk = |i: usize| if b + i * TILE < cols { b + i * TILE } else { b };
-                let col0 = [blk(0), blk(1), blk(2), blk(3)];
-                let wp = col0.map(|c| w[(j0 + c) * k..].as_ptr());
-                for g in band..groups.min(band + BAND_GROUPS) {
-                    let x = packed[g * chunks * TILE * K_CHUNK..].as_ptr();
-                    unsafe {
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tilezero tmm2",
-                            "tilezero tmm3"
-                        );
-                        for c in 0..chunks {
-                            asm!(
-                                "tileloadd tmm6, [{x} + {s64}*1]",
-                                "tileloadd tmm4, [{w0} + {s}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tileloadd tmm5, [{w1} + {s}*1]",
-                                "tdpbf16ps tmm1, tmm5, tmm6",
-                                "tileloadd tmm4, [{w2} + {s}*1]",
-                                "tdpbf16ps tmm2, tmm4, tmm6",
-                                "tileloadd tmm5, [{w3} + {s}*1]",
-                                "tdpbf16ps tmm3, tmm5, tmm6",
-                                x = in(reg) x.add(c * TILE * K_CHUNK),
-                                w0 = in(reg) wp[0].add(c * step),
-                                w1 = in(reg) wp[1].add(c * step),
-                                w2 = in(reg) wp[2].add(c * step),
-                                w3 = in(reg) wp[3].add(c * step),
-                                s = in(reg) stride,
-                                s64 = in(reg) 64usize,
-                                options(nostack, readonly),
-                            );
-                        }
-                        asm!(
-                            "tilestored [{a} + {s64}*1], tmm0",
-                            "tilestored [{b} + {s64}*1], tmm1",
-                            "tilestored [{c} + {s64}*1], tmm2",
-                            "tilestored [{d} + {s64}*1], tmm3",
-                            a = in(reg) acc[0].as_mut_ptr(),
-                            b = in(reg) acc[1].as_mut_ptr(),
-                            c = in(reg) acc[2].as_mut_ptr(),
-                            d = in(reg) acc[3].as_mut_ptr(),
-                            s64 = in(reg) 64usize,
-                            options(nostack),
-                        );
-                    }
-                    let rows = TILE.min(m - g * TILE);
-                    for (a, &c0) in acc.iter().zip(&col0) {
-                        for (c, lane) in a.iter().enumerate() {
-                            out[(c0 + c) * m + g * TILE..][..rows].copy_from_slice(&lane[..rows]);
-                        }
-                    }
-                }
-            }
-        }
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    }
 
     /// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then Linux's permission
     /// for the tile data state (`ARCH_REQ_XCOMP_PERM`, XFEATURE_XTILEDATA = 18), without
@@ -304,7 +183,6 @@ mod imp {
     pub(super) fn columns(
         packed: &[bf16],
         w: &[bf16],
-        tiled: bool,
         k: usize,
         m: usize,
         j0: usize,
@@ -312,13 +190,8 @@ mod imp {
     ) {
         let cols = out.len() / m;
         let chunks = k / K_CHUNK;
-        let (stride, step) = if tiled {
-            (64, TILE * K_CHUNK)
-        } else {
-            (k * std::mem::size_of::<bf16>(), K_CHUNK)
-        };
+        let stride = k * std::mem::size_of::<bf16>();
         let mut acc = [[[0f32; TILE]; TILE]; 2];
-        let pf = prefetch_distance();
         // SAFETY: the CPU has AMX and the permission (`applies` held, checked by the caller);
         // the configuration is this thread's and released before returning.
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig) };
@@ -344,10 +217,6 @@ mod imp {
                         // overlap the other's products; the products still reach each
                         // accumulator in K's order.
                         while c + 2 <= chunks {
-                            if pf > 0 && !tiled {
-                                prefetch_rows(w_lo, stride, c + pf);
-                                prefetch_rows(w_hi, stride, c + pf);
-                            }
                             asm!(
                                 "tileloadd tmm4, [{x} + {s64}*1]",
                                 "tileloadd tmm2, [{lo} + {s}*1]",
@@ -360,10 +229,10 @@ mod imp {
                                 "tdpbf16ps tmm0, tmm5, tmm7",
                                 "tdpbf16ps tmm1, tmm6, tmm7",
                                 x = in(reg) x.add(c * TILE * K_CHUNK),
-                                lo = in(reg) w_lo.add(c * step),
-                                hi = in(reg) w_hi.add(c * step),
-                                lo2 = in(reg) w_lo.add((c + 1) * step),
-                                hi2 = in(reg) w_hi.add((c + 1) * step),
+                                lo = in(reg) w_lo.add(c * K_CHUNK),
+                                hi = in(reg) w_hi.add(c * K_CHUNK),
+                                lo2 = in(reg) w_lo.add((c + 1) * K_CHUNK),
+                                hi2 = in(reg) w_hi.add((c + 1) * K_CHUNK),
                                 s = in(reg) stride,
                                 s64 = in(reg) 64usize,
                                 options(nostack, readonly),
@@ -378,8 +247,8 @@ mod imp {
                                 "tdpbf16ps tmm0, tmm2, tmm4",
                                 "tdpbf16ps tmm1, tmm3, tmm4",
                                 x = in(reg) x.add(c * TILE * K_CHUNK),
-                                lo = in(reg) w_lo.add(c * step),
-                                hi = in(reg) w_hi.add(c * step),
+                                lo = in(reg) w_lo.add(c * K_CHUNK),
+                                hi = in(reg) w_hi.add(c * K_CHUNK),
                                 s = in(reg) stride,
                                 s64 = in(reg) 64usize,
                                 options(nostack, readonly),
@@ -414,10 +283,10 @@ mod imp {
     pub(super) fn enable() -> bool {
         false
     }
+
     pub(super) fn columns(
         _: &[half::bf16],
         _: &[half::bf16],
-        _: bool,
         _: usize,
         _: usize,
         _: usize,
@@ -517,80 +386,21 @@ mod tests {
 
     #[test]
     fn shapes_outside_the_tiles_do_not_apply() {
-        assert!(!applies(48, 32), "K not a multiple of 32");
-        assert!(!applies(64, 40), "N not a multiple of 16");
-        assert!(!applies(0, 16), "empty rows");
-    }
-}
-#[cfg(test)]
-mod speed {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn speed_probe() {
-        for (n, k) in [(3072usize, 576usize), (576, 1536), (49152, 576), (768, 576)] {
-            let w: Vec<bf16> = (0..n * k)
-                .map(|i| bf16::from_f32(((i % 13) as f32 - 6.0) / 7.0))
-                .collect();
-            let wf: Vec<f32> = vec![0.0; 1];
-            let _ = wf;
-            for m in [1usize, 8] {
-                let x: Vec<bf16> = (0..m * k)
-                    .map(|i| bf16::from_f32(((i % 7) as f32 - 3.0) / 5.0))
-                    .collect();
-                let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-                let reps = 200;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    std::hint::black_box(matmul_nt_t(&x, &w, m, k, n));
-                }
-                let amx = t.elapsed().as_secs_f64() / reps as f64;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    std::hint::black_box(crate::matvec::matmul_nt(&xf, &w, m, k, n));
-                }
-                let avx = t.elapsed().as_secs_f64() / reps as f64;
-                let wp = pack_weights(&w, n, k);
-                assert_eq!(
-                    matmul_nt_t_tiled(&x, &wp, m, k, n),
-                    matmul_nt_t(&x, &w, m, k, n)
-                );
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    std::hint::black_box(matmul_nt_t_tiled(&x, &wp, m, k, n));
-                }
-                let tiled = t.elapsed().as_secs_f64() / reps as f64;
-                for tiled in [false, true] {
-                    let ww = if tiled { &wp } else { &w };
-                    assert_eq!(
-                        matmul_nt_t4(&x, ww, tiled, m, k, n),
-                        matmul_nt_t(&x, &w, m, k, n)
-                    );
-                    let t = std::time::Instant::now();
-                    for _ in 0..reps {
-                        std::hint::black_box(matmul_nt_t4(&x, ww, tiled, m, k, n));
-                    }
-                    let e = t.elapsed().as_secs_f64() / reps as f64;
-                    eprintln!(
-                        "four tiled={tiled} {:.3} ms ({:.1} GB/s)",
-                        e * 1e3,
-                        (n * k * 2) as f64 / 1e9 / e
-                    );
-                }
-                eprintln!(
-                    "tiled {:.3} ms ({:.1} GB/s)",
-                    tiled * 1e3,
-                    (n * k * 2) as f64 / 1e9 / tiled
-                );
-                let gb = (n * k * 2) as f64 / 1e9;
-                eprintln!(
-                    "n {n} k {k} m {m}: amx {:.3} ms ({:.1} GB/s) avx {:.3} ms ({:.1} GB/s)",
-                    amx * 1e3,
-                    gb / amx,
-                    avx * 1e3,
-                    gb / avx
-                );
-            }
-        }
+        let t = |r: usize, c: usize, d: candle_core::DType| {
+            Tensor::zeros((r, c), d, &candle_core::Device::Cpu).unwrap()
+        };
+        use candle_core::DType::{BF16, F16, F32};
+        assert_eq!(applies(&t(3, 64, BF16), &t(32, 64, BF16)), available());
+        assert!(
+            !applies(&t(3, 48, BF16), &t(32, 48, BF16)),
+            "K not a multiple of 32"
+        );
+        assert!(
+            !applies(&t(3, 64, BF16), &t(40, 64, BF16)),
+            "N not a multiple of 16"
+        );
+        assert!(!applies(&t(3, 64, BF16), &t(32, 96, BF16)), "K differs");
+        assert!(!applies(&t(3, 64, F32), &t(32, 64, F32)), "f32");
+        assert!(!applies(&t(3, 64, F16), &t(32, 64, F16)), "f16");
     }
 }

@@ -69,7 +69,11 @@ impl Linear {
             // Half-precision prompts too: candle's CPU GEMM in f16/bf16 prefilled SmolLM2 at
             // 2 tokens/s (the matrix-vector kernel: ~260), and its rows are as batch-invariant.
             let half = x.dtype() != DType::F32;
-            if cpu_same && ((fast && m <= MAX_ROWS) || half) {
+            if !fast && crate::amx::applies(x, &self.w) {
+                // A bf16 prompt on a CPU with AMX (amx.rs: why prompts only).
+                x.contiguous()?
+                    .apply_op2_no_bwd(&self.w, &crate::amx::MatMulTiles)?
+            } else if cpu_same && ((fast && m <= MAX_ROWS) || half) {
                 x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
             } else if fast && self.gemv && kestrel_kernels::gemv_applies(x, &self.w) {
                 kestrel_kernels::gemv(x, &self.w)?

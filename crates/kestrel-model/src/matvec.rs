@@ -201,15 +201,21 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
     transpose(out_t, m, n)
 }
 
-/// `[n, m]` (column-major results) → `[m, n]`.
-fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+/// `[n, m]` (column-major results) → `[m, n]`, in blocks of 16 × 16 so that a long prompt's
+/// rows are not walked one column at a time.
+pub(crate) fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return out_t;
     }
+    const B: usize = 16;
     let mut out = vec![0f32; m * n];
-    for j in 0..n {
-        for i in 0..m {
-            out[i * n + j] = out_t[j * m + i];
+    for j0 in (0..n).step_by(B) {
+        for i0 in (0..m).step_by(B) {
+            for j in j0..(j0 + B).min(n) {
+                for i in i0..(i0 + B).min(m) {
+                    out[i * n + j] = out_t[j * m + i];
+                }
+            }
         }
     }
     out
@@ -543,7 +549,7 @@ mod avx512 {
 /// bf16), CPU only. Results are rounded to the input dtype once, after f32 accumulation.
 pub(crate) struct MatMulNt;
 
-fn slice<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+pub(crate) fn slice<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&s[a..b]),
         None => candle_core::bail!("matvec: operand must be contiguous"),
@@ -579,14 +585,9 @@ impl CustomOp2 for MatMulNt {
                 CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect())
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let (x, w) = (slice(x, l1)?, slice(w, l2)?);
-                let out = if crate::amx::applies(k, n) {
-                    transpose(crate::amx::matmul_nt_t(x, w, m, k, n), m, n)
-                } else {
-                    let mut xf = vec![0f32; m * k];
-                    bf16::widen(x, &mut xf);
-                    matmul_nt(&xf, w, m, k, n)
-                };
+                let mut xf = vec![0f32; m * k];
+                bf16::widen(slice(x, l1)?, &mut xf);
+                let out = matmul_nt(&xf, slice(w, l2)?, m, k, n);
                 CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect())
             }
             _ => candle_core::bail!(

@@ -289,7 +289,8 @@ fn prompt_bits(m: &Llama, cache: &mut PagedKvCache, parts: &[(SeqId, &[u32])]) -
 /// What prefix reuse relies on: a prompt prefilled in pieces (its first tokens alone, more of
 /// them beside another sequence, its last token alone) gets bit-identical final hidden
 /// states, hence logits, to the same prompt prefilled whole. In f32 prompts take candle's
-/// GEMM (padded to its batch-invariant path), in f16/bf16 the matrix-vector kernel.
+/// GEMM (padded to its batch-invariant path), in f16 the matrix-vector kernel, in bf16 the
+/// AMX tiles where the CPU has them (amx.rs), else the matrix-vector kernel.
 #[test]
 fn prompt_prefill_in_pieces_is_bit_identical() {
     let dtypes = [DType::F32, DType::BF16, DType::F16];
