@@ -9,7 +9,8 @@ use crate::error::{invalid, Result};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::{bf16, f16};
 
-trait Half: Copy + candle_core::WithDType {
+/// f16 and bf16: widened to f32 and rounded back (to nearest, ties to even).
+pub(crate) trait Half: Copy + Send + Sync + candle_core::WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 }
@@ -54,15 +55,8 @@ fn run<T: Half>(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
             w.elem_count()
         )));
     }
-    let out =
-        {
-            let (xs, xl) = x.storage_and_layout();
-            let (ws, wl) = w.storage_and_layout();
-            let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
-                return Err(invalid("rms_norm_half called on a non-CPU tensor"));
-            };
-            let xv = &xs.as_slice::<T>()?[xl.start_offset()..xl.start_offset() + x.elem_count()];
-            let wv = &ws.as_slice::<T>()?[wl.start_offset()..wl.start_offset() + h];
+    let out = cpu_slice::<T, _>(&x, |xv| {
+        cpu_slice::<T, _>(&w, |wv| {
             let mut out = Vec::with_capacity(xv.len());
             for row in xv.chunks(h) {
                 let sum2: f32 = row
@@ -77,9 +71,27 @@ fn run<T: Half>(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
                     T::from_f32(T::from_f32(v.to_f32() / m).to_f32() * g.to_f32())
                 }));
             }
-            out
-        };
+            Ok(out)
+        })
+    })?;
     Ok(Tensor::from_vec(out, x.shape(), &Device::Cpu)?)
+}
+
+/// `f` of the elements of the contiguous CPU tensor `t` of dtype `T`.
+pub(crate) fn cpu_slice<T: candle_core::WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cpu(s) = &*s else {
+        return Err(invalid("a CPU kernel was called on a non-CPU tensor"));
+    };
+    let Some((start, end)) = l.contiguous_offsets() else {
+        return Err(invalid(
+            "a CPU kernel was called on a non-contiguous tensor",
+        ));
+    };
+    f(&s.as_slice::<T>()?[start..end])
 }
 
 #[cfg(test)]

@@ -666,10 +666,21 @@ struct Mlp {
 }
 
 impl Mlp {
-    /// `swiglu_kernel`: run `silu(gate) · up` as Kestrel's CUDA kernel on the fused output.
-    fn forward(&self, x: &Tensor, fast: bool, swiglu_kernel: bool) -> Result<Tensor> {
+    /// `swiglu_kernel`: run `silu(gate) · up` as Kestrel's CUDA kernel on the fused output;
+    /// `cpu_half`: as the CPU's one-pass kernel (`cpu_elementwise.rs`; inference only).
+    fn forward(
+        &self,
+        x: &Tensor,
+        fast: bool,
+        swiglu_kernel: bool,
+        cpu_half: bool,
+    ) -> Result<Tensor> {
         if let Some(lin) = self.fused_gate_up(x, swiglu_kernel) {
             return self.down_swiglu(&lin.forward_with(x, fast)?, fast);
+        }
+        if let (true, Some(lin)) = (cpu_half, self.fused_gate_up(x, true)) {
+            let h = crate::cpu_elementwise::swiglu_half(&lin.forward_with(x, fast)?)?;
+            return self.down.forward_with(&h, fast);
         }
         let gu = self.gate_up.forward(x, fast)?;
         let h = (gu[0].silu()? * &gu[1])?;
@@ -712,7 +723,7 @@ impl Mlp {
             return Ok((sum, self.down_swiglu(&gu, fast)?));
         }
         let (sum, h) = norm.forward_add(x, res)?;
-        Ok((sum, self.forward(&h, fast, swiglu_kernel)?))
+        Ok((sum, self.forward(&h, fast, swiglu_kernel, false)?))
     }
 }
 
@@ -859,9 +870,17 @@ impl DecoderLayer {
             Some(norm) => norm.forward(x, diff)?,
             None => x.clone(),
         };
-        let x = (x + attn(&h)?)?;
+        // Half-precision inference on the CPU takes one-pass kernels with candle's bits.
+        let cpu_half = !diff && x.device().is_cpu() && x.dtype() != DType::F32 && x.rank() == 2;
+        let add = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+            match cpu_half {
+                true => crate::cpu_elementwise::add_half(a, b),
+                false => Ok((a + b)?),
+            }
+        };
+        let x = add(x, &attn(&h)?)?;
         let h = self.post_norm.forward(&x, diff)?;
-        Ok((&x + self.mlp.forward(&h, matvec, swiglu)?)?)
+        add(&x, &self.mlp.forward(&h, matvec, swiglu, cpu_half)?)
     }
 
     /// The layer with its residual adds fused into the RMSNorms that follow them (Kestrel's

@@ -17,6 +17,7 @@ mod arena;
 mod batched_attn;
 pub mod cache;
 mod cpu_attn;
+mod cpu_elementwise;
 mod cpu_norm;
 pub mod cuda_kernels;
 pub mod eagle;
