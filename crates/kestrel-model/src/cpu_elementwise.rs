@@ -99,7 +99,7 @@ fn split<T: Send>(out: &mut [T], unit: usize, f: impl Fn(usize, &mut [T]) + Sync
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn operand(rows: usize, cols: usize, seed: u64, dtype: DType) -> Tensor {
@@ -111,7 +111,8 @@ mod tests {
             .unwrap()
     }
 
-    fn bits(t: &Tensor) -> Vec<u32> {
+    /// The f32 bits of every element of `t`.
+    pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
         t.to_dtype(DType::F32)
             .unwrap()
             .flatten_all()

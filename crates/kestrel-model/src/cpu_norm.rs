@@ -123,17 +123,7 @@ mod tests {
                     .unwrap();
                 let got = rms_norm_half(&x, &w, 1e-5).unwrap();
                 let want = candle_ops(&x, &w, 1e-5);
-                let bits = |t: &Tensor| -> Vec<u32> {
-                    t.to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect()
-                };
+                use crate::cpu_elementwise::tests::bits;
                 assert_eq!(bits(&got), bits(&want), "{rows} rows of {dtype:?}");
             }
         }
