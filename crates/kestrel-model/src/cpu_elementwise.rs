@@ -73,13 +73,17 @@ fn swiglu<T: Half>(gu: &Tensor, rows: usize, i: usize) -> Result<Tensor> {
     let mut out = vec![T::from_f32(0.0); rows * i];
     let one = T::from_f32(1.0).to_f32();
     cpu_slice::<T, _>(&gu, |v| {
+        // Tasks are whole rows (`split` keeps them multiples of i).
         split(&mut out, i, |at, o| {
-            for (n, o) in o.iter_mut().enumerate() {
-                let (r, c) = ((at + n) / i, (at + n) % i);
-                let g = v[r * 2 * i + c].to_f32();
-                let e = T::from_f32((-g).exp()).to_f32();
-                let s = T::from_f32(g / T::from_f32(one + e).to_f32()).to_f32();
-                *o = T::from_f32(s * v[r * 2 * i + i + c].to_f32());
+            for (r, o) in o.chunks_mut(i).enumerate() {
+                let row = &v[(at / i + r) * 2 * i..][..2 * i];
+                let (gate, up) = row.split_at(i);
+                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                    let g = g.to_f32();
+                    let e = T::from_f32((-g).exp()).to_f32();
+                    let s = T::from_f32(g / T::from_f32(one + e).to_f32()).to_f32();
+                    *o = T::from_f32(s * u.to_f32());
+                }
             }
         });
         Ok(())
