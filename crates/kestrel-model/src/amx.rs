@@ -97,43 +97,6 @@ fn matmul_nt_t(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32>
     out_t
 }
 
-pub(crate) fn pack_weights(w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
-    let mut out = Vec::with_capacity(n * k);
-    for block in w.chunks_exact(TILE * k) {
-        for c in 0..k / K_CHUNK {
-            for r in 0..TILE {
-                out.extend_from_slice(&block[r * k + c * K_CHUNK..][..K_CHUNK]);
-            }
-        }
-    }
-    out
-}
-
-/// EXPERIMENT: every bf16 product on AMX with the weights repacked once (cached by address).
-pub(crate) fn matmul_all(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
-    if !(k.is_multiple_of(K_CHUNK) && n.is_multiple_of(TILE) && available()) {
-        return None;
-    }
-    static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Arc<Vec<bf16>>>>> = OnceLock::new();
-    let key = (w.as_ptr() as usize, w.len());
-    let wp = CACHE
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap()
-        .entry(key)
-        .or_insert_with(|| Arc::new(pack_weights(w, n, k)))
-        .clone();
-    let packed = pack_inputs(x, m, k);
-    let per_task = crate::matvec::rows_per_task(n).next_multiple_of(4 * TILE);
-    let mut out_t = vec![0f32; n * m];
-    crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
-        imp::columns4(&packed, &wp, true, k, m, task * per_task, out);
-    });
-    Some(out_t)
-}
-
 /// `x`'s rows as tdpbf16ps's second operand: for each group of 16 rows and each 32-wide chunk
 /// of K, a 16 × 16 tile of bf16 pairs, element `(kk, i)` holding `x[16g + i][32c + 2kk ..
 /// 32c + 2kk + 2]` (rows past `m` are zeros). Group g, chunk c starts at `(g·chunks + c)·512`.
@@ -189,87 +152,6 @@ mod imp {
         }
         c
     };
-
-    /// Four 16-column blocks a pass (tmm0-3 accumulate, tmm4/tmm5 take the weight tiles in
-    /// turn, tmm6 the inputs).
-    pub(super) fn columns4(
-        packed: &[bf16],
-        w: &[bf16],
-        tiled: bool,
-        k: usize,
-        m: usize,
-        j0: usize,
-        out: &mut [f32],
-    ) {
-        let cols = out.len() / m;
-        let chunks = k / K_CHUNK;
-        let (stride, step) = if tiled {
-            (64, TILE * K_CHUNK)
-        } else {
-            (k * std::mem::size_of::<bf16>(), K_CHUNK)
-        };
-        let mut acc = [[[0f32; TILE]; TILE]; 4];
-        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig) };
-        let groups = m.div_ceil(TILE);
-        for band in (0..groups).step_by(BAND_GROUPS) {
-            for b in (0..cols).step_by(4 * TILE) {
-                let blk = |i: usize| if b + i * TILE < cols { b + i * TILE } else { b };
-                let col0 = [blk(0), blk(1), blk(2), blk(3)];
-                let wp = col0.map(|c| w[(j0 + c) * k..].as_ptr());
-                for g in band..groups.min(band + BAND_GROUPS) {
-                    let x = packed[g * chunks * TILE * K_CHUNK..].as_ptr();
-                    unsafe {
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tilezero tmm2",
-                            "tilezero tmm3"
-                        );
-                        for c in 0..chunks {
-                            asm!(
-                                "tileloadd tmm6, [{x} + {s64}*1]",
-                                "tileloadd tmm4, [{w0} + {s}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tileloadd tmm5, [{w1} + {s}*1]",
-                                "tdpbf16ps tmm1, tmm5, tmm6",
-                                "tileloadd tmm4, [{w2} + {s}*1]",
-                                "tdpbf16ps tmm2, tmm4, tmm6",
-                                "tileloadd tmm5, [{w3} + {s}*1]",
-                                "tdpbf16ps tmm3, tmm5, tmm6",
-                                x = in(reg) x.add(c * TILE * K_CHUNK),
-                                w0 = in(reg) wp[0].add(c * step),
-                                w1 = in(reg) wp[1].add(c * step),
-                                w2 = in(reg) wp[2].add(c * step),
-                                w3 = in(reg) wp[3].add(c * step),
-                                s = in(reg) stride,
-                                s64 = in(reg) 64usize,
-                                options(nostack, readonly),
-                            );
-                        }
-                        asm!(
-                            "tilestored [{a} + {s64}*1], tmm0",
-                            "tilestored [{b} + {s64}*1], tmm1",
-                            "tilestored [{c} + {s64}*1], tmm2",
-                            "tilestored [{d} + {s64}*1], tmm3",
-                            a = in(reg) acc[0].as_mut_ptr(),
-                            b = in(reg) acc[1].as_mut_ptr(),
-                            c = in(reg) acc[2].as_mut_ptr(),
-                            d = in(reg) acc[3].as_mut_ptr(),
-                            s64 = in(reg) 64usize,
-                            options(nostack),
-                        );
-                    }
-                    let rows = TILE.min(m - g * TILE);
-                    for (a, &c0) in acc.iter().zip(&col0) {
-                        for (c, lane) in a.iter().enumerate() {
-                            out[(c0 + c) * m + g * TILE..][..rows].copy_from_slice(&lane[..rows]);
-                        }
-                    }
-                }
-            }
-        }
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    }
 
     /// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then Linux's permission
     /// for the tile data state (`ARCH_REQ_XCOMP_PERM`, XFEATURE_XTILEDATA = 18), without

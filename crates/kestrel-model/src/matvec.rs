@@ -584,14 +584,6 @@ impl CustomOp2 for MatMulNt {
                 let out = matmul_nt(&xf, slice(w, l2)?, m, k, n);
                 CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect())
             }
-            (CpuStorage::BF16(x), CpuStorage::BF16(w))
-                if std::env::var("KESTREL_AMX_ALL").is_ok()
-                    && crate::amx::matmul_all(&[], &[], 0, k, n).is_some() =>
-            {
-                let out = crate::amx::matmul_all(slice(x, l1)?, slice(w, l2)?, m, k, n).unwrap();
-                let out = transpose(out, m, n);
-                CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect())
-            }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let mut xf = vec![0f32; m * k];
                 bf16::widen(slice(x, l1)?, &mut xf);
