@@ -1,5 +1,5 @@
-//! The element-wise ops of a half-precision CPU step (the residual adds and SwiGLU), with the
-//! bits of the candle ops they replace (`layer.rs`: `x + y`, `silu(gate) · up`).
+//! The element-wise ops of a CPU step (half-precision residual adds; SwiGLU in any dtype),
+//! with the bits of the candle ops they replace (`layer.rs`: `x + y`, `silu(gate) · up`).
 //!
 //! Why: through candle, a bf16 SmolLM2 verification of 8 rows spent ~14% of its thread time
 //! in these ops (bf16 widening and narrowing helpers called per vector, `silu` and the product
@@ -52,18 +52,20 @@ fn add<T: Half>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `silu(gate) · up` of the fused rows `gu [T, 2I]` (gate then up) → `[T, I]`, with candle's
-/// roundings for a half dtype: `silu(g) = g / (1 + exp(−g))`, each of `exp`, `+` and `/`
-/// rounded to the dtype, then the product rounded.
-pub(crate) fn swiglu_half(gu: &Tensor) -> Result<Tensor> {
+/// roundings: `silu(g) = g / (1 + exp(−g))`, in a half dtype each of `exp`, `+` and `/`
+/// rounded to it, then the product rounded (in f32 candle's scalar formula: its `silu` of
+/// `gate`, a strided view, takes that path).
+pub(crate) fn swiglu_cpu(gu: &Tensor) -> Result<Tensor> {
     let (rows, two_i) = gu.dims2()?;
     if two_i % 2 != 0 {
-        return Err(invalid(format!("swiglu_half: odd width {two_i}")));
+        return Err(invalid(format!("swiglu_cpu: odd width {two_i}")));
     }
     match gu.dtype() {
         DType::BF16 => swiglu::<bf16>(gu, rows, two_i / 2),
         DType::F16 => swiglu::<f16>(gu, rows, two_i / 2),
+        DType::F32 => swiglu::<f32>(gu, rows, two_i / 2),
         other => Err(invalid(format!(
-            "swiglu_half: {other:?} is not f16 or bf16"
+            "swiglu_cpu: {other:?} is not f32, f16 or bf16"
         ))),
     }
 }
@@ -128,18 +130,18 @@ pub(crate) mod tests {
             .collect()
     }
 
-    /// The same bits as candle's ops, in one row and in many (split over tasks), bf16 and f16.
+    /// The same bits as candle's ops, in one row and in many (split over tasks): adds in bf16
+    /// and f16, SwiGLU in those and f32.
     #[test]
     fn same_bits_as_candles_ops() {
-        for dtype in [DType::BF16, DType::F16] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
             for rows in [1, 3, 40] {
                 let (a, b) = (operand(rows, 576, 1, dtype), operand(rows, 576, 2, dtype));
-                let want = (&a + &b).unwrap();
-                assert_eq!(
-                    bits(&add_half(&a, &b).unwrap()),
-                    bits(&want),
-                    "add {dtype:?} {rows}"
-                );
+                if dtype != DType::F32 {
+                    let want = (&a + &b).unwrap();
+                    let got = add_half(&a, &b).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "add {dtype:?} {rows}");
+                }
 
                 let gu = operand(rows, 2 * 1536, 3, dtype);
                 let (g, u) = (
@@ -148,7 +150,7 @@ pub(crate) mod tests {
                 );
                 let want = (g.silu().unwrap() * u).unwrap();
                 assert_eq!(
-                    bits(&swiglu_half(&gu).unwrap()),
+                    bits(&swiglu_cpu(&gu).unwrap()),
                     bits(&want),
                     "swiglu {dtype:?} {rows}"
                 );
@@ -163,10 +165,10 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("add_half: [2, 8] BF16 + [2, 9] BF16"), "{err}");
-        let err = swiglu_half(&operand(2, 7, 1, DType::BF16))
+        let err = swiglu_cpu(&operand(2, 7, 1, DType::BF16))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("swiglu_half: odd width 7"), "{err}");
+        assert!(err.contains("swiglu_cpu: odd width 7"), "{err}");
         let err = add_half(&operand(2, 8, 1, DType::F32), &operand(2, 8, 1, DType::F32));
         assert!(err
             .unwrap_err()

@@ -9,7 +9,7 @@ use crate::error::{invalid, Result};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::{bf16, f16};
 
-/// f16 and bf16: widened to f32 and rounded back (to nearest, ties to even).
+/// f16 and bf16: widened to f32 and rounded back (to nearest, ties to even); f32 as it is.
 pub(crate) trait Half: Copy + Send + Sync + candle_core::WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
@@ -21,6 +21,16 @@ impl Half for bf16 {
     }
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
+    }
+}
+
+/// f32 itself, for the kernels that also take f32 rows (no rounding).
+impl Half for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
     }
 }
 

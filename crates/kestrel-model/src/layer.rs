@@ -667,19 +667,19 @@ struct Mlp {
 
 impl Mlp {
     /// `swiglu_kernel`: run `silu(gate) · up` as Kestrel's CUDA kernel on the fused output;
-    /// `cpu_half`: as the CPU's one-pass kernel (`cpu_elementwise.rs`; inference only).
+    /// `cpu_kernel`: as the CPU's one-pass kernel (`cpu_elementwise.rs`; inference only).
     fn forward(
         &self,
         x: &Tensor,
         fast: bool,
         swiglu_kernel: bool,
-        cpu_half: bool,
+        cpu_kernel: bool,
     ) -> Result<Tensor> {
         if let Some(lin) = self.fused_gate_up(x, swiglu_kernel) {
             return self.down_swiglu(&lin.forward_with(x, fast)?, fast);
         }
-        if let (true, Some(lin)) = (cpu_half, self.fused_gate_up(x, true)) {
-            let h = crate::cpu_elementwise::swiglu_half(&lin.forward_with(x, fast)?)?;
+        if let (true, Some(lin)) = (cpu_kernel, self.fused_gate_up(x, true)) {
+            let h = crate::cpu_elementwise::swiglu_cpu(&lin.forward_with(x, fast)?)?;
             return self.down.forward_with(&h, fast);
         }
         let gu = self.gate_up.forward(x, fast)?;
@@ -870,8 +870,10 @@ impl DecoderLayer {
             Some(norm) => norm.forward(x, diff)?,
             None => x.clone(),
         };
-        // Half-precision inference on the CPU takes one-pass kernels with candle's bits.
-        let cpu_half = !diff && x.device().is_cpu() && x.dtype() != DType::F32 && x.rank() == 2;
+        // Inference on the CPU takes one-pass kernels with candle's bits (adds only in
+        // half precision, where candle's were slow).
+        let cpu = !diff && x.device().is_cpu() && x.rank() == 2;
+        let cpu_half = cpu && x.dtype() != DType::F32;
         let add = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
             match cpu_half {
                 true => crate::cpu_elementwise::add_half(a, b),
@@ -880,7 +882,7 @@ impl DecoderLayer {
         };
         let x = add(x, &attn(&h)?)?;
         let h = self.post_norm.forward(&x, diff)?;
-        add(&x, &self.mlp.forward(&h, matvec, swiglu, cpu_half)?)
+        add(&x, &self.mlp.forward(&h, matvec, swiglu, cpu)?)
     }
 
     /// The layer with its residual adds fused into the RMSNorms that follow them (Kestrel's
