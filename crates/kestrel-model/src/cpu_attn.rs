@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::matvec::WeightElem;
-use candle_core::{DType, Device, Storage, Tensor, WithDType};
+use candle_core::{DType, Device, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Below this many multiply-adds the work runs on the calling thread. Inside a step's team a
@@ -62,16 +62,7 @@ pub(crate) fn attend(
 }
 
 fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        return Err(crate::error::invalid(
-            "cpu attention called on a non-CPU tensor",
-        ));
-    };
-    let all = cpu.as_slice::<T>()?;
-    let start = layout.start_offset();
-    f(&all[start..start + t.elem_count()])
+    crate::cpu_norm::cpu_slice(&t.contiguous()?, f)
 }
 
 fn run<T: WithDType + WeightElem>(

@@ -8,7 +8,7 @@
 //! (`team.rs`) when it is long. Every element's arithmetic is fixed, so the results do not
 //! depend on the rows or the threads.
 
-use crate::cpu_norm::{cpu_slice, Half};
+use crate::cpu_norm::{cpu_slice, Rounded};
 use crate::error::{invalid, Result};
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
@@ -35,7 +35,7 @@ pub(crate) fn add_half(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-fn add<T: Half>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+fn add<T: Rounded>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (a, b) = (a.contiguous()?, b.contiguous()?);
     let mut out = vec![T::from_f32(0.0); a.elem_count()];
     cpu_slice::<T, _>(&a, |av| {
@@ -70,7 +70,7 @@ pub(crate) fn swiglu_cpu(gu: &Tensor) -> Result<Tensor> {
     }
 }
 
-fn swiglu<T: Half>(gu: &Tensor, rows: usize, i: usize) -> Result<Tensor> {
+fn swiglu<T: Rounded>(gu: &Tensor, rows: usize, i: usize) -> Result<Tensor> {
     let gu = gu.contiguous()?;
     let mut out = vec![T::from_f32(0.0); rows * i];
     let one = T::from_f32(1.0).to_f32();

@@ -9,13 +9,14 @@ use crate::error::{invalid, Result};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::{bf16, f16};
 
-/// f16 and bf16: widened to f32 and rounded back (to nearest, ties to even); f32 as it is.
-pub(crate) trait Half: Copy + Send + Sync + candle_core::WithDType {
+/// A dtype the CPU kernels compute in f32 and round back to: f16 and bf16 (to nearest, ties
+/// to even), and f32 itself.
+pub(crate) trait Rounded: Copy + Send + Sync + candle_core::WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 }
 
-impl Half for bf16 {
+impl Rounded for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -25,7 +26,7 @@ impl Half for bf16 {
 }
 
 /// f32 itself, for the kernels that also take f32 rows (no rounding).
-impl Half for f32 {
+impl Rounded for f32 {
     fn to_f32(self) -> f32 {
         self
     }
@@ -34,7 +35,7 @@ impl Half for f32 {
     }
 }
 
-impl Half for f16 {
+impl Rounded for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
@@ -55,7 +56,7 @@ pub(crate) fn rms_norm_half(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> 
     }
 }
 
-fn run<T: Half>(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+fn run<T: Rounded>(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     let x = x.contiguous()?;
     let h = x.dim(candle_core::D::Minus1)?;
     let w = w.contiguous()?;

@@ -678,7 +678,7 @@ impl Mlp {
         if let Some(lin) = self.fused_gate_up(x, swiglu_kernel) {
             return self.down_swiglu(&lin.forward_with(x, fast)?, fast);
         }
-        if let (true, Some(lin)) = (cpu_kernel, self.fused_gate_up(x, true)) {
+        if let Some(lin) = self.fused_gate_up(x, cpu_kernel) {
             let h = crate::cpu_elementwise::swiglu_cpu(&lin.forward_with(x, fast)?)?;
             return self.down.forward_with(&h, fast);
         }
@@ -687,7 +687,8 @@ impl Mlp {
         self.down.forward_with(&h, fast)
     }
 
-    /// The fused gate_up projection when SwiGLU runs as Kestrel's kernel on its output.
+    /// The fused gate_up projection when SwiGLU runs as one of Kestrel's kernels (CUDA or CPU)
+    /// on its output.
     fn fused_gate_up(&self, x: &Tensor, swiglu_kernel: bool) -> Option<&Linear> {
         match &self.gate_up {
             Proj::Fused { lin, sizes }
