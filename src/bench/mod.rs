@@ -367,6 +367,12 @@ pub struct ModeResult {
     pub speedup_vs_plain: Option<f64>,
     pub draft_s: f64,
     pub verify_s: f64,
+    /// Of verify_s, EAGLE's acceptance (waiting for the verification's tokens included).
+    pub accept_s: f64,
+    /// Of draft_s, EAGLE's head reading the committed pairs.
+    pub head_s: f64,
+    /// Of verify_s, EAGLE's compaction, kept features and commits after acceptance.
+    pub update_s: f64,
     pub prefill_s: f64,
     /// Mean cached context a sequence's step attends to.
     pub mean_context_len: f64,
@@ -891,6 +897,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     speedup_vs_plain: None,
                     draft_s: 0.0,
                     verify_s: v.tree_step_s * v.steps as f64,
+                    accept_s: 0.0,
+                    head_s: 0.0,
+                    update_s: 0.0,
                     prefill_s: 0.0,
                     mean_context_len: v.mean_context_len,
                     bytes_per_step: bytes,
@@ -1081,6 +1090,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 speedup_vs_plain: speedup,
                 draft_s: timings.draft_s,
                 verify_s: timings.verify_s,
+                accept_s: timings.accept_s,
+                head_s: timings.head_s,
+                update_s: timings.update_s,
                 prefill_s: timings.prefill_s,
                 mean_context_len: shape_of.mean_context_len,
                 bytes_per_step: bytes_total / batch_steps,

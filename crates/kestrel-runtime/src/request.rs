@@ -75,6 +75,16 @@ pub struct RunTimings {
     pub prefill_s: f64,
     pub draft_s: f64,
     pub verify_s: f64,
+    /// Of `verify_s`, EAGLE's acceptance of the verified trees: mostly waiting for the
+    /// verification to finish on the device and its tokens to reach the host, so
+    /// `verify_s - accept_s` is host work the device may have waited for.
+    pub accept_s: f64,
+    /// Of `draft_s`, EAGLE's head reading the newly committed pairs (the rest is the tree's
+    /// draft levels).
+    pub head_s: f64,
+    /// Of `verify_s`, EAGLE's work after acceptance: KV compaction, the kept rows' features,
+    /// commits.
+    pub update_s: f64,
     pub total_s: f64,
     pub generated_tokens: usize,
     /// Decode or speculative steps run (each over every live sequence of the batch).

@@ -315,6 +315,7 @@ impl Decoder for EagleDecoder<'_> {
 
             let draft_start = Instant::now();
             let roots = self.advance_head(&live, &seqs, &head_ids, &pending)?;
+            timings.head_s += draft_start.elapsed().as_secs_f64();
             let mut drafter = Drafter {
                 head: self.head,
                 base: model,
@@ -385,6 +386,7 @@ impl Decoder for EagleDecoder<'_> {
                 None => model.forward_tapped(&batch, &mut self.base_cache, taps, false)?,
             };
             let logits = model.logits(&model.final_hidden(&tapped)?)?;
+            let accept_start = Instant::now();
             let accepted = accept::accept_trees(
                 &logits,
                 self.options.acceptance,
@@ -396,6 +398,8 @@ impl Decoder for EagleDecoder<'_> {
                 device_laws.as_ref(),
                 self.draft_vocab.as_ref().and_then(|v| v.col_of.as_ref()),
             )?;
+            timings.accept_s += accept_start.elapsed().as_secs_f64();
+            let update_start = Instant::now();
             // Every sequence's accepted slots move into place in one launch, and their features
             // (the verification's rows at the accepted nodes) come out in one gather.
             let compactions: Vec<Compaction> = live
@@ -433,6 +437,7 @@ impl Decoder for EagleDecoder<'_> {
                 });
                 first_row += kept;
             }
+            timings.update_s += update_start.elapsed().as_secs_f64();
             timings.verify_s += verify_start.elapsed().as_secs_f64();
             timings.batch_steps += 1;
         }
