@@ -149,15 +149,22 @@ impl Drafter<'_> {
         } else {
             NodeTokens::host(roots, n)
         };
-        let mut outputs = NodeOutputs::new(roots, n)?;
+        // Made at the first level that feeds the head: a one-level tree drafts from the roots'
+        // outputs alone and needs no per-node buffer (a few launches and uploads a step).
+        let mut outputs: Option<NodeOutputs> = None;
         let mut laws: Vec<DraftLaws> = roots.iter().map(|_| DraftLaws::None).collect();
         let mut device_rows = 0;
         for level in buf.draft_levels() {
             let nodes = expanded(roots.len(), &level.expand);
             // The expanded nodes' outputs: the root's, or those of this level's feed.
             let rows = if level.depth == 0 {
-                outputs.gather(&nodes)?
+                debug_assert_eq!(level.expand, [0], "depth 0 expands the root alone");
+                root_outputs(roots)?
             } else {
+                let outputs = match &mut outputs {
+                    Some(o) => o,
+                    None => outputs.insert(NodeOutputs::new(roots, n)?),
+                };
                 let fed: Vec<usize> = (1..n)
                     .filter(|&i| buf.depths()[i] <= level.depth && !buf.is_leaf(i))
                     .collect();
@@ -191,7 +198,7 @@ impl Drafter<'_> {
                     self.cache,
                     &feeds,
                     fed_tokens.device.as_ref(),
-                    &outputs,
+                    outputs,
                 )?;
                 outputs.set(&nodes, &out)?;
                 out
@@ -308,10 +315,10 @@ impl Drafter<'_> {
         let bad = |e: kestrel_spec::DynamicTreeError| RuntimeError::InvalidRequest(e.to_string());
         let top = cfg.top_k;
         let mut builders = Vec::with_capacity(roots.len());
-        // Node id 0 is the root; candidate c has node id c + 1.
-        let mut outputs = NodeOutputs::new(roots, cfg.num_candidates() + 1)?;
-        let root_rows = outputs.gather(&expanded(roots.len(), &[0]))?;
-        for (t, lp) in self.top_k(&root_rows, top)? {
+        // Node id 0 is the root; candidate c has node id c + 1. The buffer is for the
+        // expansions: a one-layer tree drafts from the roots' outputs alone.
+        let mut outputs = None;
+        for (t, lp) in self.top_k(&root_outputs(roots)?, top)? {
             let mut b = DynamicTreeBuilder::new(*cfg).map_err(bad)?;
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);
@@ -342,7 +349,11 @@ impl Drafter<'_> {
                     want,
                 });
             }
-            let out = feed_trees(self.head, self.base, self.cache, &feeds, None, &outputs)?;
+            let outputs = match &mut outputs {
+                Some(o) => o,
+                None => outputs.insert(NodeOutputs::new(roots, cfg.num_candidates() + 1)?),
+            };
+            let out = feed_trees(self.head, self.base, self.cache, &feeds, None, outputs)?;
             let mut ids_per_seq = Vec::with_capacity(roots.len());
             let mut frontier_nodes: Vec<NodeRef> = Vec::new();
             for (s, b) in builders.iter().enumerate() {
@@ -383,6 +394,14 @@ impl Drafter<'_> {
             device_tokens: None,
         })
     }
+}
+
+/// The roots' outputs, `[roots, hidden]` (one root's is its own tensor, with no copy).
+fn root_outputs(roots: &[DraftRoot]) -> Result<Tensor> {
+    Ok(match roots {
+        [one] => one.output.clone(),
+        _ => Tensor::cat(&roots.iter().map(|r| &r.output).collect::<Vec<_>>(), 0)?,
+    })
 }
 
 /// The same nodes of every one of `trees` trees, tree-major.
