@@ -155,7 +155,6 @@ impl Drafter<'_> {
         let mut laws: Vec<DraftLaws> = roots.iter().map(|_| DraftLaws::None).collect();
         let mut device_rows = 0;
         for level in buf.draft_levels() {
-            let nodes = expanded(roots.len(), &level.expand);
             // The expanded nodes' outputs: the root's, or those of this level's feed.
             let rows = if level.depth == 0 {
                 debug_assert_eq!(level.expand, [0], "depth 0 expands the root alone");
@@ -200,7 +199,7 @@ impl Drafter<'_> {
                     fed_tokens.device.as_ref(),
                     outputs,
                 )?;
-                outputs.set(&nodes, &out)?;
+                outputs.set(&expanded(roots.len(), &level.expand), &out)?;
                 out
             };
             // Children of every expanded node, sequence-major (row = s · expanded + j).
@@ -397,7 +396,7 @@ impl Drafter<'_> {
 }
 
 /// The roots' outputs, `[roots, hidden]` (one root's is its own tensor, with no copy).
-fn root_outputs(roots: &[DraftRoot]) -> Result<Tensor> {
+pub(super) fn root_outputs(roots: &[DraftRoot]) -> Result<Tensor> {
     Ok(match roots {
         [one] => one.output.clone(),
         _ => Tensor::cat(&roots.iter().map(|r| &r.output).collect::<Vec<_>>(), 0)?,

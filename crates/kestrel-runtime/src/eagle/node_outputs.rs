@@ -3,7 +3,7 @@
 //! row gather, and a level's outputs written with one row scatter, where keeping a tensor per
 //! node cost a copy per node (on a GPU, a launch each) every time they were concatenated.
 
-use super::draft::DraftRoot;
+use super::draft::{root_outputs, DraftRoot};
 use crate::error::Result;
 use candle_core::Tensor;
 use kestrel_kernels::{gather_rows, scatter_rows};
@@ -31,9 +31,8 @@ impl NodeOutputs {
             first.device(),
         )?;
         let mut outputs = NodeOutputs { buf, per_tree };
-        let root_rows: Vec<&Tensor> = roots.iter().map(|r| &r.output).collect();
         let ids: Vec<NodeRef> = (0..roots.len()).map(|s| (s, 0)).collect();
-        outputs.set(&ids, &Tensor::cat(&root_rows, 0)?)?;
+        outputs.set(&ids, &root_outputs(roots)?)?;
         Ok(outputs)
     }
 
