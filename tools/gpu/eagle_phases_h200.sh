@@ -13,10 +13,12 @@
 #   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/eagle_phases_h200.sh
 # Results: $OUT/eagle_phases.txt and the JSON reports in $OUT/eagle_phases.tar.gz.
 # A/B: SPEC_BENCH=/tmp/bin/other TAG=new runs another build into its own folder of results.
+# BATCH=4 (default 1) runs that batch size instead (in-flight batching, as spec-bench runs it).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
 E=/tmp/eagle_phases; R=$E/${TAG:-run}; mkdir -p $R
+BATCH=${BATCH:-1}
 SB=${SPEC_BENCH:-$B/spec-bench}
 HEAD=heads/smollm2-eagle
 [ -d $E/eng ] || smollm2_engine bfloat16 eagle $E/eng $HEAD
@@ -27,10 +29,10 @@ for mode in $MODES; do
   nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > $R/util_$i.txt &
   smi=$!
   $SB --engine_dir $E/eng --device cuda:0 --prompts tools/gpu/mt_bench_first20.jsonl \
-    --num_prompts 20 --max_output_len 128 --batch_sizes 1 --modes "$mode" --eagle_draft_vocab 4096 \
+    --num_prompts 20 --max_output_len 128 --batch_sizes $BATCH --modes "$mode" --eagle_draft_vocab 4096 \
     --output_json $R/mode_$i.json > $R/mode_$i.log 2>&1 || { echo "$mode failed"; tail -3 $R/mode_$i.log; }
   kill $smi
 done
-echo "== ${TAG:-run}: $SB" | tee -a "$OUT/eagle_phases.txt"
+echo "== ${TAG:-run}: $SB, batch $BATCH" | tee -a "$OUT/eagle_phases.txt"
 python3 "$here/eagle_phases_summary.py" $R | tee -a "$OUT/eagle_phases.txt"
 tar -C $E -czf "$OUT/eagle_phases.tar.gz" $(cd $E && ls -d */ | grep -v eng)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Summarises tools/gpu/eagle_phases_h200.sh: per mode, tokens/s, tau, the step's
 milliseconds split into the head reading the committed pairs, the draft levels, queueing
-the verification, acceptance (waiting for the verification included) and the update after it, whether its output digest equals the first plain run's, and the GPU utilization samples taken while it ran (median of the samples at or
-above 5%, which leaves out the process's start). Usage: eagle_phases_summary.py DIR"""
+the verification, acceptance (waiting for the verification included) and the update after it, whether its output digest equals the first plain run's, the GPU utilization samples taken while it ran (median of the samples at or
+above 5%, which leaves out the process's start), and the CUDA graphs captured and replayed
+(target and head together; a step layout runs eagerly until its capture). Usage: eagle_phases_summary.py DIR"""
 import glob
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 
 d = sys.argv[1]
 print(f"{'mode':40s} {'tok/s':>7s} {'tau':>5s} {'step ms':>8s} {'head':>6s} {'levels':>6s} {'verify':>6s}"
-      f" {'accept':>7s} {'update':>6s} {'gpu util %':>10s} =plain")
+      f" {'accept':>7s} {'update':>6s} {'gpu util %':>10s} {'captures':>8s} {'replays':>7s} =plain")
 plain_digest = None
 for path in sorted(glob.glob(os.path.join(d, "mode_*.json")), key=lambda p: int(re.findall(r"\d+", p)[-1])):
     i = re.findall(r"\d+", path)[-1]
@@ -27,4 +28,5 @@ for path in sorted(glob.glob(os.path.join(d, "mode_*.json")), key=lambda p: int(
         print(f"{r['mode'][-40:]:40s} {r['tokens_per_s']:7.0f} {r.get('mean_accepted_len') or 1:5.2f}"
               f" {r['step_latency_ms']:8.3f} {ms(r['head_s']):6.3f} {ms(r['draft_s'] - r['head_s']):6.3f}"
               f" {ms(r['verify_s'] - r['accept_s'] - r['update_s']):6.3f} {ms(r['accept_s']):7.3f}"
-              f" {ms(r['update_s']):6.3f} {med:10.0f} {r['output_digest'] == plain_digest}")
+              f" {ms(r['update_s']):6.3f} {med:10.0f} {r['cuda_graph_activity']['captures']:8d}"
+              f" {r['cuda_graph_activity']['replays']:7d} {r['output_digest'] == plain_digest}")

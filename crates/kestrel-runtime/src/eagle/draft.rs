@@ -322,17 +322,21 @@ impl Drafter<'_> {
             b.push_root_layer(&t, &lp).map_err(bad)?;
             builders.push(b);
         }
+        // Each level feeds every frontier expanded so far (each frontier node's parent is in
+        // the previous one, so these hold its ancestors): N nodes a layer whatever the tree's
+        // shape, one step layout a level that its CUDA graph replays. Kept in creation order,
+        // the order an ancestors-only feed would have; a node attends to its ancestors alone.
+        let mut fed: Vec<Vec<usize>> = vec![Vec::new(); roots.len()];
         for _layer in 1..cfg.num_layers {
             let mut feeds = Vec::with_capacity(roots.len());
-            for (r, b) in roots.iter().zip(&builders) {
-                let frontier = b.frontier().to_vec();
-                let mut fed: Vec<usize> = frontier.iter().flat_map(|&c| b.ancestors(c)).collect();
+            for ((r, b), fed) in roots.iter().zip(&builders).zip(&mut fed) {
+                fed.extend_from_slice(b.frontier());
                 fed.sort_unstable();
-                fed.dedup();
                 let cands = b.candidates();
-                let want = frontier
+                let want = b
+                    .frontier()
                     .iter()
-                    .map(|c| fed.iter().position(|f| f == c).expect("frontier is fed"))
+                    .map(|c| fed.binary_search(c).expect("the frontier is fed"))
                     .collect();
                 feeds.push(TreeFeed {
                     seq: r.seq,
