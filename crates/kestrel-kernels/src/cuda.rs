@@ -1174,6 +1174,9 @@ impl Gemv {
             let (kernel, stage) = if self.swiglu {
                 let stage = crate::gemv_swiglu_stage(m, k, std::mem::size_of::<T>());
                 ("kestrel_gemv_swiglu", stage)
+            } else if m <= crate::GEMV_MAX_ROWS {
+                // One tile of rows: the kernel that keeps one tile of partial sums.
+                ("kestrel_gemv_one_tile", 0)
             } else {
                 ("kestrel_gemv", 0)
             };

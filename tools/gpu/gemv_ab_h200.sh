@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A gemv change measured on the H200 against the previous build in one call: the kernel probe
+# (tools/gpu/gemv_probe.cu), the GPU tests, then spec-bench from both builds, alternated twice,
+# on random weights (bf16, graphs, batch 1, 128-token prompts, 64 tokens): Llama-2-7B plain and
+# verify:64, SmolLM2 plain and verify:8.
+# Staging: BINS="spec-bench convert-checkpoint spec-build kernels-gpu model-cuda" tools/gpu/pack.sh
+# (the test binaries copied from target-cuda/release/deps/{gpu,cuda}-* under those names), with
+# the previous build's spec-bench as spec-bench-base.xz and gemv_probe.xz (nvcc -O3 -std=c++17
+# -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu) added to c; carry a, b, c with
+# tools/gpu/stage.sh, then: bash tools/gpu/gemv_ab_h200.sh [probe test bench]
+# Results: $OUT/gemv_ab/*.json and the summary in $OUT/gemv_ab.txt.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/session-env.sh"
+R=$OUT/gemv_ab; mkdir -p $R
+for what in ${@:-probe test bench}; do
+  case $what in
+  probe) $B/gemv_probe | tee -a $OUT/gemv_ab.txt ;;
+  test) run_gpu_tests | grep -v " ok$" | tee -a $OUT/gemv_ab.txt ;;
+  bench)
+    for r in 1 2; do
+      for build in base new; do
+        sb=$B/spec-bench; [ $build = base ] && sb=$B/spec-bench-base
+        for shape in llama2-7b:verify:64 smollm2-135m:verify:8; do
+          $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+            --max_output_len 64 --num_prompts 4 --batch_sizes 1 --modes plain,${shape#*:} \
+            --output_json $R/${shape%%:*}_${build}_$r.json > $R/${shape%%:*}_${build}_$r.log 2>&1 ||
+            tail -3 $R/${shape%%:*}_${build}_$r.log
+        done
+      done
+    done
+    python3 - "$R" <<'PY' | tee -a $OUT/gemv_ab.txt
+import glob, json, os, sys
+d = sys.argv[1]
+print(f"{'run':28s} {'mode':10s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'digest':>18s}")
+for path in sorted(glob.glob(os.path.join(d, "*.json"))):
+    for res in json.load(open(path))["results"]:
+        v = (res.get("verify") or {}).get("ratio") or 0
+        print(f"{os.path.basename(path)[:-5]:28s} {res['mode']:10s} {res.get('tokens_per_s') or 0:7.0f}"
+              f" {res['step_latency_ms']:8.3f} {res['roofline_fraction']:8.3f} {v:6.2f} {res.get('output_digest') or '':>18s}")
+PY
+    ;;
+  esac
+done
