@@ -101,7 +101,7 @@ pub fn choose_kernels(
             };
             let attention = format!("kestrel_paged_attention_{dt}");
             Ok(vec![
-                // Steps of up to 8 rows take Kestrel's gemv; larger ones cuBLAS.
+                // Step rows (decode, drafts, verification) take Kestrel's gemv kernels; prompts cuBLAS.
                 choice("gemm", &format!("kestrel_gemv_{dt}+cublas")),
                 choice("attention.decode", &attention),
                 choice("attention.context", &attention),
