@@ -8,6 +8,7 @@
 # the previous build's spec-bench as spec-bench-base.xz and gemv_probe.xz (nvcc -O3 -std=c++17
 # -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu) added to c; carry a, b, c with
 # tools/gpu/stage.sh, then: bash tools/gpu/gemv_ab_h200.sh [probe test bench]
+# (SHAPES="llama2-7b:verify:64" benches that shape alone).
 # Results: $OUT/gemv_ab/*.json and the summary in $OUT/gemv_ab.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +22,7 @@ for what in ${@:-probe test bench}; do
     for r in 1 2; do
       for build in base new; do
         sb=$B/spec-bench; [ $build = base ] && sb=$B/spec-bench-base
-        for shape in llama2-7b:verify:64 smollm2-135m:verify:8; do
+        for shape in ${SHAPES:-llama2-7b:verify:64 smollm2-135m:verify:8}; do
           $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 --prompt_len 128 \
             --max_output_len 64 --num_prompts 4 --batch_sizes 1 --modes plain,${shape#*:} \
             --output_json $R/${shape%%:*}_${build}_$r.json > $R/${shape%%:*}_${build}_$r.log 2>&1 ||
