@@ -4,7 +4,9 @@
 // copy of its engine (GemvMma's loads, MMAs and warp order; one tile of partial sums, 16
 // threads adding them) reading the weight in rows, and the same reading it packed so that a
 // warp's 2 KiB block of K is one contiguous run (`pack`); and a plain streaming read of the
-// same bytes (the ceiling). All three gemvs must give the same bits. Weights rotate over
+// same bytes (the ceiling). All three gemvs must give the same bits. A second line per shape
+// times the shipped engine alone in a kernel (GemvMma, one tile, no FMA engine), called with
+// the step's M and with M = 1 known to the compiler. Weights rotate over
 // enough copies that no launch finds them in L2, as in a decode step.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
@@ -99,6 +101,16 @@ __global__ void GEMV_BOUNDS lean(const bf16 *__restrict__ x, const bf16 *__restr
     }
 }
 
+// GemvMma<bf16, 1, false> alone: `m1` passes M = 1 as a literal, the rows' loops and guards
+// then fold away.
+template <bool M1>
+__global__ void GEMV_BOUNDS engine_alone(const bf16 *x, const bf16 *w, bf16 *y, int M, int N, int K) {
+    GemvMma<bf16, 1, false> g{};
+    g.prefetch(w, N, K, GEMV_MMA);
+    pdl_enter();
+    g.finish(x, y, M1 ? 1 : M, N, K, GEMV_MMA);
+}
+
 // The ceiling: every byte read once, 4 vectors in flight a thread, grid-stride.
 __global__ void stream_read(const uint4 *w, size_t n16, unsigned *sink) {
     unsigned acc = 0;
@@ -178,6 +190,12 @@ int main() {
         });
         float t_rows = time([&](int i) { lean_rows(i, y1); });
         float t_packed = time([&](int i) { lean_packed(i, y2); });
+        float t_alone = time([&](int i) {
+            engine_alone<false><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y1, 1, s.n, s.k);
+        });
+        float t_m1 = time([&](int i) {
+            engine_alone<true><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k);
+        });
         float t_st = time([&](int i) {
             stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
         });
@@ -196,6 +214,7 @@ int main() {
         printf("%-8s %8.1f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f  %s\n", s.name,
                bytes / 1e6, t_ship, tb(t_ship), t_one, tb(t_one), t_rows, tb(t_rows), t_packed,
                tb(t_packed), t_st, tb(t_st), same ? "yes" : "NO");
+        printf("%-8s engine alone %5.1f, with M = 1 known %5.1f\n", "", t_alone, t_m1);
         for (int i = 0; i < copies; ++i) {
             CK(cudaFree(w[i]));
             CK(cudaFree(p[i]));
