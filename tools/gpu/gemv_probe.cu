@@ -1,13 +1,13 @@
 // Probe: where the one-row tensor-core gemv (kestrel_gemv_*, M = 1) loses time against the
 // bandwidth on Llama-2-7B's projections. Times, per shape: the shipped kernels (the four-tile
-// kestrel_gemv_* that steps of 9 to 32 rows take, kestrel_gemv_one_tile_* that decode takes); a lean M = 1
-// copy of its engine (GemvMma's loads, MMAs and warp order; one tile of partial sums, 16
-// threads adding them) reading the weight in rows, and the same reading it packed so that a
-// warp's 2 KiB block of K is one contiguous run (`pack`); and a plain streaming read of the
-// same bytes (the ceiling). All three gemvs must give the same bits. A second line per shape
-// times the shipped engine alone in a kernel (GemvMma, one tile, no FMA engine), called with
-// the step's M and with M = 1 known to the compiler. Weights rotate over
-// enough copies that no launch finds them in L2, as in a decode step.
+// kestrel_gemv_* that steps of 9 to 32 rows take, kestrel_gemv_one_tile_* that decode takes);
+// a lean M = 1 copy of their engine (GemvMma's loads, MMAs and warp order; one tile of
+// partial sums, 16 threads adding them) reading the weight in rows, and the same reading it
+// packed so that a warp's 2 KiB block of K is one contiguous run (`pack`); and a plain
+// streaming read of the same bytes (the ceiling). A second line per shape times the shipped
+// engine alone in a kernel (GemvMma, one tile, no FMA engine), called with the step's M and
+// with M = 1 known to the compiler. Every gemv must give the shipped kernel's bits. Weights
+// rotate over enough copies that no launch finds them in L2, as in a decode step.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include <cstdio>
@@ -101,8 +101,8 @@ __global__ void GEMV_BOUNDS lean(const bf16 *__restrict__ x, const bf16 *__restr
     }
 }
 
-// GemvMma<bf16, 1, false> alone: `m1` passes M = 1 as a literal, the rows' loops and guards
-// then fold away.
+// GemvMma<bf16, 1, false> alone; with M1, M = 1 is passed as a literal, so the loops and
+// guards over rows fold away.
 template <bool M1>
 __global__ void GEMV_BOUNDS engine_alone(const bf16 *x, const bf16 *w, bf16 *y, int M, int N, int K) {
     GemvMma<bf16, 1, false> g{};
@@ -137,6 +137,7 @@ int main() {
     CK(cudaMalloc(&x, 11008 * 2));
     CK(cudaMalloc(&y0, 22016 * 2));
     CK(cudaMalloc(&y1, 22016 * 2));
+    CK(cudaMalloc(&y2, 22016 * 2));
     CK(cudaMalloc(&sink, 4));
     {
         std::vector<bf16> hx(11008);
@@ -149,7 +150,6 @@ int main() {
     const int reps = 60;
     printf("%-8s %8s %10s %10s %10s %10s %10s %10s  (us a launch, TB/s)\n", "shape", "MB", "4 tiles",
            "one tile", "lean rows", "lean packed", "stream", "same bits");
-    CK(cudaMalloc(&y2, 22016 * 2));
     for (auto s : shapes) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
@@ -200,16 +200,23 @@ int main() {
             stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
         });
         CK(cudaGetLastError());
-        std::vector<unsigned short> a(s.n), b(s.n), c(s.n), d(s.n);
-        kestrel_gemv_one_tile_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y0, 1, s.n, s.k, GEMV_MMA);
-        CK(cudaMemcpy(d.data(), y0, s.n * 2, cudaMemcpyDeviceToHost));
+        // Each gemv of copy 0 against the shipped kernel's bits.
+        std::vector<unsigned short> want(s.n), got(s.n);
         shipped(0, y0);
-        lean_rows(0, y1);
-        lean_packed(0, y2);
-        CK(cudaMemcpy(a.data(), y0, s.n * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(b.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(c.data(), y2, s.n * 2, cudaMemcpyDeviceToHost));
-        const bool same = a == b && a == c && a == d;
+        CK(cudaMemcpy(want.data(), y0, s.n * 2, cudaMemcpyDeviceToHost));
+        bool same = true;
+        auto check = [&](auto launch) {
+            launch();
+            CK(cudaMemcpy(got.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
+            same &= got == want;
+        };
+        check([&] {
+            kestrel_gemv_one_tile_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
+        });
+        check([&] { lean_rows(0, y1); });
+        check([&] { lean_packed(0, y1); });
+        check([&] { engine_alone<false><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k); });
+        check([&] { engine_alone<true><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k); });
         auto tb = [&](float us) { return bytes / (us * 1e-6) / 1e12; };
         printf("%-8s %8.1f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f  %s\n", s.name,
                bytes / 1e6, t_ship, tb(t_ship), t_one, tb(t_one), t_rows, tb(t_rows), t_packed,
