@@ -5,8 +5,9 @@
 // partial sums, 16 threads adding them) reading the weight in rows, and the same reading it
 // packed so that a warp's 2 KiB block of K is one contiguous run (`pack`); and a plain
 // streaming read of the same bytes (the ceiling). A second line per shape times the shipped
-// engine alone in a kernel (GemvMma, one tile, no FMA engine), called with the step's M and
-// with M = 1 known to the compiler. Every gemv must give the shipped kernel's bits. Weights
+// engine alone in a kernel (GemvMma, one tile, no FMA engine) called with the step's M, and
+// kestrel_gemv_row_mma_* that decode takes since session 23: the same with M = 1 known to
+// the compiler. Every gemv must give the shipped kernel's bits. Weights
 // rotate over enough copies that no launch finds them in L2, as in a decode step.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
@@ -101,14 +102,13 @@ __global__ void GEMV_BOUNDS lean(const bf16 *__restrict__ x, const bf16 *__restr
     }
 }
 
-// GemvMma<bf16, 1, false> alone; with M1, M = 1 is passed as a literal, so the loops and
-// guards over rows fold away.
-template <bool M1>
+// GemvMma<bf16, 1, false> alone, M as the step gives it (kestrel_gemv_row_mma_* with M
+// not known to the compiler).
 __global__ void GEMV_BOUNDS engine_alone(const bf16 *x, const bf16 *w, bf16 *y, int M, int N, int K) {
     GemvMma<bf16, 1, false> g{};
     g.prefetch(w, N, K, GEMV_MMA);
     pdl_enter();
-    g.finish(x, y, M1 ? 1 : M, N, K, GEMV_MMA);
+    g.finish(x, y, M, N, K, GEMV_MMA);
 }
 
 // The ceiling: every byte read once, 4 vectors in flight a thread, grid-stride.
@@ -191,10 +191,10 @@ int main() {
         float t_rows = time([&](int i) { lean_rows(i, y1); });
         float t_packed = time([&](int i) { lean_packed(i, y2); });
         float t_alone = time([&](int i) {
-            engine_alone<false><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y1, 1, s.n, s.k);
+            engine_alone<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y1, 1, s.n, s.k);
         });
         float t_m1 = time([&](int i) {
-            engine_alone<true><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k);
+            kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k, GEMV_MMA);
         });
         float t_st = time([&](int i) {
             stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
@@ -215,13 +215,15 @@ int main() {
         });
         check([&] { lean_rows(0, y1); });
         check([&] { lean_packed(0, y1); });
-        check([&] { engine_alone<false><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k); });
-        check([&] { engine_alone<true><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k); });
+        check([&] { engine_alone<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k); });
+        check([&] {
+            kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
+        });
         auto tb = [&](float us) { return bytes / (us * 1e-6) / 1e12; };
         printf("%-8s %8.1f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f  %s\n", s.name,
                bytes / 1e6, t_ship, tb(t_ship), t_one, tb(t_one), t_rows, tb(t_rows), t_packed,
                tb(t_packed), t_st, tb(t_st), same ? "yes" : "NO");
-        printf("%-8s engine alone %5.1f, with M = 1 known %5.1f\n", "", t_alone, t_m1);
+        printf("%-8s engine alone %5.1f, row_mma (M = 1 known) %5.1f\n", "", t_alone, t_m1);
         for (int i = 0; i < copies; ++i) {
             CK(cudaFree(w[i]));
             CK(cudaFree(p[i]));

@@ -1174,6 +1174,9 @@ impl Gemv {
             let (kernel, stage) = if self.swiglu {
                 let stage = crate::gemv_swiglu_stage(m, k, std::mem::size_of::<T>());
                 ("kestrel_gemv_swiglu", stage)
+            } else if m == 1 && crate::gemv_tensor_cores(std::mem::size_of::<T>(), k) {
+                // A decode step's row: the tensor-core engine alone, M = 1 compiled in.
+                ("kestrel_gemv_row_mma", 0)
             } else if m <= crate::GEMV_MAX_ROWS {
                 // One tile of rows: the kernel that keeps one tile of partial sums.
                 ("kestrel_gemv_one_tile", 0)
@@ -1198,8 +1201,9 @@ impl Gemv {
                 b.arg(&n_a);
                 b.arg(&k_a);
                 b.arg(&split);
-                // SAFETY: argument types match kestrel_gemv_* / kestrel_gemv_swiglu_*; shapes,
-                // alignment and the staging size were checked by the launcher in lib.rs.
+                // SAFETY: argument types match kestrel_gemv_{,one_tile_,row_mma_}* and
+                // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked
+                // by the launcher in lib.rs.
                 unsafe { b.launch(cfg) }?;
             }
         }
