@@ -1,13 +1,16 @@
 // Probe: where the one-row tensor-core gemv (kestrel_gemv_*, M = 1) loses time against the
 // bandwidth on Llama-2-7B's projections. Times, per shape: the shipped kernels (the four-tile
-// kestrel_gemv_* that steps of 9 to 32 rows take, kestrel_gemv_one_tile_* that decode takes);
+// kestrel_gemv_* that steps of 9 to 32 rows take, kestrel_gemv_one_tile_* that steps of 2 to 8 take);
 // a lean M = 1 copy of their engine (GemvMma's loads, MMAs and warp order; one tile of
 // partial sums, 16 threads adding them) reading the weight in rows, and the same reading it
 // packed so that a warp's 2 KiB block of K is one contiguous run (`pack`); and a plain
 // streaming read of the same bytes (the ceiling). A second line per shape times the shipped
 // engine alone in a kernel (GemvMma, one tile, no FMA engine) called with the step's M, and
 // kestrel_gemv_row_mma_* that decode takes since session 23: the same with M = 1 known to
-// the compiler. Every gemv must give the shipped kernel's bits. Weights
+// the compiler; kestrel_gemv_row_mma_deep_* (a ring of 2 blocks of K a warp, which grids of
+// up to 2 blocks a multiprocessor take since session 24); and that engine with rings of 1 to
+// 4 (4 at 2 blocks' registers, as it spills at 3). SmolLM2's shapes (s_*) follow Llama-2-7B's.
+// Every gemv must give the shipped kernel's bits. Weights
 // rotate over enough copies that no launch finds them in L2, as in a decode step.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
@@ -111,6 +114,15 @@ __global__ void GEMV_BOUNDS engine_alone(const bf16 *x, const bf16 *w, bf16 *y, 
     g.finish(x, y, M, N, K, GEMV_MMA);
 }
 
+// kestrel_gemv_row_mma_* with a ring DEPTH blocks of K deep (the shipped one: 1).
+template <int DEPTH, int MIN_BLOCKS = GEMV_MIN_BLOCKS>
+__global__ void __launch_bounds__(GEMV_WARPS * WARP, MIN_BLOCKS) row_depth(const bf16 *x, const bf16 *w, bf16 *y, int N, int K) {
+    GemvMma<bf16, 1, false, DEPTH> g{};
+    g.prefetch(w, N, K, GEMV_MMA);
+    pdl_enter();
+    g.finish(x, y, 1, N, K, GEMV_MMA);
+}
+
 // The ceiling: every byte read once, 4 vectors in flight a thread, grid-stride.
 __global__ void stream_read(const uint4 *w, size_t n16, unsigned *sink) {
     unsigned acc = 0;
@@ -128,7 +140,8 @@ int main() {
     struct Shape {
         const char *name;
         int n, k;
-    } shapes[] = {{"qkv", 12288, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008}};
+    } shapes[] = {{"qkv", 12288, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008},
+                    {"s_qkv", 960, 576}, {"s_o", 576, 576}, {"s_gu", 3072, 576}, {"s_down", 576, 1536}};
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     bf16 *x;
@@ -196,6 +209,14 @@ int main() {
         float t_m1 = time([&](int i) {
             kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k, GEMV_MMA);
         });
+        float t_d[4];
+        t_d[0] = time([&](int i) { row_depth<1><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
+        t_d[1] = time([&](int i) { row_depth<2><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
+        t_d[2] = time([&](int i) { row_depth<3><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
+        t_d[3] = time([&](int i) { row_depth<4, 2><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
+        float t_deep = time([&](int i) {
+            kestrel_gemv_row_mma_deep_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k, GEMV_MMA);
+        });
         float t_st = time([&](int i) {
             stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
         });
@@ -219,11 +240,19 @@ int main() {
         check([&] {
             kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
         });
+        check([&] { row_depth<2><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
+        check([&] { row_depth<3><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
+        check([&] { row_depth<4, 2><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
+        check([&] {
+            kestrel_gemv_row_mma_deep_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
+        });
         auto tb = [&](float us) { return bytes / (us * 1e-6) / 1e12; };
         printf("%-8s %8.1f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f %5.1f %4.2f  %s\n", s.name,
                bytes / 1e6, t_ship, tb(t_ship), t_one, tb(t_one), t_rows, tb(t_rows), t_packed,
                tb(t_packed), t_st, tb(t_st), same ? "yes" : "NO");
         printf("%-8s engine alone %5.1f, row_mma (M = 1 known) %5.1f\n", "", t_alone, t_m1);
+        printf("%-8s row_mma_deep (ring of 2) %5.1f\n", "", t_deep);
+        printf("%-8s row_mma ring depth 1, 2, 3, 4 (2 blocks' registers): %5.1f %5.1f %5.1f %5.1f\n", "", t_d[0], t_d[1], t_d[2], t_d[3]);
         for (int i = 0; i < copies; ++i) {
             CK(cudaFree(w[i]));
             CK(cudaFree(p[i]));

@@ -1006,6 +1006,26 @@ fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (La
     (cfg, split as i32)
 }
 
+/// Blocks per multiprocessor up to which a one-row launch takes the deeper weight ring of
+/// `kestrel_gemv_row_mma_deep_*` (2 blocks of K a warp in flight instead of 1): with so few
+/// warps on a multiprocessor one block of K each leaves the memory idle between requests.
+/// H200, bf16 (tools/gpu/gemv_probe.cu): Llama-2-7B's o_proj and down_proj (256 blocks,
+/// 1.9 a multiprocessor) 12.6 → 11.7 and 26.6 → 24.1 µs; q/k/v (768 blocks, 5.8) 26.6 →
+/// 27.5 and gate_up (1,376) 44.7 → 45.8 µs, which is why bigger grids keep the ring of 1.
+/// The ring's depth changes no warp's order of blocks, so no bits.
+const GEMV_DEEP_RING_MAX_BLOCKS_PER_SM: usize = 2;
+
+/// The one-row tensor-core kernel for `n` columns (`gemv_launch` gives 16 a block).
+fn gemv_row_kernel(dev: &CudaDevice, n: usize) -> Result<&'static str> {
+    let deep =
+        n.div_ceil(16) <= GEMV_DEEP_RING_MAX_BLOCKS_PER_SM * crate::launch::multiprocessors(dev)?;
+    Ok(if deep {
+        "kestrel_gemv_row_mma_deep"
+    } else {
+        "kestrel_gemv_row_mma"
+    })
+}
+
 /// Columns and rows of a `kestrel_gemv_tiled_*` block (`TILED_COLS`, `TILED_ROWS`).
 const TILED_COLS: usize = 128;
 const TILED_ROWS: usize = 64;
@@ -1176,7 +1196,7 @@ impl Gemv {
                 ("kestrel_gemv_swiglu", stage)
             } else if m == 1 && crate::gemv_tensor_cores(std::mem::size_of::<T>(), k) {
                 // A decode step's row: the tensor-core engine alone, M = 1 compiled in.
-                ("kestrel_gemv_row_mma", 0)
+                (gemv_row_kernel(&dev, n)?, 0)
             } else if m <= crate::GEMV_MAX_ROWS {
                 // One tile of rows: the kernel that keeps one tile of partial sums.
                 ("kestrel_gemv_one_tile", 0)
@@ -1201,7 +1221,7 @@ impl Gemv {
                 b.arg(&n_a);
                 b.arg(&k_a);
                 b.arg(&split);
-                // SAFETY: argument types match kestrel_gemv_{,one_tile_,row_mma_}* and
+                // SAFETY: argument types match kestrel_gemv_{,one_tile_,row_mma_,row_mma_deep_}* and
                 // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked
                 // by the launcher in lib.rs.
                 unsafe { b.launch(cfg) }?;

@@ -518,9 +518,12 @@ template <typename T> struct GemvWarp {
 // Blocks of K whose weights a warp of the tensor-core engine has in flight: in the plain
 // gemv (85 registers, GEMV_MIN_BLOCKS) and in the fused variants (128). Three in the plain
 // gemv (at 2 blocks' registers: 2 spill at 3) gained nothing on Llama-2-7B's 256-block
-// o_proj and down_proj.
+// o_proj and down_proj. The one-row kernel, with registers to spare, takes a ring of two on
+// such small grids (kestrel_gemv_row_mma_deep_*; 3 was slower than 2 and 4 no faster,
+// tools/gpu/gemv_probe.cu).
 #define MMA_DEPTH_PLAIN 1
 #define MMA_DEPTH_FUSED 3
+#define MMA_DEPTH_DEEP_ROW 2
 
 // The fused variants stage their input rows [M, K] in dynamic shared memory, as T: exact,
 // since the kernels they replace store T. Each block computes them once for all of its
@@ -550,9 +553,12 @@ __device__ __forceinline__ void mma16816<__half>(float *d, const unsigned *a, co
 // `gemv_stage`, whose space then also takes the warps' partial sums once every warp is done
 // with the rows (the host sizes it for both): a separate array would push the fused variants
 // past the 48 KiB a block may use.
-template <typename T, int MT, bool STAGED> struct GemvMma {
+// DEPTH: blocks of K a warp has in flight (the ring); it changes no warp's order of blocks,
+// so no bits.
+template <typename T, int MT, bool STAGED, int DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN>
+struct GemvMma {
     static constexpr int CHUNK = 8 * MT; // rows a `finish` takes
-    static constexpr int MMA_DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN;
+    static constexpr int MMA_DEPTH = DEPTH;
     // A lane's 32 bytes of weight row n0 + g ([0], [1]) and n0 + g + 8 ([2], [3]) for the
     // warp's next MMA_DEPTH blocks of K (`prefetch` loads the first ones, so that they travel
     // while a fused variant stages its rows): a warp keeps MMA_DEPTH × 2 KiB in flight.
@@ -861,7 +867,8 @@ __device__ __forceinline__ void with_engine(const int split, F &&run) {
 }
 
 // MT: tiles of 8 rows the tensor-core engine takes a pass. kestrel_gemv_one_tile_* (MT = 1)
-// serves steps of up to 8 rows: the same MMAs and additions for each row (the bits do not
+// serves steps of 2 to 8 rows, and single rows where the tensor cores do not apply (a decode
+// row on them takes gemv_row_mma): the same MMAs and additions for each row (the bits do not
 // change), a quarter of the partial sums' shared memory to store and add. On Llama-2-7B's
 // projections at one row (H200, tools/gpu/gemv_probe.cu) it takes 0.4-1.6% less time than
 // the four-tile kernel, a decode step 0.8% less. Both instances in one kernel spilled.
@@ -883,11 +890,15 @@ __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__rest
 // projections (H200, tools/gpu/gemv_probe.cu) 3-4% less time than the one-tile kernel.
 // The host takes it only where the tensor-core engine applies (16-bit T, K a multiple of 64);
 // it takes kestrel_gemv_*'s arguments and ignores M (1) and split (GEMV_MMA).
-template <typename T>
+// DEPTH: blocks of K a warp has in flight. kestrel_gemv_row_mma_deep_* (MMA_DEPTH_DEEP_ROW)
+// serves grids of up to 2 blocks a multiprocessor, where one block of K a warp leaves the
+// memory idle between requests (cuda.rs, gemv_row_kernel): on Llama-2-7B's o_proj and
+// down_proj 7% and 9% less time, on its bigger q/k/v and gate_up 3% more.
+template <typename T, int DEPTH>
 __device__ void gemv_row_mma(const T *__restrict__ x, const T *__restrict__ w,
                              T *__restrict__ y, const int N, const int K) {
     if constexpr (sizeof(T) == 2) {
-        GemvMma<T, 1, false> g{};
+        GemvMma<T, 1, false, DEPTH> g{};
         g.prefetch(w, N, K, GEMV_MMA);
         pdl_enter(); // the weights are on their way; x is the previous kernel's
         g.finish(x, y, 1, N, K, GEMV_MMA);
@@ -1320,7 +1331,11 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
     }                                                                                           \
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_row_mma_##SUFFIX(                      \
         const T *x, const T *w, T *y, const int, const int N, const int K, const int) {          \
-        gemv_row_mma<T>(x, w, y, N, K);                                                         \
+        gemv_row_mma<T, MMA_DEPTH_PLAIN>(x, w, y, N, K);                                        \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_row_mma_deep_##SUFFIX(                 \
+        const T *x, const T *w, T *y, const int, const int N, const int K, const int) {          \
+        gemv_row_mma<T, MMA_DEPTH_DEEP_ROW>(x, w, y, N, K);                                     \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) kestrel_gemv_tiled_##SUFFIX( \
         const T *x, const T *w, T *y, float *parts, const int M, const int N, const int K,      \

@@ -18,30 +18,54 @@ use candle_core::cuda::cudarc::driver::{
 };
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90.ptx"));
 
-/// Per device ordinal: 0 not asked yet, 1 below compute capability 9.0, 2 Hopper or later.
-static HOPPER: [AtomicU8; 64] = [const { AtomicU8::new(0) }; 64];
+/// Per device ordinal, an attribute the launchers ask for: 0 not asked yet, else value + 1.
+type AttributeCache = [AtomicU32; 64];
+static CC_MAJOR: AttributeCache = [const { AtomicU32::new(0) }; 64];
+static MULTIPROCESSORS: AttributeCache = [const { AtomicU32::new(0) }; 64];
 
-/// Whether `dev` has compute capability 9.0 or later (asked of the driver once per device).
-pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+/// `attr` of `dev`, asked of the driver once per device.
+fn device_attribute(
+    cache: &AttributeCache,
+    dev: &CudaDevice,
+    attr: sys::CUdevice_attribute,
+) -> Result<u32> {
     let stream = dev.cuda_stream();
     let ctx = stream.context();
-    let slot = HOPPER.get(ctx.ordinal());
+    let slot = cache.get(ctx.ordinal());
     if let Some(known) = slot.map(|s| s.load(Ordering::Relaxed)).filter(|&v| v != 0) {
-        return Ok(known == 2);
+        return Ok(known - 1);
     }
-    let major = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .w()?;
+    let value = ctx.attribute(attr).w()?.max(0) as u32;
     if let Some(s) = slot {
-        s.store(if major >= 9 { 2 } else { 1 }, Ordering::Relaxed);
+        s.store(value.saturating_add(1), Ordering::Relaxed);
     }
+    Ok(value)
+}
+
+/// Whether `dev` has compute capability 9.0 or later.
+pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+    let major = device_attribute(
+        &CC_MAJOR,
+        dev,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    )?;
     Ok(major >= 9)
+}
+
+/// `dev`'s streaming multiprocessors (132 on an H200).
+pub(crate) fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
+    let sms = device_attribute(
+        &MULTIPROCESSORS,
+        dev,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?;
+    Ok(sms as usize)
 }
 
 /// A kernel of `kernels.cu` loaded on a device, ready to take its parameters.

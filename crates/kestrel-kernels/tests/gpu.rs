@@ -1596,7 +1596,9 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     // two row blocks past it, so the prefixes compare the two engines row for row. At 75 rows
     // the tiled engine splits each tile's 8 chains between 8 blocks up to N = 2,112, 4 up to
     // 4,224, 2 up to 8,448 and 1 past it (cuda.rs, gemv_tiled_groups): the last three shapes
-    // take 4, 2 and 1, with K giving some chains one more block than others.
+    // take 4, 2 and 1, with K giving some chains one more block than others. A row alone on
+    // tensor cores takes the deep weight ring up to 2 blocks a multiprocessor (cuda.rs,
+    // gemv_row_kernel) and the ring of one past it: on an H200, N = 8,708 the latter.
     let rows = 9 * GEMV_MAX_ROWS + 3;
     assert!(GEMV_TILED_MIN_ROWS > 1 && rows > GEMV_TILED_MIN_ROWS.max(64));
     for dtype in [DType::F32, DType::F16, DType::BF16] {
