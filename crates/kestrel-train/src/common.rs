@@ -110,6 +110,30 @@ pub fn epoch_batches(
     batches
 }
 
+/// The checks every trainer's settings share: batches and logits chunks of at least one,
+/// windows of at least two tokens, a positive finite learning rate and a floor ratio in
+/// [0, 1] for [`cosine_lr`].
+pub(crate) fn validate_schedule(
+    batch_size: usize,
+    max_len: usize,
+    logits_chunk: usize,
+    lr: f64,
+    min_lr_ratio: f64,
+) -> Result<()> {
+    if batch_size == 0 || max_len < 2 || logits_chunk == 0 {
+        return Err(invalid(
+            "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
+        ));
+    }
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(invalid(format!("--lr {lr} must be positive")));
+    }
+    if !(0.0..=1.0).contains(&min_lr_ratio) {
+        return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
+    }
+    Ok(())
+}
+
 /// The learning rate of step `step` (0-based) of `total`: linear warmup over `warmup_steps`
 /// to `lr`, then cosine decay to `lr · min_lr_ratio` at the last step.
 pub fn cosine_lr(

@@ -243,17 +243,13 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
-        if self.batch_size == 0 || self.max_len < 2 || self.logits_chunk == 0 {
-            return Err(invalid(
-                "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
-            ));
-        }
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(invalid(format!("--lr {} must be positive", self.lr)));
-        }
-        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
-        }
+        crate::common::validate_schedule(
+            self.batch_size,
+            self.max_len,
+            self.logits_chunk,
+            self.lr,
+            self.min_lr_ratio,
+        )?;
         if !(self.noise >= 0.0 && self.noise.is_finite()) {
             return Err(invalid("--noise must be non-negative"));
         }
