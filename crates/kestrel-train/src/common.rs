@@ -292,3 +292,47 @@ pub(crate) fn load_expected(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::draft::DraftTrainConfig;
+    use crate::eagle::TrainConfig;
+
+    /// A bad setting applied to each trainer's defaults, and the message it must give.
+    type Case = (
+        &'static str,
+        fn(&mut TrainConfig),
+        fn(&mut DraftTrainConfig),
+    );
+
+    /// Both trainers refuse the same bad schedules with the same messages.
+    #[test]
+    fn both_trainers_refuse_a_bad_schedule_with_its_message() {
+        let shape = "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2";
+        let cases: [Case; 5] = [
+            (shape, |c| c.batch_size = 0, |c| c.batch_size = 0),
+            (shape, |c| c.max_len = 1, |c| c.max_len = 1),
+            (shape, |c| c.logits_chunk = 0, |c| c.logits_chunk = 0),
+            (
+                "--lr -0.5 must be positive",
+                |c| c.lr = -0.5,
+                |c| c.lr = -0.5,
+            ),
+            (
+                "--min_lr_ratio must lie in [0, 1]",
+                |c| c.min_lr_ratio = 1.5,
+                |c| c.min_lr_ratio = 1.5,
+            ),
+        ];
+        for (want, eagle, draft) in cases {
+            let mut e = TrainConfig::default();
+            eagle(&mut e);
+            assert_eq!(e.validate().unwrap_err().to_string(), want);
+            let mut d = DraftTrainConfig::default();
+            draft(&mut d);
+            assert_eq!(d.validate().unwrap_err().to_string(), want);
+        }
+        assert!(TrainConfig::default().validate().is_ok());
+        assert!(DraftTrainConfig::default().validate().is_ok());
+    }
+}
