@@ -1221,7 +1221,7 @@ impl Gemv {
                 b.arg(&n_a);
                 b.arg(&k_a);
                 b.arg(&split);
-                // SAFETY: argument types match kestrel_gemv_{,one_tile_,row_mma_,row_mma_deep_}* and
+                // SAFETY: argument types match kestrel_gemv_{,one_tile_,row_mma_{,deep_}}* and
                 // kestrel_gemv_swiglu_*; shapes, alignment and the staging size were checked
                 // by the launcher in lib.rs.
                 unsafe { b.launch(cfg) }?;
