@@ -209,11 +209,12 @@ int main() {
         float t_m1 = time([&](int i) {
             kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k, GEMV_MMA);
         });
+        // Rings of 1 to 4 blocks of K (4 at 2 blocks' registers: it spills at 3).
+        void (*const rings[4])(const bf16 *, const bf16 *, bf16 *, int, int) = {
+            row_depth<1>, row_depth<2>, row_depth<3>, row_depth<4, 2>};
         float t_d[4];
-        t_d[0] = time([&](int i) { row_depth<1><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
-        t_d[1] = time([&](int i) { row_depth<2><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
-        t_d[2] = time([&](int i) { row_depth<3><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
-        t_d[3] = time([&](int i) { row_depth<4, 2><<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
+        for (int r = 0; r < 4; ++r)
+            t_d[r] = time([&](int i) { rings[r]<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, s.n, s.k); });
         float t_deep = time([&](int i) {
             kestrel_gemv_row_mma_deep_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y2, 1, s.n, s.k, GEMV_MMA);
         });
@@ -240,9 +241,7 @@ int main() {
         check([&] {
             kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
         });
-        check([&] { row_depth<2><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
-        check([&] { row_depth<3><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
-        check([&] { row_depth<4, 2><<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
+        for (auto ring : rings) check([&] { ring<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k); });
         check([&] {
             kestrel_gemv_row_mma_deep_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
         });
