@@ -79,18 +79,48 @@ fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
 
-/// Warps per (query row, head) block of the attention kernel (at most `PA_WARPS` in
-/// kernels.cu). Fixed, never chosen per step: slot chunk c goes to warp c mod this, and the
-/// warps' partial softmax states merge in warp order, so a query row's result depends on its
-/// keys only. A decode step and a verification step then attend bit-identically, which greedy
-/// speculation's equality with plain decoding relies on. Measured on the H200 (docs/gpu-results.md):
-/// 4 warps left a SmolLM2 decode step latency-bound (24 µs per layer), 16 slowed 64-row trees.
-const PA_LAUNCH_WARPS: u32 = 8;
+/// The attention kernel's virtual warps (`PA_VWARPS` in kernels.cu). Fixed, never chosen per
+/// step: slot chunk c goes to virtual warp c mod this, and the virtual warps' partial softmax
+/// states merge in their order, so a query row's result depends on its keys only. A decode step
+/// and a verification step then attend bit-identically, which greedy speculation's equality
+/// with plain decoding relies on. Measured on the H200 (docs/gpu-results.md): 4 left a SmolLM2
+/// decode step latency-bound (24 µs per layer), 16 slowed 64-row trees.
+const PA_VIRTUAL_WARPS: u32 = 8;
+
+/// Real warps a (query row, head) block of the attention kernel gets; each runs
+/// `PA_VIRTUAL_WARPS / warps` virtual warps one after the other, which changes no bits. A
+/// decode step's few blocks take one warp per virtual warp, so that a row's chunks are walked
+/// side by side. A verification's thousands of blocks fill every multiprocessor many times
+/// over, and a block's virtual warps past the row's last chunk would hold registers doing
+/// nothing; there fewer real warps a block keep more rows in flight. The most warps (8, 4,
+/// 2) with which every block is resident at once (the driver's occupancy for this function),
+/// else 1. `KESTREL_PA_WARPS` (1, 2, 4 or 8) forces the count, to measure the choice.
+fn attention_warps(func: &crate::launch::Kernel, dev: &CudaDevice, blocks: usize) -> Result<u32> {
+    static FORCED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        std::env::var("KESTREL_PA_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|w| [1, 2, 4, 8].contains(w))
+    });
+    if let Some(w) = *forced {
+        return Ok(w);
+    }
+    let sms = crate::launch::multiprocessors(dev)?;
+    for warps in [PA_VIRTUAL_WARPS, 4, 2] {
+        if blocks <= sms * func.resident_blocks(warps * 32)? {
+            return Ok(warps);
+        }
+    }
+    Ok(1)
+}
 
 pub(crate) struct PagedAttention {
     pub table: Tensor,
     pub n_seq: usize,
     pub lmax: usize,
+    /// Real warps a block, or `None` for [`attention_warps`]'s choice.
+    pub warps: Option<u32>,
 }
 
 impl PagedAttention {
@@ -112,7 +142,6 @@ impl PagedAttention {
         let tv = view::<u32>(table.0, table.1, "attention metadata")?;
         // SAFETY: every element is written by the kernel (each block writes its row's d values).
         let out = unsafe { dev.alloc::<T>(n_tok * nh * d)? };
-        let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
         let (n_tok_a, n_seq, lmax, nh_a, nkv_a, d_a) = (
             i32_arg(n_tok, "query rows")?,
             i32_arg(self.n_seq, "sequences")?,
@@ -122,6 +151,11 @@ impl PagedAttention {
             i32_arg(d, "head_dim")?,
         );
         let scale = 1.0f32 / (d as f32).sqrt();
+        let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
+        let warps = match self.warps {
+            Some(w) => w,
+            None => attention_warps(&func, dev, n_tok * nh)?,
+        };
         let mut b = func.builder();
         b.arg(&qv);
         b.arg(&kv);
@@ -135,8 +169,8 @@ impl PagedAttention {
         b.arg(&nkv_a);
         b.arg(&d_a);
         b.arg(&scale);
-        // grid.y = heads ≤ 65535; static shared memory (~4 KiB) only.
-        let cfg = launch_cfg((n_tok as u32, nh as u32), PA_LAUNCH_WARPS * 32);
+        // grid.y = heads ≤ 65535; static shared memory (~11 KiB) only.
+        let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
         // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
         // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
         unsafe { b.launch(cfg) }?;

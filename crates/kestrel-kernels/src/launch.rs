@@ -18,8 +18,9 @@ use candle_core::cuda::cudarc::driver::{
 };
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90.ptx"));
@@ -107,6 +108,31 @@ impl Kernel {
             params: [0; MAX_PARAMS],
             len: 0,
         }
+    }
+
+    /// Blocks of `threads` threads (and no dynamic shared memory) that one multiprocessor
+    /// holds at once: the driver's occupancy calculator, asked once per function and size.
+    pub(crate) fn resident_blocks(&self, threads: u32) -> Result<usize> {
+        static KNOWN: Mutex<Option<HashMap<(usize, u32), usize>>> = Mutex::new(None);
+        let key = (self.func.cu_function() as usize, threads);
+        let cached = KNOWN
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|known| known.get(&key).copied());
+        if let Some(n) = cached {
+            return Ok(n);
+        }
+        let n = self
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .w()? as usize;
+        KNOWN
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .insert(key, n);
+        Ok(n)
     }
 }
 

@@ -262,6 +262,32 @@ pub fn paged_attention(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
 ) -> Result<Tensor> {
+    paged_attention_launch(q, k_pool, v_pool, meta, None)
+}
+
+/// [`paged_attention`] with its blocks' real warp count forced (1, 2, 4 or 8) instead of
+/// chosen from the step's size: for tests that every count gives a row the same bits.
+#[doc(hidden)]
+pub fn paged_attention_with_warps(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+    warps: u32,
+) -> Result<Tensor> {
+    if ![1, 2, 4, 8].contains(&warps) {
+        candle_core::bail!("paged attention: {warps} warps a block (1, 2, 4 or 8)");
+    }
+    paged_attention_launch(q, k_pool, v_pool, meta, Some(warps))
+}
+
+fn paged_attention_launch(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+    warps: Option<u32>,
+) -> Result<Tensor> {
     let (n_tok, nh, d) = q.dims3()?;
     let (_, nkv, dk) = k_pool.dims3()?;
     if n_tok != meta.n_tok
@@ -294,12 +320,16 @@ pub fn paged_attention(
             table: meta.table.clone(),
             n_seq: meta.n_seq,
             lmax: meta.lmax,
+            warps,
         };
         q.apply_op3_no_bwd(k_pool, v_pool, &op)?
             .reshape((n_tok, nh * d))
     }
     #[cfg(not(feature = "cuda"))]
-    no_cuda("paged attention")
+    {
+        let _ = warps;
+        no_cuda("paged attention")
+    }
 }
 
 /// Writes `rows: [n, n_kv, head_dim]` into `pool: [slots, n_kv, head_dim]` at the pool rows

@@ -8,8 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gather_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies,
     gemv_applies, gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack,
-    open_cuda, paged_attention, qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq,
-    PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
+    open_cuda, paged_attention, paged_attention_with_warps, qkv_rope_append, scatter_rows, swiglu,
+    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
+    GEMV_TILED_MIN_ROWS,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
 use kestrel_spec::accept::{draft_target, exact_tree_sampling, DraftProposal};
@@ -1807,7 +1808,8 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
 /// A query row attends to the same keys bit-identically whether it is a decode step's only
 /// row or a row of a tree step with many blocks: greedy speculation's equality with plain
 /// decoding relies on it. Every row of a step of two sequences (62 and 12 new rows), causal
-/// and under a tree mask, against the same row decoded alone over the slots it sees.
+/// and under a tree mask, against the same row decoded alone over the slots it sees; and the
+/// whole step with each real warp count a block may take.
 #[test]
 fn paged_attention_rows_do_not_depend_on_the_step() {
     let dev = gpu();
@@ -1819,6 +1821,8 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
         (DType::BF16, 4100, (9, 3, 64)),
         (DType::BF16, 200, (4, 4, 128)),
         (DType::F16, 90, (4, 4, 128)),
+        (DType::F32, 200, (4, 4, 128)),
+        (DType::BF16, 100, (2, 1, 40)), // V read element by element
     ] {
         for masked in [false, true] {
             let new = [62usize, 12];
@@ -1848,9 +1852,17 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
                 })
                 .collect();
             let q = to_dev(&q_h, &[n_all, nh, d], dtype, &dev);
-            let all = host(
-                &paged_attention(&q, &kp, &vp, &PagedAttnMeta::new(&seqs, &dev).unwrap()).unwrap(),
-            );
+            let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
+            let all = host(&paged_attention(&q, &kp, &vp, &meta).unwrap());
+            // However many real warps share a block's virtual ones, the bits stay.
+            for warps in [1, 2, 4, 8] {
+                let forced = host(&paged_attention_with_warps(&q, &kp, &vp, &meta, warps).unwrap());
+                assert!(
+                    forced == all,
+                    "{dtype:?}, {l} slots, d {d}, masked {masked}: {warps} warps a block \
+                     change the step's output"
+                );
+            }
             let mut t = 0;
             for s in 0..2 {
                 let past = l - new[s];
