@@ -8,7 +8,8 @@
 # the previous build's spec-bench as spec-bench-base.xz and gemv_probe.xz (nvcc -O3 -std=c++17
 # -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu) added to c; carry a, b, c with
 # tools/gpu/stage.sh, then: bash tools/gpu/gemv_ab_h200.sh [probe test bench]
-# (SHAPES="llama2-7b:verify:64" benches that shape alone).
+# (SHAPES="llama2-7b:verify:64" benches that shape alone; SHAPES="llama2-7b:verify:16,verify:64"
+# several modes; BUILDS="base new new:KESTREL_PA_WARPS=1" one build under a setting too).
 # Results: $OUT/gemv_ab/*.json and the summary in $OUT/gemv_ab.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,25 +20,29 @@ for what in ${@:-probe test bench}; do
   probe) $B/gemv_probe | tee -a $OUT/gemv_ab.txt ;;
   test) run_gpu_tests | grep -v " ok$" | tee -a $OUT/gemv_ab.txt ;;
   bench)
-    for r in 1 2; do
-      for build in base new; do
-        sb=$B/spec-bench; [ $build = base ] && sb=$B/spec-bench-base
+    # BUILDS: "base" (spec-bench-base), "new" (spec-bench), or either with one environment
+    # setting for its runs ("new:KESTREL_PA_WARPS=1"); PROMPT_LEN: the prompts' length.
+    for r in $(seq 1 ${ROUNDS:-2}); do
+      for build in ${BUILDS:-base new}; do
+        sb=$B/spec-bench; [ ${build%%:*} = base ] && sb=$B/spec-bench-base
+        setting=; [ "$build" != "${build%%:*}" ] && setting=${build#*:}
+        label=$(echo "$build" | tr ':=' '__')
         for shape in ${SHAPES:-llama2-7b:verify:64 smollm2-135m:verify:8}; do
-          $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 --prompt_len 128 \
-            --max_output_len 64 --num_prompts 4 --batch_sizes 1 --modes plain,${shape#*:} \
-            --output_json $R/${shape%%:*}_${build}_$r.json > $R/${shape%%:*}_${build}_$r.log 2>&1 ||
-            tail -3 $R/${shape%%:*}_${build}_$r.log
+          env $setting $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 \
+            --prompt_len ${PROMPT_LEN:-128} --max_output_len 64 --num_prompts 4 --batch_sizes 1 \
+            --modes plain,${shape#*:} --output_json $R/${shape%%:*}_${label}_$r.json \
+            > $R/${shape%%:*}_${label}_$r.log 2>&1 || tail -3 $R/${shape%%:*}_${label}_$r.log
         done
       done
     done
     python3 - "$R" <<'PY' | tee -a $OUT/gemv_ab.txt
 import glob, json, os, sys
 d = sys.argv[1]
-print(f"{'run':28s} {'mode':10s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'digest':>18s}")
+print(f"{'run':40s} {'mode':12s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'digest':>18s}")
 for path in sorted(glob.glob(os.path.join(d, "*.json"))):
     for res in json.load(open(path))["results"]:
         v = (res.get("verify") or {}).get("ratio") or 0
-        print(f"{os.path.basename(path)[:-5]:28s} {res['mode']:10s} {res.get('tokens_per_s') or 0:7.0f}"
+        print(f"{os.path.basename(path)[:-5]:40s} {res['mode']:12s} {res.get('tokens_per_s') or 0:7.0f}"
               f" {res['step_latency_ms']:8.3f} {res['roofline_fraction']:8.3f} {v:6.2f} {res.get('output_digest') or '':>18s}")
 PY
     ;;
