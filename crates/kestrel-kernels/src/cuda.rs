@@ -79,6 +79,17 @@ fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
 
+/// A launch choice forced by the environment variable `var` (1, 2, 4 or 8), to measure it
+/// against the automatic one; read once into `cell`.
+fn forced_count(cell: &'static std::sync::OnceLock<Option<usize>>, var: &str) -> Option<usize> {
+    *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| [1, 2, 4, 8].contains(n))
+    })
+}
+
 /// The attention kernel's virtual warps (`PA_VWARPS` in kernels.cu). Fixed, never chosen per
 /// step: slot chunk c goes to virtual warp c mod this, and the virtual warps' partial softmax
 /// states merge in their order, so a query row's result depends on its keys only. A decode step
@@ -96,15 +107,9 @@ const PA_VIRTUAL_WARPS: u32 = 8;
 /// 2) with which every block is resident at once (the driver's occupancy for this function),
 /// else 1. `KESTREL_PA_WARPS` (1, 2, 4 or 8) forces the count, to measure the choice.
 fn attention_warps(func: &crate::launch::Kernel, dev: &CudaDevice, blocks: usize) -> Result<u32> {
-    static FORCED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("KESTREL_PA_WARPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|w| [1, 2, 4, 8].contains(w))
-    });
-    if let Some(w) = *forced {
-        return Ok(w);
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    if let Some(w) = forced_count(&FORCED, "KESTREL_PA_WARPS") {
+        return Ok(w as u32);
     }
     let sms = crate::launch::multiprocessors(dev)?;
     for warps in [PA_VIRTUAL_WARPS, 4, 2] {
@@ -1080,13 +1085,7 @@ const TILED_TARGET_BLOCKS: usize = 264;
 /// `KESTREL_GEMV_TILED_GROUPS` (1, 2, 4 or 8) overrides it, to measure the choice.
 fn gemv_tiled_groups(tiles: usize) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("KESTREL_GEMV_TILED_GROUPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|g| [1, 2, 4, 8].contains(g))
-    });
-    forced.unwrap_or_else(|| {
+    forced_count(&FORCED, "KESTREL_GEMV_TILED_GROUPS").unwrap_or_else(|| {
         [8, 4, 2]
             .into_iter()
             .find(|g| tiles * g <= TILED_TARGET_BLOCKS)
