@@ -376,8 +376,8 @@ fn add_rms_norm_matches_candle_cpu() {
     }
 }
 
-/// The fused kernel against the ops it replaces, on the GPU: candle's `rope_thd` on the
-/// projection's q and k parts and `kv_append` of k and v.
+/// The fused kernel against the ops it replaces: candle's `rope_thd` on the projection's q
+/// and k parts and `kv_append` of k and v.
 #[test]
 fn qkv_rope_append_matches_rope_and_two_appends() {
     let dev = gpu();
@@ -413,10 +413,16 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
                     .reshape((1, n_tok, heads, d))
                     .unwrap()
             };
+            // candle's rope on the CPU: its CUDA kernel exists only where candle-nn is built
+            // with `cuda`, which this crate's feature does not (and cannot, for a
+            // dev-dependency) turn on.
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
             let rope = |x: Tensor| {
-                candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)
+                candle_nn::rotary_emb::rope_thd(&cpu(&x), &cpu(&cos), &cpu(&sin))
                     .unwrap()
                     .squeeze(0)
+                    .unwrap()
+                    .to_device(&dev)
                     .unwrap()
             };
             let want_q = rope(part(0, nh));
