@@ -1,12 +1,12 @@
 //! `verify:T`: what verifying a T-token draft costs next to a plain decode step. Both kinds
 //! of step run over the same batch at the same context lengths: forward, LM head, greedy
-//! argmax on the device and the chosen ids copied to the host (which is what a greedy
-//! verification needs, and which synchronises the device). A chain (causal) mask stands in
-//! for the tree's: the work per token is the same.
+//! argmax where the rows are (the runtime's own, [`kestrel_runtime::greedy_tokens`]) and the
+//! chosen ids copied to the host (which is what a greedy verification needs, and which
+//! synchronises the device). A chain (causal) mask stands in for the tree's: the work per
+//! token is the same.
 
 use super::measure::MemProbe;
 use anyhow::Result;
-use candle_core::D;
 use kestrel_model::{Llama, OutputRows, SeqId, SeqInput};
 use std::time::Instant;
 
@@ -142,6 +142,5 @@ pub fn time_verify(
 
 /// Greedy ids of every row of `hidden`, chosen on the device.
 fn argmax_ids(model: &Llama, hidden: &candle_core::Tensor) -> Result<Vec<u32>> {
-    let logits = model.logits(hidden)?;
-    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+    Ok(kestrel_runtime::greedy_tokens(&model.logits(hidden)?)?)
 }

@@ -27,6 +27,13 @@ pub use request::{
     TokenSink,
 };
 
+/// Every row's greedy token (argmax, ties to the lowest id) of f32 logits `[rows, vocab]`,
+/// picked as the runtime's greedy steps pick them: Kestrel's kernel where the rows are on a
+/// GPU, the host's scan on the CPU.
+pub fn greedy_tokens(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
+    logit_rows::argmax_row_ids(logits)?.fetch()
+}
+
 /// How to decode.
 // Built once per request and passed by reference: its size costs nothing.
 #[allow(clippy::large_enum_variant)]

@@ -191,7 +191,7 @@ fn sample_row_ids(logits: &Tensor, sampling: &SamplingParams, uniforms: &[f64]) 
 
 /// Each row's argmax by the host rule ([`sampling::argmax`]): on the host for CPU tensors, on
 /// the device otherwise.
-fn argmax_row_ids(logits: &Tensor) -> Result<RowIds> {
+pub(crate) fn argmax_row_ids(logits: &Tensor) -> Result<RowIds> {
     if logits.device().is_cpu() {
         return Ok(RowIds::Host(
             logits
