@@ -14,20 +14,7 @@
 // rotate over enough copies that no launch finds them in L2, as in a decode step.
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e = (x);                                                                   \
-        if (e != cudaSuccess) {                                                                \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                  \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-
-typedef __nv_bfloat16 bf16;
+#include "probe_common.cuh"
 
 // Packed: chunk (column group c, block of K kb) = 1,024 values at (c · nkb + kb) · 1024; lane
 // L = 4g + t holds values L · 32 .. L · 32 + 32: the four 16-byte vectors GemvMma::load_w
@@ -123,19 +110,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP, MIN_BLOCKS) row_depth(const
     g.finish(x, y, 1, N, K, GEMV_MMA);
 }
 
-// The ceiling: every byte read once, 4 vectors in flight a thread, grid-stride.
-__global__ void stream_read(const uint4 *w, size_t n16, unsigned *sink) {
-    unsigned acc = 0;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n16; i += 4 * stride) {
-        uint4 a = w[i], b = w[i + stride], c = w[i + 2 * stride], d = w[i + 3 * stride];
-        acc ^= a.x ^ b.y ^ c.z ^ d.w;
-    }
-    for (; i < n16; i += stride) acc ^= w[i].x;
-    if (acc == 0x12345678u) sink[0] = acc;
-}
-
 int main() {
     struct Shape {
         const char *name;
@@ -157,9 +131,7 @@ int main() {
         for (int i = 0; i < 11008; ++i) hx[i] = __float2bfloat16((rand() % 2001 - 1000) / 1000.f);
         CK(cudaMemcpy(x, hx.data(), 11008 * 2, cudaMemcpyHostToDevice));
     }
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    LaunchTimer timer;
     const int reps = 60;
     printf("%-8s %8s %10s %10s %10s %10s %10s %10s  (us a launch, TB/s)\n", "shape", "MB", "4 tiles",
            "one tile", "lean rows", "lean packed", "stream", "same bits");
@@ -168,30 +140,13 @@ int main() {
         const int copies = (int)((600ull << 20) / bytes) + 1;
         std::vector<bf16 *> w(copies), p(copies);
         for (int i = 0; i < copies; ++i) {
-            CK(cudaMalloc(&w[i], bytes));
+            w[i] = random_bf16(elems, 12345u + i);
             CK(cudaMalloc(&p[i], bytes));
-            // Random bf16 in [-1, 1): a hash of the index.
-            std::vector<bf16> h(elems);
-            unsigned st = 12345u + i;
-            for (size_t j = 0; j < elems; ++j) {
-                st = st * 1664525u + 1013904223u;
-                h[j] = __float2bfloat16(((st >> 9) % 2000 - 1000) / 1000.f);
-            }
-            CK(cudaMemcpy(w[i], h.data(), bytes, cudaMemcpyHostToDevice));
             pack<<<1024, 256>>>(w[i], p[i], s.n, s.k);
         }
         CK(cudaDeviceSynchronize());
         const int blocks = s.n / 16;
-        auto time = [&](auto launch) {
-            for (int r = 0; r < 5; ++r) launch(r % copies);
-            CK(cudaEventRecord(e0));
-            for (int r = 0; r < reps; ++r) launch(r % copies);
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            return 1e3 * ms / reps;
-        };
+        auto time = [&](auto launch) { return timer.us(launch, copies, reps); };
         auto shipped = [&](int i, bf16 *y) {
             kestrel_gemv_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y, 1, s.n, s.k, GEMV_MMA);
         };

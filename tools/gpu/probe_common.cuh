@@ -1,0 +1,67 @@
+// What the standalone GPU probes (tools/gpu/*_probe.cu, built with nvcc and run alone on the
+// GPU machine) share: the error check, a plain streaming read (the bandwidth ceiling a gemv
+// is measured against), and weights filled with a hash of their index.
+#pragma once
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_bf16.h>
+#include <vector>
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e = (x);                                                                   \
+        if (e != cudaSuccess) {                                                                \
+            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                  \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+typedef __nv_bfloat16 bf16;
+
+// Every byte read once, 4 vectors in flight a thread, grid-stride.
+__global__ void stream_read(const uint4 *w, size_t n16, unsigned *sink) {
+    unsigned acc = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        uint4 a = w[i], b = w[i + stride], c = w[i + 2 * stride], d = w[i + 3 * stride];
+        acc ^= a.x ^ b.y ^ c.z ^ d.w;
+    }
+    for (; i < n16; i += stride) acc ^= w[i].x;
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
+// `elems` bf16 values in [-1, 1) from a linear congruential hash seeded with `seed`, on the
+// device.
+inline bf16 *random_bf16(size_t elems, unsigned seed) {
+    std::vector<bf16> h(elems);
+    unsigned st = seed;
+    for (size_t j = 0; j < elems; ++j) {
+        st = st * 1664525u + 1013904223u;
+        h[j] = __float2bfloat16(((st >> 9) % 2000 - 1000) / 1000.f);
+    }
+    bf16 *d;
+    CK(cudaMalloc(&d, elems * 2));
+    CK(cudaMemcpy(d, h.data(), elems * 2, cudaMemcpyHostToDevice));
+    return d;
+}
+
+// µs a launch of `launch(copy)` over `reps` launches after 5 to warm up, cycling through
+// `copies` copies of the weights (enough that none is still in L2 when it comes round again).
+struct LaunchTimer {
+    cudaEvent_t e0, e1;
+    LaunchTimer() {
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+    }
+    template <typename F> float us(F launch, int copies, int reps) {
+        for (int r = 0; r < 5; ++r) launch(r % copies);
+        CK(cudaEventRecord(e0));
+        for (int r = 0; r < reps; ++r) launch(r % copies);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        return 1e3f * ms / reps;
+    }
+};
