@@ -1,0 +1,149 @@
+// Probe: can a decode row's gemv feed the tensor cores in the standard k order (MMA j of a
+// block of 64 takes k 16j … 16j + 15, the order ldmatrix and wgmma's shared-memory operands
+// give) as fast as in GemvMma's own order (MMA j takes k 16t + 4j … + 3 of each lane group t,
+// which makes a lane's loads 32 contiguous bytes but no layout a 16-byte copy produces)? The
+// candidate stages each warp's 2 KiB block of K with cp.async into shared memory (rows padded
+// to 144 bytes) and takes the A fragments with ldmatrix, DEPTH blocks of K in flight a warp.
+// Times it against the shipped one-row kernels on Llama-2-7B's and SmolLM2's projections. Its
+// bits differ from the shipped kernel's (other products share an MMA); it must agree with a
+// double reference as closely as the shipped kernel does.
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o korder_probe tools/gpu/korder_probe.cu && ./korder_probe
+#include "../../crates/kestrel-kernels/src/kernels.cu"
+#include "probe_common.cuh"
+#include <cmath>
+
+#define STD_LD 72 // a staged weight row of one block of K: 64 values + 8 of padding
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned *a, const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(s));
+}
+
+template <int DEPTH>
+__global__ void GEMV_BOUNDS row_std(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+                                    bf16 *__restrict__ y, const int N, const int K) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16, nkb = K / MMA_KB;
+    __shared__ __align__(16) bf16 st[GEMV_WARPS][DEPTH][16][STD_LD];
+    // Lane L copies pieces L + 32q (q < 4) of the 16 rows × 8 pieces of 16 bytes.
+    auto issue = [&](const int kb, const int stage) {
+        if (kb < nkb) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int p = lane + 32 * q, r = p / 8, c = p % 8;
+                cp_async16(&st[warp][stage][r][8 * c], w + (size_t)min(n0 + r, N - 1) * K + kb * MMA_KB + 8 * c);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+#pragma unroll
+    for (int s = 0; s < DEPTH; ++s) issue(warp + s * GEMV_WARPS, s);
+    pdl_enter();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lcol = (lane >> 4) * 8;
+    const unsigned *xw = reinterpret_cast<const unsigned *>(x);
+    int i = 0;
+    for (int kb = warp; kb < nkb; kb += GEMV_WARPS, ++i) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(DEPTH - 1));
+        __syncwarp(); // every lane's copies of this block are in
+        const int stage = i % DEPTH;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            unsigned a[4];
+            ldmatrix_x4(a, &st[warp][stage][lrow][16 * j + lcol]);
+            const int w0 = kb * 32 + 8 * j + t; // x's word (k 2w0, 2w0 + 1)
+            const unsigned b[2] = {g == 0 ? xw[w0] : 0u, g == 0 ? xw[w0 + 4] : 0u};
+            mma16816<bf16>(acc, a, b);
+        }
+        __syncwarp(); // every lane is done with the stage before it is refilled
+        issue(kb + DEPTH * GEMV_WARPS, stage);
+    }
+    __shared__ float part[GEMV_WARPS][16][8];
+    part[warp][g][2 * t] = acc[0];
+    part[warp][g][2 * t + 1] = acc[1];
+    part[warp][g + 8][2 * t] = acc[2];
+    part[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
+        float total = 0.f;
+#pragma unroll
+        for (int q = 0; q < GEMV_WARPS; ++q) total += part[q][threadIdx.x][0];
+        y[n0 + threadIdx.x] = from_f<bf16>(total);
+    }
+}
+
+int main() {
+    struct Shape {
+        const char *name;
+        int n, k;
+    } shapes[] = {{"qkv", 12288, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008},
+                  {"s_qkv", 960, 576}, {"s_o", 576, 576}, {"s_gu", 3072, 576}, {"s_down", 576, 1536}};
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    bf16 *x = random_bf16(11008, 7), *y0, *y1;
+    unsigned *sink;
+    CK(cudaMalloc(&y0, 22016 * 2));
+    CK(cudaMalloc(&y1, 22016 * 2));
+    CK(cudaMalloc(&sink, 4));
+    std::vector<bf16> hx(11008);
+    CK(cudaMemcpy(hx.data(), x, 11008 * 2, cudaMemcpyDeviceToHost));
+    LaunchTimer timer;
+    const int reps = 60;
+    printf("us a launch: stream, shipped row_mma / row_mma_deep, standard order (ldmatrix) at depth 1 / 2 (shared memory: 3 do not fit 48 KiB); "
+           "max |error| / sum |terms| against double: shipped, standard\n");
+    for (auto s : shapes) {
+        const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
+        const int copies = (int)((600ull << 20) / bytes) + 1;
+        std::vector<bf16 *> w(copies);
+        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems, 12345u + i);
+        const int blocks = s.n / 16;
+        auto time = [&](auto launch) { return timer.us(launch, copies, reps); };
+        const float t_st = time([&](int i) {
+            stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
+        });
+        auto shipped = [&](int i, bf16 *y) {
+            kestrel_gemv_row_mma_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y, 1, s.n, s.k, GEMV_MMA);
+        };
+        void (*const stds[2])(const bf16 *, const bf16 *, bf16 *, int, int) = {row_std<1>, row_std<2>};
+        const float t_ship = time([&](int i) { shipped(i, y0); });
+        const float t_deep = time([&](int i) {
+            kestrel_gemv_row_mma_deep_bf16<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y0, 1, s.n, s.k, GEMV_MMA);
+        });
+        float t_std[2];
+        for (int d = 0; d < 2; ++d)
+            t_std[d] = time([&](int i) { stds[d]<<<blocks, GEMV_WARPS * WARP>>>(x, w[i], y1, s.n, s.k); });
+        CK(cudaGetLastError());
+        // Accuracy of copy 0 against a double reference.
+        shipped(0, y0);
+        stds[1]<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k);
+        std::vector<bf16> hw(elems), a(s.n), b(s.n), c(s.n);
+        CK(cudaMemcpy(hw.data(), w[0], bytes, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(a.data(), y0, s.n * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(b.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
+        // Every depth gives the same bits.
+        bool depths_agree = true;
+        for (int d : {0}) {
+            stds[d]<<<blocks, GEMV_WARPS * WARP>>>(x, w[0], y1, s.n, s.k);
+            CK(cudaMemcpy(c.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
+            for (int n = 0; n < s.n; ++n)
+                depths_agree &= __bfloat16_as_ushort(c[n]) == __bfloat16_as_ushort(b[n]);
+        }
+        double e_ship = 0, e_std = 0;
+        for (int n = 0; n < s.n; ++n) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < s.k; ++k) {
+                const double p = (double)__bfloat162float(hw[(size_t)n * s.k + k]) * __bfloat162float(hx[k]);
+                ref += p;
+                mag += fabs(p);
+            }
+            e_ship = fmax(e_ship, fabs(__bfloat162float(a[n]) - ref) / mag);
+            e_std = fmax(e_std, fabs(__bfloat162float(b[n]) - ref) / mag);
+        }
+        printf("%-8s %5.1f | %5.1f %5.1f | %5.1f %5.1f | %.2e %.2e%s\n", s.name, t_st, t_ship, t_deep,
+               t_std[0], t_std[1], e_ship, e_std, depths_agree ? "" : "  DEPTHS DIFFER");
+        for (int i = 0; i < copies; ++i) CK(cudaFree(w[i]));
+    }
+    return 0;
+}
