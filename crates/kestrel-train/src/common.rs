@@ -12,7 +12,7 @@ use kestrel_core::{AtomicDir, Mapping, ModelConfig};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -110,28 +110,53 @@ pub fn epoch_batches(
     batches
 }
 
-/// The checks every trainer's settings share: batches and logits chunks of at least one,
-/// windows of at least two tokens, a positive finite learning rate and a floor ratio in
-/// [0, 1] for [`cosine_lr`].
-pub(crate) fn validate_schedule(
-    batch_size: usize,
-    max_len: usize,
-    logits_chunk: usize,
-    lr: f64,
-    min_lr_ratio: f64,
-) -> Result<()> {
-    if batch_size == 0 || max_len < 2 || logits_chunk == 0 {
-        return Err(invalid(
-            "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
-        ));
+/// The part of a training recipe both trainers share: the AdamW optimizer, its learning-rate
+/// schedule ([`cosine_lr`]), the batching and the seed. Each trainer's configuration
+/// flattens it in, so a saved configuration keeps its keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Recipe {
+    /// Total epochs (a resumed run continues up to this many).
+    pub epochs: usize,
+    /// Peak learning rate (after warmup), AdamW.
+    pub lr: f64,
+    /// Linear warmup steps, then cosine decay to `lr · min_lr_ratio` at the last step.
+    pub warmup_steps: usize,
+    pub min_lr_ratio: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Rows per chunk of vocabulary-sized logits (memory bound).
+    pub logits_chunk: usize,
+    pub seed: u64,
+}
+
+impl Recipe {
+    /// The checks every trainer's settings share: batches and logits chunks of at least one,
+    /// windows (`max_len`, whose meaning each trainer gives) of at least two tokens, a
+    /// positive finite learning rate and a floor ratio in [0, 1].
+    pub fn validate(&self, max_len: usize) -> Result<()> {
+        if self.batch_size == 0 || max_len < 2 || self.logits_chunk == 0 {
+            return Err(invalid(
+                "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2",
+            ));
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(invalid(format!("--lr {} must be positive", self.lr)));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
+        }
+        Ok(())
     }
-    if !(lr > 0.0 && lr.is_finite()) {
-        return Err(invalid(format!("--lr {lr} must be positive")));
+
+    /// The learning rate of step `step` (0-based) of `total`.
+    pub fn lr_at(&self, step: usize, total: usize) -> f64 {
+        cosine_lr(self.lr, self.warmup_steps, self.min_lr_ratio, step, total)
     }
-    if !(0.0..=1.0).contains(&min_lr_ratio) {
-        return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
-    }
-    Ok(())
 }
 
 /// The learning rate of step `step` (0-based) of `total`: linear warmup over `warmup_steps`
@@ -310,18 +335,26 @@ mod tests {
     fn both_trainers_refuse_a_bad_schedule_with_its_message() {
         let shape = "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2";
         let cases: [Case; 5] = [
-            (shape, |c| c.batch_size = 0, |c| c.batch_size = 0),
+            (
+                shape,
+                |c| c.recipe.batch_size = 0,
+                |c| c.recipe.batch_size = 0,
+            ),
             (shape, |c| c.max_len = 1, |c| c.max_len = 1),
-            (shape, |c| c.logits_chunk = 0, |c| c.logits_chunk = 0),
+            (
+                shape,
+                |c| c.recipe.logits_chunk = 0,
+                |c| c.recipe.logits_chunk = 0,
+            ),
             (
                 "--lr -0.5 must be positive",
-                |c| c.lr = -0.5,
-                |c| c.lr = -0.5,
+                |c| c.recipe.lr = -0.5,
+                |c| c.recipe.lr = -0.5,
             ),
             (
                 "--min_lr_ratio must lie in [0, 1]",
-                |c| c.min_lr_ratio = 1.5,
-                |c| c.min_lr_ratio = 1.5,
+                |c| c.recipe.min_lr_ratio = 1.5,
+                |c| c.recipe.min_lr_ratio = 1.5,
             ),
         ];
         for (want, eagle, draft) in cases {
@@ -334,5 +367,32 @@ mod tests {
         }
         assert!(TrainConfig::default().validate().is_ok());
         assert!(DraftTrainConfig::default().validate().is_ok());
+    }
+
+    /// The shared recipe is flattened into each configuration: the shipped head's training
+    /// log (written before the recipe was its own struct) reads back, and the recipe's keys
+    /// are written out at the top level with the values read.
+    #[test]
+    fn saved_configurations_keep_their_flat_keys() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../heads/smollm2-eagle/train_log.json"
+        );
+        let log: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let saved = log["config"].clone();
+        let cfg: TrainConfig = serde_json::from_value(saved.clone()).unwrap();
+        assert_eq!(cfg.recipe.lr, 3e-4);
+        assert_eq!(cfg.recipe.batch_size, 32);
+        assert_eq!(cfg.max_len, 768);
+        let written = serde_json::to_value(&cfg).unwrap();
+        let recipe = serde_json::to_value(&cfg.recipe).unwrap();
+        for key in recipe.as_object().unwrap().keys() {
+            assert_eq!(written[key], saved[key], "{key}");
+        }
+        assert!(written.get("recipe").is_none());
+        let draft = serde_json::to_value(DraftTrainConfig::default()).unwrap();
+        assert_eq!(draft["lr"], 1e-3);
+        assert!(draft.get("recipe").is_none());
     }
 }

@@ -25,8 +25,8 @@
 //!   `convert-checkpoint --model_dir` reads.
 
 use crate::common::{
-    check_save_dtype, clip_gradients, config_json_with_dtype, cosine_lr, expected_for_save,
-    load_expected, write_model_dir, ModelDirFiles, RankFiles, TRAIN_LOG_FILE,
+    check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
+    write_model_dir, ModelDirFiles, RankFiles, Recipe, TRAIN_LOG_FILE,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result, TrainError};
@@ -205,20 +205,8 @@ fn layer_of(name: &str) -> Option<(usize, &str)> {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DraftTrainConfig {
-    /// Total epochs (a resumed run continues up to this many).
-    pub epochs: usize,
-    /// Peak learning rate (after warmup), AdamW.
-    pub lr: f64,
-    /// Linear warmup steps, then cosine decay to `lr · min_lr_ratio` at the last step.
-    pub warmup_steps: usize,
-    pub min_lr_ratio: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub weight_decay: f64,
-    /// Global gradient-norm clip; 0 disables.
-    pub grad_clip: f64,
-    /// Sequences per step.
-    pub batch_size: usize,
+    #[serde(flatten)]
+    pub recipe: Recipe,
     /// Longest window trained on: a sequence's first `max_len` tokens (the draft always
     /// sees its context from position 0 at inference, so the window keeps the start).
     pub max_len: usize,
@@ -228,42 +216,35 @@ pub struct DraftTrainConfig {
     pub ce_weight: f64,
     /// Train the embedding (and an untied LM head) too.
     pub train_embeddings: bool,
-    /// Rows per chunk of vocabulary-sized logits (memory bound).
-    pub logits_chunk: usize,
-    pub seed: u64,
 }
 
 impl Default for DraftTrainConfig {
     fn default() -> Self {
         DraftTrainConfig {
-            epochs: 4,
-            lr: 1e-3,
-            warmup_steps: 10,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            weight_decay: 0.0,
-            grad_clip: 1.0,
-            batch_size: 8,
+            recipe: Recipe {
+                epochs: 4,
+                lr: 1e-3,
+                warmup_steps: 10,
+                min_lr_ratio: 0.1,
+                beta1: 0.9,
+                beta2: 0.95,
+                weight_decay: 0.0,
+                grad_clip: 1.0,
+                batch_size: 8,
+                logits_chunk: 256,
+                seed: 0,
+            },
             max_len: 512,
             kd_temperature: 1.0,
             ce_weight: 0.0,
             train_embeddings: false,
-            logits_chunk: 256,
-            seed: 0,
         }
     }
 }
 
 impl DraftTrainConfig {
     pub fn validate(&self) -> Result<()> {
-        crate::common::validate_schedule(
-            self.batch_size,
-            self.max_len,
-            self.logits_chunk,
-            self.lr,
-            self.min_lr_ratio,
-        )?;
+        self.recipe.validate(self.max_len)?;
         if !(self.kd_temperature > 0.0 && self.kd_temperature.is_finite()) {
             return Err(invalid(format!(
                 "--kd_temperature {} must be positive",
@@ -277,11 +258,6 @@ impl DraftTrainConfig {
             )));
         }
         Ok(())
-    }
-
-    /// The learning rate of step `step` (0-based) of `total`.
-    pub fn lr_at(&self, step: usize, total: usize) -> f64 {
-        cosine_lr(self.lr, self.warmup_steps, self.min_lr_ratio, step, total)
     }
 }
 
@@ -431,7 +407,7 @@ fn kd_losses(
     let mut g_w: Option<Tensor> = None;
     let mut start = 0;
     while start < n {
-        let len = cfg.logits_chunk.min(n - start);
+        let len = cfg.recipe.logits_chunk.min(n - start);
         let hs = h.narrow(0, start, len)?;
         let zs = hs.matmul(&w_t)?;
         let zt = targets.narrow(0, start, len)?.matmul(&w_t)?;
@@ -562,11 +538,11 @@ impl DraftTrainer {
         let opt = AdamW::new(
             varmap.all_vars(),
             ParamsAdamW {
-                lr: cfg.lr,
-                beta1: cfg.beta1,
-                beta2: cfg.beta2,
+                lr: cfg.recipe.lr,
+                beta1: cfg.recipe.beta1,
+                beta2: cfg.recipe.beta2,
                 eps: 1e-8,
-                weight_decay: cfg.weight_decay,
+                weight_decay: cfg.recipe.weight_decay,
             },
         )?;
         Ok(DraftTrainer {
@@ -625,7 +601,7 @@ impl DraftTrainer {
         }
         let mut grads = surrogate.backward()?;
         let vars = self.varmap.all_vars();
-        let norm = clip_gradients(&vars, &mut grads, self.cfg.grad_clip, self.step)?;
+        let norm = clip_gradients(&vars, &mut grads, self.cfg.recipe.grad_clip, self.step)?;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.step += 1;
@@ -635,7 +611,7 @@ impl DraftTrainer {
     /// Losses and greedy agreement over `seqs`, without updates.
     pub fn evaluate(&self, data: &FeatureDataset, seqs: &[usize]) -> Result<KdSums> {
         let mut total = KdSums::default();
-        for group in seqs.chunks(self.cfg.batch_size) {
+        for group in seqs.chunks(self.cfg.recipe.batch_size) {
             let Some(batch) = make_draft_batch(data, group, self.cfg.max_len, &self.device)? else {
                 continue;
             };
@@ -786,7 +762,7 @@ pub struct DraftSaveOptions<'p> {
     pub copy_files: Vec<PathBuf>,
 }
 
-/// Trains up to `trainer.cfg.epochs` epochs over `train`, evaluating on `val` before
+/// Trains up to `trainer.cfg.recipe.epochs` epochs over `train`, evaluating on `val` before
 /// training and after every epoch, saving the draft (and `train_log.json`) after every
 /// epoch. With `resume` (the log of the run whose weights the trainer starts from), the
 /// finished epochs are skipped and the schedule continues at their step count; AdamW's
@@ -817,7 +793,7 @@ pub fn train_draft(
             log(&format!(
                 "resuming after epoch {done} (step {}): {} epochs to go",
                 trainer.step,
-                cfg.epochs.saturating_sub(done)
+                cfg.recipe.epochs.saturating_sub(done)
             ));
             prior.command = command.or(prior.command);
             prior.config = cfg.clone();
@@ -850,9 +826,9 @@ pub fn train_draft(
     };
     let first_epoch = tlog.epochs.last().map_or(0, |e| e.epoch) + 1;
     let schedule = Schedule {
-        epochs: cfg.epochs,
-        batch_size: cfg.batch_size,
-        seed: cfg.seed,
+        epochs: cfg.recipe.epochs,
+        batch_size: cfg.recipe.batch_size,
+        seed: cfg.recipe.seed,
         reseed_each_epoch: true,
     };
     let mut run = DraftRun {
@@ -915,7 +891,7 @@ impl EpochTrainer for DraftRun<'_, '_> {
         self.trainer.step
     }
     fn lr_at(&self, step: usize, total: usize) -> f64 {
-        self.trainer.cfg.lr_at(step, total)
+        self.trainer.cfg.recipe.lr_at(step, total)
     }
     fn make_batch(&self, seqs: &[usize], _rng: &mut ChaCha8Rng) -> Result<Option<DraftBatch>> {
         make_draft_batch(
@@ -1019,11 +995,15 @@ mod tests {
         let t = Tensor::randn(0f32, 1.0, (n, hdim), &dev).unwrap();
         let w0 = Tensor::randn(0f32, 1.0, (vocab, hdim), &dev).unwrap();
         for (temp, ce_weight, chunk) in [(1.0, 0.0, 256), (2.0, 0.3, 3), (0.5, 1.0, 1)] {
+            let defaults = DraftTrainConfig::default();
             let c = DraftTrainConfig {
                 kd_temperature: temp,
                 ce_weight,
-                logits_chunk: chunk,
-                ..DraftTrainConfig::default()
+                recipe: Recipe {
+                    logits_chunk: chunk,
+                    ..defaults.recipe.clone()
+                },
+                ..defaults
             };
             let what = format!("T {temp}, ce_weight {ce_weight}, chunk {chunk}");
             let (sums, grads) = kd_losses(&h0, &t, &w0, &c, Some(n), true).unwrap();

@@ -41,8 +41,8 @@
 //! is the head's top-1 at draft depth k along the true continuation.
 
 use crate::common::{
-    check_save_dtype, clip_gradients, config_json_with_dtype, cosine_lr, expected_for_save,
-    load_expected, write_model_dir, ModelDirFiles, RankFiles,
+    check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
+    write_model_dir, ModelDirFiles, RankFiles, Recipe,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{invalid, Result};
@@ -170,19 +170,8 @@ pub enum HeadInit {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainConfig {
-    pub epochs: usize,
-    /// Peak learning rate (after warmup), AdamW.
-    pub lr: f64,
-    /// Linear warmup steps, then cosine decay to `lr · min_lr_ratio` at the last step.
-    pub warmup_steps: usize,
-    pub min_lr_ratio: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub weight_decay: f64,
-    /// Global gradient-norm clip; 0 disables.
-    pub grad_clip: f64,
-    /// Sequences per step.
-    pub batch_size: usize,
+    #[serde(flatten)]
+    pub recipe: Recipe,
     /// Longest window trained on; longer sequences keep their last `max_len` positions.
     pub max_len: usize,
     /// Amplitude `a` of the uniform `U(-a, a)` noise added to the input features.
@@ -192,9 +181,6 @@ pub struct TrainConfig {
     /// Weight of the feature-regression (SmoothL1) term; 0 is EAGLE-3's token-only loss.
     #[serde(default = "one_f64")]
     pub feature_weight: f64,
-    /// Rows per chunk of vocabulary-sized logits (memory bound).
-    pub logits_chunk: usize,
-    pub seed: u64,
     /// Passes of the training-time-test unroll (module docs): 1 trains on real features
     /// only, `K` also trains draft depths `2..=K` on the head's own predictions.
     #[serde(default = "one")]
@@ -219,21 +205,23 @@ fn one_f64() -> f64 {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            epochs: 4,
-            lr: 5e-4,
-            warmup_steps: 20,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            weight_decay: 0.0,
-            grad_clip: 0.5,
-            batch_size: 8,
+            recipe: Recipe {
+                epochs: 4,
+                lr: 5e-4,
+                warmup_steps: 20,
+                min_lr_ratio: 0.1,
+                beta1: 0.9,
+                beta2: 0.95,
+                weight_decay: 0.0,
+                grad_clip: 0.5,
+                batch_size: 8,
+                logits_chunk: 256,
+                seed: 0,
+            },
             max_len: 512,
             noise: 0.1,
             ce_weight: LossWeights::EAGLE1.ce,
             feature_weight: LossWeights::EAGLE1.feature,
-            logits_chunk: 256,
-            seed: 0,
             ttt_steps: 1,
             ttt_decay: 1.0,
             eval_steps: 3,
@@ -243,13 +231,7 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
-        crate::common::validate_schedule(
-            self.batch_size,
-            self.max_len,
-            self.logits_chunk,
-            self.lr,
-            self.min_lr_ratio,
-        )?;
+        self.recipe.validate(self.max_len)?;
         if !(self.noise >= 0.0 && self.noise.is_finite()) {
             return Err(invalid("--noise must be non-negative"));
         }
@@ -284,11 +266,6 @@ impl TrainConfig {
     /// Passes of the held-out evaluation.
     pub fn eval_passes(&self) -> usize {
         self.eval_steps.max(self.ttt_steps)
-    }
-
-    /// The learning rate of step `step` (0-based) of `total`.
-    pub fn lr_at(&self, step: usize, total: usize) -> f64 {
-        cosine_lr(self.lr, self.warmup_steps, self.min_lr_ratio, step, total)
     }
 }
 
@@ -662,11 +639,11 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         let opt = AdamW::new(
             varmap.all_vars(),
             ParamsAdamW {
-                lr: cfg.lr,
-                beta1: cfg.beta1,
-                beta2: cfg.beta2,
+                lr: cfg.recipe.lr,
+                beta1: cfg.recipe.beta1,
+                beta2: cfg.recipe.beta2,
                 eps: 1e-8,
-                weight_decay: cfg.weight_decay,
+                weight_decay: cfg.recipe.weight_decay,
             },
         )?;
         Ok(EagleTrainer {
@@ -738,7 +715,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
                     target,
                     &self.base.lm_head,
                     self.cfg.loss_weights(),
-                    self.cfg.logits_chunk,
+                    self.cfg.recipe.logits_chunk,
                     with_grad.then(|| pred.dim(0)).transpose()?,
                 )
             })
@@ -781,7 +758,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         let surrogate = surrogate.ok_or_else(|| invalid("the batch has no loss rows"))?;
         let mut grads = surrogate.backward()?;
         let vars = self.varmap.all_vars();
-        let norm = clip_gradients(&vars, &mut grads, self.cfg.grad_clip, self.step)?;
+        let norm = clip_gradients(&vars, &mut grads, self.cfg.recipe.grad_clip, self.step)?;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.step += 1;
@@ -803,7 +780,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
     ) -> Result<Vec<LossSums>> {
         let mut total = vec![LossSums::default(); passes];
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        for group in seqs.chunks(self.cfg.batch_size) {
+        for group in seqs.chunks(self.cfg.recipe.batch_size) {
             let Some(batch) = make_batch(data, group, self.cfg.max_len, 0.0, &mut rng)? else {
                 continue;
             };
@@ -919,7 +896,7 @@ pub struct SaveOptions<'p> {
     pub extra: Vec<(&'static str, String)>,
 }
 
-/// Trains for `trainer.cfg.epochs` epochs over `train`, evaluating on `val` before training
+/// Trains for `trainer.cfg.recipe.epochs` epochs over `train`, evaluating on `val` before training
 /// and after every epoch, saving the head (and `train_log.json`) after every epoch.
 /// `log` receives one human-readable line per event.
 pub fn train(
@@ -964,9 +941,9 @@ pub fn train(
         seconds: t0.elapsed().as_secs_f64(),
     });
     let schedule = Schedule {
-        epochs: cfg.epochs,
-        batch_size: cfg.batch_size,
-        seed: cfg.seed,
+        epochs: cfg.recipe.epochs,
+        batch_size: cfg.recipe.batch_size,
+        seed: cfg.recipe.seed,
         reseed_each_epoch: false,
     };
     let mut run = EagleRun {
@@ -1064,7 +1041,7 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
         self.trainer.step
     }
     fn lr_at(&self, step: usize, total: usize) -> f64 {
-        self.trainer.cfg.lr_at(step, total)
+        self.trainer.cfg.recipe.lr_at(step, total)
     }
     fn make_batch(&self, seqs: &[usize], rng: &mut ChaCha8Rng) -> Result<Option<Batch>> {
         let cfg = &self.trainer.cfg;

@@ -9,7 +9,7 @@ use candle_core::{DType, Device};
 use common::{greedy_sequences, max_diff, Tiny};
 use kestrel_core::ModelConfig;
 use kestrel_model::{Llama, OutputRows, SeqInput};
-use kestrel_train::common::split;
+use kestrel_train::common::{split, Recipe};
 use kestrel_train::draft::{
     default_init_layers, draft_config, initial_student, load_draft, make_draft_batch,
     resolve_init_layers, train_draft, DraftInit, DraftSaveOptions, DraftTrainConfig, DraftTrainer,
@@ -39,12 +39,16 @@ fn greedy_data(model: &Llama, n: usize, prompt_len: usize, answer_len: usize) ->
 }
 
 fn cfg(epochs: usize) -> DraftTrainConfig {
+    let defaults = DraftTrainConfig::default();
     DraftTrainConfig {
-        epochs,
-        lr: 3e-3,
-        warmup_steps: 2,
-        batch_size: 4,
-        ..DraftTrainConfig::default()
+        recipe: Recipe {
+            epochs,
+            lr: 3e-3,
+            warmup_steps: 2,
+            batch_size: 4,
+            ..defaults.recipe.clone()
+        },
+        ..defaults
     }
 }
 

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{greedy_sequences, max_diff, Tiny};
 use kestrel_core::ModelConfig;
 use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows};
+use kestrel_train::common::Recipe;
 use kestrel_train::eagle::{
     head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
     LossWeights, SaveOptions, TrainConfig,
@@ -48,14 +49,18 @@ fn dataset(t: &Tiny, n: usize) -> FeatureDataset {
 }
 
 fn train_cfg(epochs: usize) -> TrainConfig {
+    let defaults = TrainConfig::default();
     TrainConfig {
-        epochs,
-        lr: 3e-3,
-        warmup_steps: 2,
-        batch_size: 4,
+        recipe: Recipe {
+            epochs,
+            lr: 3e-3,
+            warmup_steps: 2,
+            batch_size: 4,
+            grad_clip: 1.0,
+            ..defaults.recipe.clone()
+        },
         noise: 0.02,
-        grad_clip: 1.0,
-        ..TrainConfig::default()
+        ..defaults
     }
 }
 
@@ -415,10 +420,8 @@ fn bad_inputs_are_errors_not_panics() {
         .unwrap()
         .to_string();
     assert!(err.contains("fc.weight"), "{err}");
-    let bad_cfg = TrainConfig {
-        batch_size: 0,
-        ..train_cfg(1)
-    };
+    let mut bad_cfg = train_cfg(1);
+    bad_cfg.recipe.batch_size = 0;
     assert!(EagleTrainer::new(
         &base,
         hc,

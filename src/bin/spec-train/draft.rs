@@ -91,20 +91,16 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         args.init_layers.as_deref(),
     )?;
     let tcfg = DraftTrainConfig {
-        epochs: args.train.epochs,
-        lr: args.lr,
-        warmup_steps: args.warmup_steps,
-        min_lr_ratio: args.train.min_lr_ratio,
-        weight_decay: args.train.weight_decay,
-        grad_clip: args.grad_clip,
-        batch_size: args.train.batch_size,
+        recipe: args.train.recipe(
+            args.lr,
+            args.warmup_steps,
+            args.grad_clip,
+            DraftTrainConfig::default().recipe,
+        ),
         max_len: args.train.max_len,
         kd_temperature: args.kd_temperature,
         ce_weight: args.ce_weight,
         train_embeddings: args.train_embeddings,
-        logits_chunk: args.train.logits_chunk,
-        seed: args.train.seed,
-        ..DraftTrainConfig::default()
     };
     tcfg.validate()?;
     let resume = if args.resume {
@@ -193,8 +189,8 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         train_idx.len(),
         val_idx.len(),
         data.answer_tokens(),
-        tcfg.epochs,
-        train_idx.len().div_ceil(tcfg.batch_size)
+        tcfg.recipe.epochs,
+        train_idx.len().div_ceil(tcfg.recipe.batch_size)
     );
     let copy_files: Vec<PathBuf> = [TOKENIZER_FILE, CHAT_TEMPLATE_FILE]
         .iter()

@@ -189,23 +189,19 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
     };
     head_cfg.feature_layers = layers;
     let tcfg = TrainConfig {
-        epochs: args.train.epochs,
-        lr: args.lr,
-        warmup_steps: args.warmup_steps,
-        min_lr_ratio: args.train.min_lr_ratio,
-        weight_decay: args.train.weight_decay,
-        grad_clip: args.grad_clip,
-        batch_size: args.train.batch_size,
+        recipe: args.train.recipe(
+            args.lr,
+            args.warmup_steps,
+            args.grad_clip,
+            TrainConfig::default().recipe,
+        ),
         max_len: args.train.max_len,
         noise: args.noise,
         ce_weight: args.ce_weight,
         feature_weight: args.feature_weight,
-        logits_chunk: args.train.logits_chunk,
-        seed: args.train.seed,
         ttt_steps: args.ttt_steps,
         ttt_decay: args.ttt_decay,
         eval_steps: args.eval_steps,
-        ..TrainConfig::default()
     };
     let (train_idx, val_idx) = args.train.split(data.len());
     eprintln!(
@@ -213,8 +209,8 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
         train_idx.len(),
         val_idx.len(),
         data.answer_tokens(),
-        tcfg.epochs,
-        train_idx.len().div_ceil(tcfg.batch_size)
+        tcfg.recipe.epochs,
+        train_idx.len().div_ceil(tcfg.recipe.batch_size)
     );
     let mut trainer = EagleTrainer::new(&base, head_cfg, init, tcfg)?;
     let save = SaveOptions {

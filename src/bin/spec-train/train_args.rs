@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use kestrel_core::ModelConfig;
-use kestrel_train::common::split;
+use kestrel_train::common::{split, Recipe};
 use kestrel_train::dataset::FeatureDataset;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -42,6 +42,24 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The shared part of a trainer's recipe from these flags and the subcommand's own
+    /// (`lr`, `warmup_steps`, `grad_clip`); what no flag sets (AdamW's betas) comes from
+    /// `defaults`, the trainer's.
+    pub fn recipe(&self, lr: f64, warmup_steps: usize, grad_clip: f64, defaults: Recipe) -> Recipe {
+        Recipe {
+            epochs: self.epochs,
+            lr,
+            warmup_steps,
+            min_lr_ratio: self.min_lr_ratio,
+            weight_decay: self.weight_decay,
+            grad_clip,
+            batch_size: self.batch_size,
+            logits_chunk: self.logits_chunk,
+            seed: self.seed,
+            ..defaults
+        }
+    }
+
     /// The (train, held-out) split of `n` sequences.
     pub fn split(&self, n: usize) -> (Vec<usize>, Vec<usize>) {
         split(n, self.val_fraction, self.seed)
