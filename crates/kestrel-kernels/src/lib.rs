@@ -364,6 +364,29 @@ pub fn kv_append(pool: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
 /// weights once and applies them to a step's rows a chunk at a time.
 pub const GEMV_MAX_ROWS: usize = 8;
 
+/// Most rows [`gemv_swiglu`] fuses into one launch. Every block of the fused kernel computes
+/// SwiGLU of all the step's rows before its products; past 4 rows that costs more than the
+/// separate SwiGLU launch it saves (H200, random SmolLM2 bf16, graphs: 6- and 8-row steps
+/// 3-5% shorter apart, 2 and 4 rows shorter fused; docs/gpu-results.md, session 26).
+/// `KESTREL_GEMV_SWIGLU_MAX_ROWS` (1 to 8) overrides it, to measure the choice.
+pub const GEMV_SWIGLU_MAX_FUSED_ROWS: usize = 4;
+static SWIGLU_MAX_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// [`gemv_add_rms_norm`] fuses a whole chunk ([`GEMV_MAX_ROWS`]): apart, its 2- to 8-row
+/// steps took 12-19% longer (same measurement). `KESTREL_GEMV_NORM_MAX_ROWS` overrides it.
+static NORM_MAX_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Most rows a fused gemv takes in one launch: `default`, or `var` (1 to
+/// [`GEMV_MAX_ROWS`]); past it the op runs as two launches with the same bits.
+fn fused_max_rows(cell: &'static std::sync::OnceLock<usize>, var: &str, default: usize) -> usize {
+    *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=GEMV_MAX_ROWS).contains(n))
+            .unwrap_or(default)
+    })
+}
+
 /// Largest K (input width) [`gemv`]'s FMA engine takes (f32, and f16/bf16 with K not a
 /// multiple of [`GEMV_MMA_K_BLOCK`]). Measured on the H200 (docs/gpu-results.md): with every
 /// linear through it, SmolLM2 (K = 576 and 1,536) ran as fast or faster than with cuBLAS and
@@ -514,13 +537,19 @@ pub fn gemv_swiglu_applies(gu: &Tensor, w: &Tensor) -> bool {
 
 /// `swiglu(gu) · wᵀ` in one launch: [`swiglu`]'s output (same roundings) computed inside the
 /// [`gemv`] that consumes it, e.g. an MLP's down projection; steps of more than
-/// [`GEMV_MAX_ROWS`] rows run the two apart (the same bits). Check [`gemv_swiglu_applies`].
+/// [`GEMV_SWIGLU_MAX_FUSED_ROWS`] rows run the two apart (the same bits). Check
+/// [`gemv_swiglu_applies`].
 pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !gemv_swiglu_applies(gu, w) {
         return Err(gemv_misfit("gemv_swiglu", gu, w));
     }
-    if gu.dim(0)? > GEMV_MAX_ROWS {
-        // As in gemv_add_rms_norm: past one chunk, apart is cheaper and gives the same bits.
+    let fused_rows = fused_max_rows(
+        &SWIGLU_MAX_ROWS,
+        "KESTREL_GEMV_SWIGLU_MAX_ROWS",
+        GEMV_SWIGLU_MAX_FUSED_ROWS,
+    );
+    if gu.dim(0)? > fused_rows {
+        // Apart is cheaper there and gives the same bits.
         return gemv(&swiglu(gu)?, w);
     }
     #[cfg(feature = "cuda")]
@@ -578,7 +607,7 @@ pub fn gemv_add_rms_norm(
     if !fits {
         return Err(gemv_misfit("gemv_add_rms_norm", x, w));
     }
-    if m > GEMV_MAX_ROWS {
+    if m > fused_max_rows(&NORM_MAX_ROWS, "KESTREL_GEMV_NORM_MAX_ROWS", GEMV_MAX_ROWS) {
         // Every block of the fused kernel would stage (add, norm) all the rows for its 16 or
         // so columns: past one chunk, two launches cost less, with the same arithmetic.
         let zeros;
