@@ -15,6 +15,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu && ./gemv_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
+#include "probe_row_sum.cuh"
 
 // Packed: chunk (column group c, block of K kb) = 1,024 values at (c · nkb + kb) · 1024; lane
 // L = 4g + t holds values L · 32 .. L · 32 + 32: the four 16-byte vectors GemvMma::load_w
@@ -78,18 +79,7 @@ __global__ void GEMV_BOUNDS lean(const bf16 *__restrict__ x, const bf16 *__restr
         }
         if (kb + GEMV_WARPS < nkb) load_w(kb + GEMV_WARPS, ring);
     }
-    __shared__ float part[GEMV_WARPS][16][8];
-    part[warp][g][2 * t] = acc[0];
-    part[warp][g][2 * t + 1] = acc[1];
-    part[warp][g + 8][2 * t] = acc[2];
-    part[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
-        float total = 0.f;
-#pragma unroll
-        for (int q = 0; q < GEMV_WARPS; ++q) total += part[q][threadIdx.x][0];
-        y[n0 + threadIdx.x] = from_f<bf16>(total);
-    }
+    row_partials_to_y(acc, y, n0, N);
 }
 
 // GemvMma<bf16, 1, false> alone, M as the step gives it (kestrel_gemv_row_mma_* with M
@@ -111,11 +101,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP, MIN_BLOCKS) row_depth(const
 }
 
 int main() {
-    struct Shape {
-        const char *name;
-        int n, k;
-    } shapes[] = {{"qkv", 12288, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008},
-                    {"s_qkv", 960, 576}, {"s_o", 576, 576}, {"s_gu", 3072, 576}, {"s_down", 576, 1536}};
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     bf16 *x;
@@ -135,7 +120,7 @@ int main() {
     const int reps = 60;
     printf("%-8s %8s %10s %10s %10s %10s %10s %10s  (us a launch, TB/s)\n", "shape", "MB", "4 tiles",
            "one tile", "lean rows", "lean packed", "stream", "same bits");
-    for (auto s : shapes) {
+    for (auto s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
         std::vector<bf16 *> w(copies), p(copies);

@@ -10,6 +10,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o korder_probe tools/gpu/korder_probe.cu && ./korder_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
+#include "probe_row_sum.cuh"
 #include <cmath>
 
 #define STD_LD 72 // a staged weight row of one block of K: 64 values + 8 of padding
@@ -60,18 +61,7 @@ __global__ void GEMV_BOUNDS row_std(const bf16 *__restrict__ x, const bf16 *__re
         __syncwarp(); // every lane is done with the stage before it is refilled
         issue(kb + DEPTH * GEMV_WARPS, stage);
     }
-    __shared__ float part[GEMV_WARPS][16][8];
-    part[warp][g][2 * t] = acc[0];
-    part[warp][g][2 * t + 1] = acc[1];
-    part[warp][g + 8][2 * t] = acc[2];
-    part[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
-        float total = 0.f;
-#pragma unroll
-        for (int q = 0; q < GEMV_WARPS; ++q) total += part[q][threadIdx.x][0];
-        y[n0 + threadIdx.x] = from_f<bf16>(total);
-    }
+    row_partials_to_y(acc, y, n0, N);
 }
 
 
@@ -147,26 +137,10 @@ __global__ void GEMV_BOUNDS row_std_shfl(const bf16 *__restrict__ x, const bf16 
             load(kb + AHEAD, ring[s]);
         }
     }
-    __shared__ float part[GEMV_WARPS][16][8];
-    part[warp][g][2 * t] = acc[0];
-    part[warp][g][2 * t + 1] = acc[1];
-    part[warp][g + 8][2 * t] = acc[2];
-    part[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
-        float total = 0.f;
-#pragma unroll
-        for (int q = 0; q < GEMV_WARPS; ++q) total += part[q][threadIdx.x][0];
-        y[n0 + threadIdx.x] = from_f<bf16>(total);
-    }
+    row_partials_to_y(acc, y, n0, N);
 }
 
 int main() {
-    struct Shape {
-        const char *name;
-        int n, k;
-    } shapes[] = {{"qkv", 12288, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008},
-                  {"s_qkv", 960, 576}, {"s_o", 576, 576}, {"s_gu", 3072, 576}, {"s_down", 576, 1536}};
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     bf16 *x = random_bf16(11008, 7), *y0, *y1;
@@ -180,7 +154,7 @@ int main() {
     const int reps = 60;
     printf("us a launch: stream, shipped row_mma / row_mma_deep, standard order by ldmatrix at depth 1 / 2 (3 do not fit 48 KiB of shared memory), by shuffles at ring 1 / 2; "
            "max |error| / sum |terms| against double: shipped, standard\n");
-    for (auto s : shapes) {
+    for (auto s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
         std::vector<bf16 *> w(copies);

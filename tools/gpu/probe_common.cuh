@@ -65,3 +65,12 @@ struct LaunchTimer {
         return 1e3f * ms / reps;
     }
 };
+
+// A projection's weight [n, k]: Llama-2-7B's four, then SmolLM2's (s_*).
+struct ProbeShape {
+    const char *name;
+    int n, k;
+};
+constexpr ProbeShape PROJECTIONS[] = {{"qkv", 12288, 4096},  {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096},
+                                      {"down", 4096, 11008}, {"s_qkv", 960, 576},    {"s_o", 576, 576},
+                                      {"s_gu", 3072, 576},   {"s_down", 576, 1536}};
