@@ -367,7 +367,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Most rows [`gemv_swiglu`] fuses into one launch. Every block of the fused kernel computes
 /// SwiGLU of all the step's rows before its products; past 4 rows that costs more than the
 /// separate SwiGLU launch it saves (H200, random SmolLM2 bf16, graphs: 6- and 8-row steps
-/// 3-5% shorter apart, 2 and 4 rows shorter fused; docs/gpu-results.md, session 26).
+/// 3-5% shorter apart, 4 rows alike, 2 rows shorter fused; docs/gpu-results.md, session 26).
 /// `KESTREL_GEMV_SWIGLU_MAX_ROWS` (1 to 8) overrides it, to measure the choice.
 pub const GEMV_SWIGLU_MAX_FUSED_ROWS: usize = 4;
 static SWIGLU_MAX_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
