@@ -14,6 +14,7 @@
 #include <cstdint>
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
+#include "probe_wgmma.cuh"
 #include <cstring>
 
 #define WG_COLS 128
@@ -43,26 +44,9 @@ __global__ void permute_rows(const bf16 *__restrict__ x, bf16 *__restrict__ xp, 
     }
 }
 
-// Shared-memory matrix descriptor, no swizzle: leading (k direction) byte offset 1,024 (a
-// half's 64 rows), stride (the next 8 rows) 128.
-__device__ __forceinline__ uint64_t wg_desc(const void *smem) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
-    return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)(1024 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
-}
-
-__device__ __forceinline__ void wgmma_n64(float *d, const unsigned *a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-                 "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-                   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-                   "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
+// The rows' stage as wgmma's B: leading (k direction) byte offset 1,024 (a half's 64 rows),
+// stride (the next 8 rows) 128.
+__device__ __forceinline__ uint64_t wg_desc(const void *smem) { return wg_smem_desc(smem, 1024, 128); }
 
 // x: the permuted rows. Grid (groups, row tiles, column tiles), as kestrel_gemv_tiled.
 __global__ void __launch_bounds__(256, 2)
@@ -100,11 +84,6 @@ __global__ void __launch_bounds__(256, 2)
     float acc[32], total[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
-    // Output e of the lane: step row m0 + 8(e / 4) + 2t + e % 2, column n0 + g + 8((e / 2) % 2).
-    auto each_output = [&](auto &&f) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) f(e, m0 + 8 * (e / 4) + 2 * t + e % 2, n0 + g + 8 * ((e / 2) % 2));
-    };
     int i = 0;
     for (int p = p0; p < p1; ++p) {
         for (int kb = p; kb < nkb; kb += TILED_CHAINS, ++i) {
@@ -123,24 +102,15 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
-                wgmma_n64(acc, a, wg_desc(s + j * 2 * WG_ROWS * 8));
+                wgmma_rs_n64(acc, a, wg_desc(s + j * 2 * WG_ROWS * 8));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
-        each_output([&](int e, int m, int n) {
-            if (groups == 1)
-                total[e] += acc[e];
-            else if (m < M && n < N)
-                parts[((size_t)p * M + m) * N + n] = acc[e];
-            acc[e] = 0.f;
-        });
+        wg_chain_done(acc, total, parts, p, groups, M, N, m0, n0);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    if (groups == 1)
-        each_output([&](int e, int m, int n) {
-            if (m < M && n < N) y[(size_t)m * N + n] = from_f<bf16>(total[e]);
-        });
+    if (groups == 1) wg_store(total, y, M, N, m0, n0);
 }
 
 int main(int argc, char **argv) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
+#include "probe_wgmma.cuh"
 #include <cmath>
 
 #define SW_COLS 128
@@ -25,32 +26,13 @@
 #define SW_STAGE_PIECES (8 * SW_WPITCH + 8 * SW_XPITCH)
 #define SW_SMEM (SW_STAGES * SW_STAGE_PIECES * 16)
 
-__device__ __forceinline__ uint64_t sw_desc(const void *smem, unsigned lbo) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
-    return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)((lbo >> 4) & 0x3fff) << 16) |
-           ((uint64_t)(128 >> 4) << 32);
-}
-
-__device__ __forceinline__ void wgmma_ss_n64(float *d, uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-                   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-                   "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b));
-}
+__device__ __forceinline__ uint64_t sw_desc(const void *smem, unsigned lbo) { return wg_smem_desc(smem, lbo, 128); }
 
 // Grid (groups, row tiles, column tiles), as kestrel_gemv_tiled.
 __global__ void __launch_bounds__(256, 2)
     tiled_wg_std(const bf16 *__restrict__ x, const bf16 *__restrict__ w, bf16 *__restrict__ y,
                  float *__restrict__ parts, const int M, const int N, const int K, const int groups) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const int wg = warp / 4, wq = warp % 4;
+    const int warp = threadIdx.x / WARP, wg = warp / 4; // warpgroup wg: columns 64wg …
     const int n0 = blockIdx.z * SW_COLS, m0 = blockIdx.y * SW_ROWS, rows = min(SW_ROWS, M - m0);
     const int nkb = K / MMA_KB;
     const int p0 = blockIdx.x * TILED_CHAINS / groups, p1 = (blockIdx.x + 1) * TILED_CHAINS / groups;
@@ -82,11 +64,7 @@ __global__ void __launch_bounds__(256, 2)
     float acc[32], total[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
-    auto each_output = [&](auto &&f) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e)
-            f(e, m0 + 8 * (e / 4) + 2 * t + e % 2, n0 + 64 * wg + 16 * wq + g + 8 * ((e / 2) % 2));
-    };
+    const int ncol = n0 + 16 * warp; // the warp's 16 columns
     int i = 0;
     for (int p = p0; p < p1; ++p) {
         for (int kb = p; kb < nkb; kb += TILED_CHAINS, ++i) {
@@ -104,19 +82,10 @@ __global__ void __launch_bounds__(256, 2)
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        each_output([&](int e, int m, int n) {
-            if (groups == 1)
-                total[e] += acc[e];
-            else if (m < M && n < N)
-                parts[((size_t)p * M + m) * N + n] = acc[e];
-            acc[e] = 0.f;
-        });
+        wg_chain_done(acc, total, parts, p, groups, M, N, m0, ncol);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    if (groups == 1)
-        each_output([&](int e, int m, int n) {
-            if (m < M && n < N) y[(size_t)m * N + n] = from_f<bf16>(total[e]);
-        });
+    if (groups == 1) wg_store(total, y, M, N, m0, ncol);
 }
 
 int main() {

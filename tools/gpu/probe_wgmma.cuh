@@ -1,0 +1,68 @@
+// What the wgmma probes (tiled_probe.cu, wgmma_std_probe.cu) share: the m64n64k16 bf16
+// warpgroup MMAs (A from registers or shared memory, B from shared memory), and a warp's
+// outputs of the m64n64 accumulator: element e of lane (g, t) is step row 8(e / 4) + 2t + e % 2
+// and the warp's column g + 8((e / 2) % 2). Include after kernels.cu (from_f).
+#pragma once
+#include <cstdint>
+
+#define WG_ACC32(d)                                                                                \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+// d += A · B, A (64 × 16) in registers (the mma.sync A fragment of each warp's 16 rows).
+__device__ __forceinline__ void wgmma_rs_n64(float *d, const unsigned *a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : WG_ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// d += A · B, both from shared memory (K-major).
+__device__ __forceinline__ void wgmma_ss_n64(float *d, uint64_t a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : WG_ACC32(d)
+                 : "l"(a), "l"(b));
+}
+
+// A shared-memory matrix descriptor, no swizzle: leading (k direction) and stride (the next 8
+// rows) byte offsets.
+__device__ __forceinline__ uint64_t wg_smem_desc(const void *smem, unsigned lbo, unsigned sbo) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)((lbo >> 4) & 0x3fff) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3fff) << 32);
+}
+
+// A chain's end, as kestrel_gemv_tiled's: with one group its sums add into `total` (in chain
+// order), else they go to parts [8, M, N]; the accumulator restarts from zero.
+__device__ __forceinline__ void wg_chain_done(float *acc, float *total, float *parts, const int p,
+                                              const int groups, const int M, const int N, const int m0,
+                                              const int n0) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        const int m = m0 + 8 * (e / 4) + 2 * t + e % 2, n = n0 + g + 8 * ((e / 2) % 2);
+        if (groups == 1)
+            total[e] += acc[e];
+        else if (m < M && n < N)
+            parts[((size_t)p * M + m) * N + n] = acc[e];
+        acc[e] = 0.f;
+    }
+}
+
+// y of a warp's outputs from the totals of a launch with one group.
+__device__ __forceinline__ void wg_store(const float *total, __nv_bfloat16 *y, const int M, const int N,
+                                         const int m0, const int n0) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        const int m = m0 + 8 * (e / 4) + 2 * t + e % 2, n = n0 + g + 8 * ((e / 2) % 2);
+        if (m < M && n < N) y[(size_t)m * N + n] = from_f<__nv_bfloat16>(total[e]);
+    }
+}
