@@ -135,6 +135,25 @@ pub struct Recipe {
 }
 
 impl Recipe {
+    /// AdamW (β 0.9 / 0.95, no weight decay) at peak rate `lr` after `warmup_steps`, decaying
+    /// to a tenth, clipped at `grad_clip`; 4 epochs of 8 sequences, logits in chunks of 256
+    /// rows, seed 0: what both trainers start from, with their own rate, warmup and clip.
+    pub fn new(lr: f64, warmup_steps: usize, grad_clip: f64) -> Self {
+        Recipe {
+            epochs: 4,
+            lr,
+            warmup_steps,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.0,
+            grad_clip,
+            batch_size: 8,
+            logits_chunk: 256,
+            seed: 0,
+        }
+    }
+
     /// The checks every trainer's settings share: batches and logits chunks of at least one,
     /// windows (`max_len`, whose meaning each trainer gives) of at least two tokens, a
     /// positive finite learning rate and a floor ratio in [0, 1].

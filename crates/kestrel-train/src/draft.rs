@@ -221,19 +221,7 @@ pub struct DraftTrainConfig {
 impl Default for DraftTrainConfig {
     fn default() -> Self {
         DraftTrainConfig {
-            recipe: Recipe {
-                epochs: 4,
-                lr: 1e-3,
-                warmup_steps: 10,
-                min_lr_ratio: 0.1,
-                beta1: 0.9,
-                beta2: 0.95,
-                weight_decay: 0.0,
-                grad_clip: 1.0,
-                batch_size: 8,
-                logits_chunk: 256,
-                seed: 0,
-            },
+            recipe: Recipe::new(1e-3, 10, 1.0),
             max_len: 512,
             kd_temperature: 1.0,
             ce_weight: 0.0,

@@ -205,19 +205,7 @@ fn one_f64() -> f64 {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            recipe: Recipe {
-                epochs: 4,
-                lr: 5e-4,
-                warmup_steps: 20,
-                min_lr_ratio: 0.1,
-                beta1: 0.9,
-                beta2: 0.95,
-                weight_decay: 0.0,
-                grad_clip: 0.5,
-                batch_size: 8,
-                logits_chunk: 256,
-                seed: 0,
-            },
+            recipe: Recipe::new(5e-4, 20, 0.5),
             max_len: 512,
             noise: 0.1,
             ce_weight: LossWeights::EAGLE1.ce,

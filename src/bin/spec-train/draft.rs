@@ -91,12 +91,9 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
         args.init_layers.as_deref(),
     )?;
     let tcfg = DraftTrainConfig {
-        recipe: args.train.recipe(
-            args.lr,
-            args.warmup_steps,
-            args.grad_clip,
-            DraftTrainConfig::default().recipe,
-        ),
+        recipe: args
+            .train
+            .recipe(args.lr, args.warmup_steps, args.grad_clip),
         max_len: args.train.max_len,
         kd_temperature: args.kd_temperature,
         ce_weight: args.ce_weight,

@@ -189,12 +189,9 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
     };
     head_cfg.feature_layers = layers;
     let tcfg = TrainConfig {
-        recipe: args.train.recipe(
-            args.lr,
-            args.warmup_steps,
-            args.grad_clip,
-            TrainConfig::default().recipe,
-        ),
+        recipe: args
+            .train
+            .recipe(args.lr, args.warmup_steps, args.grad_clip),
         max_len: args.train.max_len,
         noise: args.noise,
         ce_weight: args.ce_weight,

@@ -43,20 +43,16 @@ pub struct TrainArgs {
 
 impl TrainArgs {
     /// The shared part of a trainer's recipe from these flags and the subcommand's own
-    /// (`lr`, `warmup_steps`, `grad_clip`); what no flag sets (AdamW's betas) comes from
-    /// `defaults`, the trainer's.
-    pub fn recipe(&self, lr: f64, warmup_steps: usize, grad_clip: f64, defaults: Recipe) -> Recipe {
+    /// (`lr`, `warmup_steps`, `grad_clip`); AdamW's betas as [`Recipe::new`] sets them.
+    pub fn recipe(&self, lr: f64, warmup_steps: usize, grad_clip: f64) -> Recipe {
         Recipe {
             epochs: self.epochs,
-            lr,
-            warmup_steps,
             min_lr_ratio: self.min_lr_ratio,
             weight_decay: self.weight_decay,
-            grad_clip,
             batch_size: self.batch_size,
             logits_chunk: self.logits_chunk,
             seed: self.seed,
-            ..defaults
+            ..Recipe::new(lr, warmup_steps, grad_clip)
         }
     }
 
