@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two spec-bench builds against each other on this machine's CPU, alternating (base, new,
-# base, new) so that drift shows: real SmolLM2 (ENGINE, default the demo's f32 EAGLE engine
-# work/smollm2-engine from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
+# base, new) so that drift shows: real SmolLM2 (ENGINE, default the demo's bf16 EAGLE engine
+# work/smollm2-bfloat16-engine from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
 # decoding, EAGLE-1 with tree_cpu, prompt lookup backed by the shipped corpus, and both grafted.
 # Usage: bash tools/cpu_ab.sh BASE_SPEC_BENCH NEW_SPEC_BENCH [OUT_DIR]
 # (a BASE or NEW may be a wrapper script, e.g. one that sets KESTREL_CPU_AMX=0 and execs the binary)
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=$1; NEW=$2; OUT=${3:-/tmp/cpu_ab}
 mkdir -p "$OUT"
-ENGINE=${ENGINE:-work/smollm2-engine}
+ENGINE=${ENGINE:-work/smollm2-bfloat16-engine}
 TREE=heads/smollm2-eagle/tree_cpu.json
 MODES=${MODES:-"plain,eagle1:$TREE,prompt_lookup:3:3:corpus,eagle1:$TREE+prompt_lookup:3:3:corpus"}
 for round in 1 2; do
