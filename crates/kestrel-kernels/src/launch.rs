@@ -20,7 +20,7 @@ use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90.ptx"));
@@ -74,6 +74,34 @@ pub(crate) struct Kernel {
     func: CudaFunction,
     stream: Arc<CudaStream>,
     dependent: bool,
+    /// Never launched: named in `KESTREL_SKIP_KERNELS` (see [`skipped`]).
+    skip: bool,
+}
+
+/// Whether `name` starts with one of the comma-separated prefixes in `KESTREL_SKIP_KERNELS`,
+/// read once. A measuring aid, not a mode: a skipped kernel's outputs are never written, so
+/// every result after it is wrong, but the step's time without it is what it costs the real
+/// step, overlaps included, which Nsight Compute's serialised timings are not
+/// (docs/gpu-results.md, session 27: `KESTREL_SKIP_KERNELS=kestrel_paged_attention`).
+fn skipped(name: &str) -> bool {
+    static PREFIXES: OnceLock<Vec<String>> = OnceLock::new();
+    let prefixes = PREFIXES.get_or_init(|| {
+        let list: Vec<String> = std::env::var("KESTREL_SKIP_KERNELS")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if !list.is_empty() {
+            eprintln!(
+                "kestrel-kernels: KESTREL_SKIP_KERNELS={}: these kernels are not launched and \
+                 every output is wrong (a measuring aid)",
+                list.join(",")
+            );
+        }
+        list
+    });
+    prefixes.iter().any(|p| name.starts_with(p.as_str()))
 }
 
 /// `name` (with its dtype suffix) from the module for `dev`'s architecture.
@@ -90,6 +118,7 @@ pub(crate) fn load_kernel(dev: &CudaDevice, name: &str) -> Result<Kernel> {
             .into_cuda_function(),
         stream: dev.cuda_stream(),
         dependent: hopper && crate::dependent_launch(),
+        skip: skipped(name),
     })
 }
 
@@ -220,6 +249,9 @@ impl Args<'_> {
     /// memory they point to must stay alive until the kernel has run (the stream orders it
     /// after every earlier use and before every later one).
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<()> {
+        if self.kernel.skip {
+            return Ok(());
+        }
         let stream = &self.kernel.stream;
         stream.context().bind_to_thread().w()?;
         let mut ptrs = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_PARAMS];
