@@ -9,7 +9,8 @@
 # -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu) added to c; carry a, b, c with
 # tools/gpu/stage.sh, then: bash tools/gpu/gemv_ab_h200.sh [probe test bench]
 # (SHAPES="llama2-7b:verify:64" benches that shape alone; SHAPES="llama2-7b:verify:16,verify:64"
-# several modes; BUILDS="base new new:KESTREL_PA_WARPS=1" one build under a setting too).
+# several modes; BUILDS="base new new:KESTREL_PA_WARPS=1" one build under a setting too;
+# BUILDS="base e1 e2" further variants staged as spec-bench-e1.xz, spec-bench-e2.xz).
 # Results: $OUT/gemv_ab/*.json and the summary in $OUT/gemv_ab.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,11 +21,12 @@ for what in ${@:-probe test bench}; do
   probe) $B/gemv_probe | tee -a $OUT/gemv_ab.txt ;;
   test) run_gpu_tests | grep -v " ok$" | tee -a $OUT/gemv_ab.txt ;;
   bench)
-    # BUILDS: "base" (spec-bench-base), "new" (spec-bench), or either with one environment
-    # setting for its runs ("new:KESTREL_PA_WARPS=1"); PROMPT_LEN: the prompts' length.
+    # BUILDS: "new" (spec-bench), any other NAME (spec-bench-NAME: "base" is the previous
+    # build), each with one environment setting for its runs if given
+    # ("new:KESTREL_PA_WARPS=1"); PROMPT_LEN: the prompts' length.
     for r in $(seq 1 ${ROUNDS:-2}); do
       for build in ${BUILDS:-base new}; do
-        sb=$B/spec-bench; [ ${build%%:*} = base ] && sb=$B/spec-bench-base
+        name=${build%%:*}; sb=$B/spec-bench-$name; [ $name = new ] && sb=$B/spec-bench
         setting=; [ "$build" != "${build%%:*}" ] && setting=${build#*:}
         label=$(echo "$build" | tr ':=' '__')
         for shape in ${SHAPES:-llama2-7b:verify:64 smollm2-135m:verify:8}; do
