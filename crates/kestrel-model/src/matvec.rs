@@ -163,9 +163,10 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
     assert_eq!(x.len(), m * k, "x has {} elements, not {m}x{k}", x.len());
     assert_eq!(w.len(), n * k, "w has {} elements, not {n}x{k}", w.len());
     let tile = pick_tile::<W>();
-    // Rows in pairs on AVX-512 (an odd last row paired with zeros).
+    // Rows in pairs on AVX-512; an odd last row rides along in 8-lane registers.
     let pairs = pick_pairs::<W>().filter(|_| m >= 2);
     let paired = pairs.map(|_| interleave(x, m, k));
+    let n_pairs = m / 2;
     let per_task = rows_per_task(n).next_multiple_of(TILE_N);
     // Column-major result chunks ([n, m]), transposed at the end when m > 1.
     let mut out_t = vec![0f32; n * m];
@@ -176,12 +177,27 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
             let nj = TILE_N.min(rows - jb);
             let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
             if let (Some(pair), Some(xi)) = (pairs, &paired) {
-                let n_pairs = m.div_ceil(2);
-                for p0 in (0..n_pairs).step_by(PAIRS_MAX) {
+                // The odd row joins the last pass if it has room, else takes one alone.
+                let passes = if m % 2 == 1 && n_pairs.is_multiple_of(PAIRS_MAX) {
+                    n_pairs / PAIRS_MAX + 1
+                } else {
+                    n_pairs.div_ceil(PAIRS_MAX)
+                };
+                for pass in 0..passes {
+                    let p0 = pass * PAIRS_MAX;
                     let np = PAIRS_MAX.min(n_pairs - p0);
+                    let odd = m % 2 == 1 && pass + 1 == passes;
+                    let rows = 2 * np + usize::from(odd);
                     let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
-                    pair(xi, x, wtile, k, (p0, np), nj, &mut res);
-                    for (i, row) in res.iter().enumerate().take((m - 2 * p0).min(2 * np)) {
+                    if np == 0 {
+                        let row = &x[(m - 1) * k..m * k];
+                        let mut one = [[0f32; TILE_N]; TILE_M];
+                        tile(row, wtile, k, 1, nj, &mut one);
+                        res[0] = one[0];
+                    } else {
+                        pair(xi, x, wtile, k, (p0, np, odd), nj, &mut res);
+                    }
+                    for (i, row) in res.iter().enumerate().take(rows) {
                         for (j, &v) in row.iter().enumerate().take(nj) {
                             out[(jb + j) * m + 2 * p0 + i] = v;
                         }
@@ -251,18 +267,28 @@ fn pick_tile<W: WeightElem>() -> TileFn<W> {
 /// hold their accumulators for 4 weight rows).
 const PAIRS_MAX: usize = 4;
 
-/// Computes pairs `p0..p0 + np` of rows of `x` against `nj` weight rows on AVX-512: `xi` is
-/// [`interleave`]'s copy of `x` (the plain `x` gives the `k % 8` tails), results in
-/// `out[2·(p - p0) + r][j]`.
+/// Computes pairs `p0..p0 + np` (`np` ≥ 1) of rows of `x` against `nj` weight rows on
+/// AVX-512, and with `odd` also `x`'s last row (`2·(p0 + np)`, unpaired): `xi` is
+/// [`interleave`]'s copy of `x` (the plain `x` gives the odd row and the `k % 8` tails),
+/// results in `out[2·(p - p0) + r][j]` and the odd row's in `out[2·np][j]`.
 ///
-/// Each 512-bit register holds one 8-lane accumulator for each row of a pair, so every output
-/// is computed by exactly the AVX2 tile's operations (one `fma` a chunk of 8, the same lane
-/// reduction and tail): a row's bits do not depend on whether it was paired (a one-row step
-/// takes the AVX2 tile). Why: once a weight tile is in L1, a row's products are bound by the
-/// FMA latency of its 4 accumulator chains, ~4 ms a row on a SmolLM2 step on the 2-core CI
-/// machine, which one pass with up to 8 rows (16 chains, two rows a register) cuts.
-type PairFn<W> =
-    fn(&[f32], &[f32], &[W], usize, (usize, usize), usize, &mut [[f32; TILE_N]; 2 * PAIRS_MAX]);
+/// Each 512-bit register holds one 8-lane accumulator for each row of a pair, and the odd
+/// row has one 256-bit accumulator, so every output is computed by exactly the AVX2 tile's
+/// operations (one `fma` a chunk of 8, the same lane reduction and tail): a row's bits do not
+/// depend on whether it was paired (a one-row step takes the AVX2 tile). Why: once a weight
+/// tile is in L1, a row's products are bound by the FMA latency of its 4 accumulator chains,
+/// ~4 ms a row on a SmolLM2 step on the 2-core CI machine, which one pass with up to 9 rows
+/// (20 chains, two rows a register) cuts. The odd row used to be paired with zeros, whose
+/// products cost as much as a row's: a 3-row step is compute-bound on that machine.
+type PairFn<W> = fn(
+    &[f32],
+    &[f32],
+    &[W],
+    usize,
+    (usize, usize, bool),
+    usize,
+    &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
+);
 
 fn pick_pairs<W: WeightElem>() -> Option<PairFn<W>> {
     #[cfg(target_arch = "x86_64")]
@@ -280,18 +306,17 @@ fn pick_pairs<W: WeightElem>() -> Option<PairFn<W>> {
 }
 
 /// `x`'s rows in pairs, chunk by chunk of 8: pair p, chunk c is `x[2p][8c..8c + 8]` then
-/// `x[2p + 1][8c..8c + 8]`, 16 contiguous floats (one 512-bit load). An odd last row is
-/// paired with zeros (its partner's results are dropped); the `k % 8` tails are left out.
+/// `x[2p + 1][8c..8c + 8]`, 16 contiguous floats (one 512-bit load). An odd last row and the
+/// `k % 8` tails are left out.
 fn interleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let chunks = k / VEC;
-    let mut out = Vec::with_capacity(m.div_ceil(2) * chunks * 2 * VEC);
-    let zeros = [0f32; VEC];
-    for p in 0..m.div_ceil(2) {
+    let mut out = Vec::with_capacity(m / 2 * chunks * 2 * VEC);
+    for p in 0..m / 2 {
         let a = &x[2 * p * k..(2 * p + 1) * k];
-        let b = x.get((2 * p + 1) * k..(2 * p + 2) * k);
+        let b = &x[(2 * p + 1) * k..(2 * p + 2) * k];
         for c in 0..chunks {
             out.extend_from_slice(&a[c * VEC..(c + 1) * VEC]);
-            out.extend_from_slice(b.map_or(&zeros[..], |b| &b[c * VEC..(c + 1) * VEC]));
+            out.extend_from_slice(&b[c * VEC..(c + 1) * VEC]);
         }
     }
     out
@@ -468,33 +493,43 @@ mod avx512 {
         x: &[f32],
         w: &[W],
         k: usize,
-        (p0, np): (usize, usize),
+        (p0, np, odd): (usize, usize, bool),
         nj: usize,
         out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
     ) {
-        match (np, nj) {
-            (4, 4) => body::<W, 4, 4>(xi, x, w, k, p0, out),
-            (4, 3) => body::<W, 4, 3>(xi, x, w, k, p0, out),
-            (4, 2) => body::<W, 4, 2>(xi, x, w, k, p0, out),
-            (4, 1) => body::<W, 4, 1>(xi, x, w, k, p0, out),
-            (3, 4) => body::<W, 3, 4>(xi, x, w, k, p0, out),
-            (3, 3) => body::<W, 3, 3>(xi, x, w, k, p0, out),
-            (3, 2) => body::<W, 3, 2>(xi, x, w, k, p0, out),
-            (3, 1) => body::<W, 3, 1>(xi, x, w, k, p0, out),
-            (2, 4) => body::<W, 2, 4>(xi, x, w, k, p0, out),
-            (2, 3) => body::<W, 2, 3>(xi, x, w, k, p0, out),
-            (2, 2) => body::<W, 2, 2>(xi, x, w, k, p0, out),
-            (2, 1) => body::<W, 2, 1>(xi, x, w, k, p0, out),
-            (1, 4) => body::<W, 1, 4>(xi, x, w, k, p0, out),
-            (1, 3) => body::<W, 1, 3>(xi, x, w, k, p0, out),
-            (1, 2) => body::<W, 1, 2>(xi, x, w, k, p0, out),
-            (1, 1) => body::<W, 1, 1>(xi, x, w, k, p0, out),
-            _ => unreachable!("{np} pairs x {nj} weight rows exceed {PAIRS_MAX} x {TILE_N}"),
+        macro_rules! dispatch {
+            ($(($np:literal, $nj:literal)),*) => {
+                match (np, nj, odd) {
+                    $(
+                        ($np, $nj, false) => body::<W, $np, $nj, false>(xi, x, w, k, p0, out),
+                        ($np, $nj, true) => body::<W, $np, $nj, true>(xi, x, w, k, p0, out),
+                    )*
+                    _ => unreachable!("{np} pairs x {nj} weight rows exceed {PAIRS_MAX} x {TILE_N}"),
+                }
+            };
         }
+        dispatch!(
+            (4, 4),
+            (4, 3),
+            (4, 2),
+            (4, 1),
+            (3, 4),
+            (3, 3),
+            (3, 2),
+            (3, 1),
+            (2, 4),
+            (2, 3),
+            (2, 2),
+            (2, 1),
+            (1, 4),
+            (1, 3),
+            (1, 2),
+            (1, 1)
+        )
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    unsafe fn body<W: WeightElem, const NP: usize, const NJ: usize>(
+    unsafe fn body<W: WeightElem, const NP: usize, const NJ: usize, const ODD: bool>(
         xi: &[f32],
         x: &[f32],
         w: &[W],
@@ -503,21 +538,33 @@ mod avx512 {
         out: &mut [[f32; TILE_N]; 2 * PAIRS_MAX],
     ) {
         let chunks = k / VEC;
+        let odd_row = 2 * (p0 + NP);
         assert!(xi.len() >= (p0 + NP) * chunks * 2 * VEC && w.len() >= NJ * k);
+        assert!(!ODD || (NP < PAIRS_MAX && x.len() >= (odd_row + 1) * k));
         let (xp, wp) = (xi.as_ptr(), w.as_ptr());
+        let xo = x.as_ptr().wrapping_add(odd_row * k);
         let mut acc = [[_mm512_setzero_ps(); NJ]; NP];
+        let mut acc_odd = [_mm256_setzero_ps(); NJ];
         for c in 0..chunks {
             prefetch_ahead::<W, NJ>(wp, c);
-            let mut wv = [_mm512_setzero_ps(); NJ];
-            for (j, v) in wv.iter_mut().enumerate() {
+            let mut w8 = [_mm256_setzero_ps(); NJ];
+            for (j, v) in w8.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ 8c + 8 elements.
-                *v = _mm512_broadcast_f32x8(unsafe { load8(wp.add(j * k + c * VEC)) });
+                *v = unsafe { load8(wp.add(j * k + c * VEC)) };
             }
+            let wv = w8.map(|v| _mm512_broadcast_f32x8(v));
             for (p, acc_p) in acc.iter_mut().enumerate() {
                 // SAFETY: pair p0 + p's chunk c lies inside `xi` (asserted above).
                 let xv = unsafe { _mm512_loadu_ps(xp.add(((p0 + p) * chunks + c) * 2 * VEC)) };
                 for (a, &wj) in acc_p.iter_mut().zip(&wv) {
                     *a = _mm512_fmadd_ps(xv, wj, *a);
+                }
+            }
+            if ODD {
+                // SAFETY: the odd row has k ≥ 8c + 8 elements (asserted above).
+                let xv = unsafe { _mm256_loadu_ps(xo.add(c * VEC)) };
+                for (a, &wj) in acc_odd.iter_mut().zip(&w8) {
+                    *a = _mm256_fmadd_ps(xv, wj, *a);
                 }
             }
         }
@@ -528,14 +575,23 @@ mod avx512 {
                 unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
                 for r in 0..2 {
                     let row = 2 * (p0 + p) + r;
-                    if (row + 1) * k > x.len() {
-                        continue; // an odd last row's zero partner
-                    }
                     let half: &[f32; VEC] =
                         lanes[r * VEC..(r + 1) * VEC].try_into().expect("8 lanes");
                     out[2 * p + r][j] =
                         finish(half, &x[row * k..(row + 1) * k], &w[j * k..(j + 1) * k]);
                 }
+            }
+        }
+        if ODD {
+            for (j, &a) in acc_odd.iter().enumerate() {
+                let mut lanes = [0f32; VEC];
+                // SAFETY: `lanes` holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+                out[2 * NP][j] = finish(
+                    &lanes,
+                    &x[odd_row * k..(odd_row + 1) * k],
+                    &w[j * k..(j + 1) * k],
+                );
             }
         }
     }
@@ -615,7 +671,14 @@ mod tests {
     /// is computed alone or among other rows, at any position in the batch and tile.
     #[test]
     fn rows_are_bit_identical_to_single_row_calls() {
-        for &(m, k, n) in &[(9, 576, 37), (5, 100, 9), (3, 7, 5), (64, 64, 130)] {
+        for &(m, k, n) in &[
+            (9, 576, 37),
+            (7, 64, 20),
+            (5, 100, 9),
+            (3, 7, 5),
+            (2, 576, 9),
+            (64, 64, 130),
+        ] {
             let (x, w) = operands(m, k, n);
             let all = matmul_nt(&x, &w, m, k, n);
             for i in 0..m {
