@@ -76,8 +76,14 @@ fn run<T: WithDType + WeightElem>(
     let (n, nh, nkv, d) = (s.n, s.n_heads, s.n_kv, s.head_dim);
     let g = nh / nkv;
     let l = rows.len();
-    let scale = 1.0 / (d as f32).sqrt();
-    let dot = crate::matvec::pick_dot();
+    let group = Group {
+        rows,
+        nkv,
+        d,
+        g,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let simd = simd_applies(d);
     with_slice::<T, _>(q, |q| {
         with_slice::<T, _>(k_pool, |kp| {
             with_slice::<T, _>(v_pool, |vp| {
@@ -87,42 +93,16 @@ fn run<T: WithDType + WeightElem>(
                 // group. Every head still sees its own operations in slot order.
                 let task = |idx: usize, o: &mut [f32]| {
                     let (i, kvh) = (idx / nkv, idx % nkv);
-                    let mut qf = vec![0f32; g * d];
-                    for (hh, qh) in qf.chunks_mut(d).enumerate() {
-                        let h = kvh * g + hh;
-                        T::widen(&q[(i * nh + h) * d..(i * nh + h + 1) * d], qh);
+                    let qg = &q[(i * nh + kvh * g) * d..(i * nh + (kvh + 1) * g) * d];
+                    let mask_row = mask.map(|m| &m[i * l..(i + 1) * l]);
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        // SAFETY: `simd_applies` checked the features and d's multiple of 8.
+                        unsafe { avx2::attend_group(&group, qg, kp, vp, kvh, mask_row, o) };
+                        return;
                     }
-                    let mut scratch = vec![0f32; d];
-                    // scores[hh · l + j]: head hh's score of slot j, then its softmax weight.
-                    let mut scores = vec![0f32; g * l];
-                    for (j, &r) in rows.iter().enumerate() {
-                        let base = (r as usize * nkv + kvh) * d;
-                        let krow = slot_row(&kp[base..base + d], &mut scratch);
-                        let m = mask.map_or(0.0, |m| m[i * l + j]);
-                        for (hh, qh) in qf.chunks(d).enumerate() {
-                            scores[hh * l + j] = dot(qh, krow) * scale + m;
-                        }
-                    }
-                    let mut inv = vec![0f32; g];
-                    for (s, inv) in scores.chunks_mut(l).zip(&mut inv) {
-                        let max = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                        let mut z = 0f32;
-                        for sc in s.iter_mut() {
-                            *sc = (*sc - max).exp();
-                            z += *sc;
-                        }
-                        *inv = 1.0 / z;
-                    }
-                    for (j, &r) in rows.iter().enumerate() {
-                        let base = (r as usize * nkv + kvh) * d;
-                        let vrow = slot_row(&vp[base..base + d], &mut scratch);
-                        for (hh, oh) in o.chunks_mut(d).enumerate() {
-                            let p = scores[hh * l + j] * inv[hh];
-                            for (acc, v) in oh.iter_mut().zip(vrow) {
-                                *acc += p * v;
-                            }
-                        }
-                    }
+                    let _ = simd;
+                    attend_group(&group, qg, kp, vp, kvh, mask_row, o);
                 };
                 if n * nh * l * d >= PAR_MIN_WORK {
                     crate::team::for_each_chunk_mut(&mut out, g * d, task);
@@ -137,6 +117,96 @@ fn run<T: WithDType + WeightElem>(
     })
 }
 
+/// What every task of one attention shares: the sequence's pool rows, the KV heads, the head
+/// size, the query heads a KV head serves and the score scale.
+struct Group<'a> {
+    rows: &'a [u32],
+    nkv: usize,
+    d: usize,
+    g: usize,
+    scale: f32,
+}
+
+impl Group<'_> {
+    /// Where slot j's row of KV head `kvh` starts in a pool.
+    fn base(&self, j: usize, kvh: usize) -> usize {
+        (self.rows[j] as usize * self.nkv + kvh) * self.d
+    }
+}
+
+/// Whether a CPU attention takes [`avx2::attend_group`]: AVX2 with FMA (and F16C) and a head
+/// size that is a multiple of 8. It depends on the machine and the model only, never on the
+/// step, so a decode step and a verification step attend with the same arithmetic.
+fn simd_applies(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        d.is_multiple_of(8)
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = d;
+        false
+    }
+}
+
+/// Softmax of each head's `l` scores in `scores` (`[g, l]`) in place, as weights.
+fn softmax_rows(scores: &mut [f32], l: usize) {
+    for s in scores.chunks_mut(l) {
+        let max = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f32;
+        for sc in s.iter_mut() {
+            *sc = (*sc - max).exp();
+            z += *sc;
+        }
+        let inv = 1.0 / z;
+        for sc in s.iter_mut() {
+            *sc *= inv;
+        }
+    }
+}
+
+/// One task without SIMD: the `g` query heads `qg` of a row against KV head `kvh`, into `o`
+/// (`[g, d]`, zeroed).
+fn attend_group<T: WeightElem>(
+    grp: &Group,
+    qg: &[T],
+    kp: &[T],
+    vp: &[T],
+    kvh: usize,
+    mask_row: Option<&[f32]>,
+    o: &mut [f32],
+) {
+    let (d, g, l) = (grp.d, grp.g, grp.rows.len());
+    let dot = crate::matvec::pick_dot();
+    let mut qf = vec![0f32; g * d];
+    T::widen(qg, &mut qf);
+    let mut scratch = vec![0f32; d];
+    // scores[hh · l + j]: head hh's score of slot j, then its softmax weight.
+    let mut scores = vec![0f32; g * l];
+    for j in 0..l {
+        let base = grp.base(j, kvh);
+        let krow = slot_row(&kp[base..base + d], &mut scratch);
+        let m = mask_row.map_or(0.0, |m| m[j]);
+        for (hh, qh) in qf.chunks(d).enumerate() {
+            scores[hh * l + j] = dot(qh, krow) * grp.scale + m;
+        }
+    }
+    softmax_rows(&mut scores, l);
+    for j in 0..l {
+        let base = grp.base(j, kvh);
+        let vrow = slot_row(&vp[base..base + d], &mut scratch);
+        for (hh, oh) in o.chunks_mut(d).enumerate() {
+            let p = scores[hh * l + j];
+            for (acc, v) in oh.iter_mut().zip(vrow) {
+                *acc += p * v;
+            }
+        }
+    }
+}
+
 /// A slot's K or V row in f32: read in place, or widened into `scratch`.
 fn slot_row<'a, T: WeightElem>(row: &'a [T], scratch: &'a mut [f32]) -> &'a [f32] {
     match T::as_f32(row) {
@@ -144,6 +214,80 @@ fn slot_row<'a, T: WeightElem>(row: &'a [T], scratch: &'a mut [f32]) -> &'a [f32
         None => {
             T::widen(row, scratch);
             scratch
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{softmax_rows, Group};
+    use crate::matvec::{hsum_lanes, load8, WeightElem};
+    use std::arch::x86_64::*;
+
+    /// [`super::attend_group`] in 8-lane registers, K and V rows widened as they load. A
+    /// score is one 8-lane accumulator over the head's chunks of 8 in order (`fma`), the
+    /// matvec's fixed lane reduction, then `· scale + mask`; an output element adds its
+    /// slots' `p · v` in slot order with `fma`. Heads are walked one at a time (their q
+    /// and output chunks stay in registers; the group's K/V rows stay in L1 between heads).
+    /// Why: a SmolLM2 attention task is ~100 slots × 3 heads × 64, where a dot product
+    /// through a function pointer and a scalar-SSE weighted sum cost more than the work.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group<T: WeightElem>(
+        grp: &Group,
+        qg: &[T],
+        kp: &[T],
+        vp: &[T],
+        kvh: usize,
+        mask_row: Option<&[f32]>,
+        o: &mut [f32],
+    ) {
+        let (d, g, l) = (grp.d, grp.g, grp.rows.len());
+        let chunks = d / 8;
+        let mut scores = vec![0f32; g * l];
+        for hh in 0..g {
+            let qh = &qg[hh * d..(hh + 1) * d];
+            for j in 0..l {
+                let base = grp.base(j, kvh);
+                assert!(kp.len() >= base + d);
+                let mut acc = _mm256_setzero_ps();
+                for c in 0..chunks {
+                    // SAFETY: q's head row and the slot's K row hold d = 8·chunks elements.
+                    let (qv, kv) = unsafe {
+                        (
+                            load8(qh.as_ptr().add(8 * c)),
+                            load8(kp.as_ptr().add(base + 8 * c)),
+                        )
+                    };
+                    acc = _mm256_fmadd_ps(qv, kv, acc);
+                }
+                let mut lanes = [0f32; 8];
+                // SAFETY: `lanes` holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+                let m = mask_row.map_or(0.0, |m| m[j]);
+                scores[hh * l + j] = hsum_lanes(&lanes) * grp.scale + m;
+            }
+        }
+        softmax_rows(&mut scores, l);
+        for (hh, oh) in o.chunks_mut(d).enumerate() {
+            for c0 in (0..chunks).step_by(8) {
+                // Up to 8 chunks of the head's output in registers over all slots.
+                let cn = 8.min(chunks - c0);
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for j in 0..l {
+                    let base = grp.base(j, kvh) + 8 * c0;
+                    assert!(vp.len() >= base + 8 * cn);
+                    let p = _mm256_set1_ps(scores[hh * l + j]);
+                    for (c, a) in acc.iter_mut().enumerate().take(cn) {
+                        // SAFETY: the slot's V row holds chunks c0..c0 + cn (asserted).
+                        *a =
+                            _mm256_fmadd_ps(p, unsafe { load8(vp.as_ptr().add(base + 8 * c)) }, *a);
+                    }
+                }
+                for (c, a) in acc.iter().enumerate().take(cn) {
+                    // SAFETY: o's head row holds chunks c0..c0 + cn.
+                    unsafe { _mm256_storeu_ps(oh.as_mut_ptr().add(8 * (c0 + c)), *a) };
+                }
+            }
         }
     }
 }

@@ -6,9 +6,11 @@
 //! arithmetic, two rows a register) and the weights prefetched ahead of the stream.
 //! f16/bf16 weights are widened to f32 (exactly) in registers as they load, and accumulated
 //! in f32. (AVX512-BF16's `vdpbf16ps` on bf16 rows, 32 products an instruction with no
-//! widening, was tried on Zen 4 in session 28: a SmolLM2 decode step 15.7 ms against
-//! 15.0-16.1, 8 verified rows 29.0-29.2 against 27.2-27.5, `cargo bench --bench decode` in
-//! bf16; not kept. Zen 4 likely issues it no faster than its FMAs.)
+//! widening, 2.2× the f32 FMAs' multiply-adds a cycle on Zen 4, was tried in sessions 28 and
+//! 29: with the weights prefetched in address order, 3 and 8 verified rows took 0-7% and
+//! 10-15% less time, but a one-row step 11-14% more (`KESTREL_BENCH_DTYPE=bf16 cargo bench
+//! --bench decode`, alternated three times), its full-line loads per weight row streaming
+//! slower; decode and verification must share one arithmetic, so it was not kept.)
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, WithDType};
@@ -357,11 +359,14 @@ fn portable_tile<W: WeightElem>(
 
 /// The fixed lane reduction every tile path uses: pairs 4 apart, then 2 apart, then 1 apart.
 #[inline(always)]
-fn hsum_lanes(a: &[f32; VEC]) -> f32 {
+pub(crate) fn hsum_lanes(a: &[f32; VEC]) -> f32 {
     let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     let c = [b[0] + b[2], b[1] + b[3]];
     c[0] + c[1]
 }
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::load8;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -393,7 +398,7 @@ mod avx2 {
 
     /// 8 weights from `p` as f32 lanes (f16 and bf16 widen exactly).
     #[inline(always)]
-    pub(super) unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
+    pub(crate) unsafe fn load8<W: WeightElem>(p: *const W) -> __m256 {
         // SAFETY (all arms): the caller vouches for 8 elements at `p`; every caller enables
         // AVX2 and F16C.
         unsafe {
