@@ -6,10 +6,10 @@
 # costs of a speculative step on 2 CPU cores; drafting from the head's 4,096 most frequent
 # tokens, draft_vocab.json), streamed, then the same prompt without speculation as the
 # baseline. The outputs are identical. bfloat16 by default: it decodes ~1.5x faster than
-# float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), since session 29, plain bf16 decoding
-# streams the weights at the machine's read bandwidth (~100 tok/s on MT-bench) while each
-# verified row costs its multiply-adds, so EAGLE only breaks even there (0.97-1.14x on
-# MT-bench 1-5; 0.84x on this prompt); a GPU is where speculation pays (tools/gpu/).
+# float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), session 29: plain bf16 decoding
+# streams the weights at the machine's read bandwidth (97-106 tok/s on MT-bench 1-5, 64
+# tokens) while each verified row costs its multiply-adds, so the tree is one candidate:
+# EAGLE 118 tok/s, 1.12-1.22x; on this prompt 114 against 101 (1.13x).
 # KESTREL_DEMO_DTYPE=float32 runs the demo in f32.
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
