@@ -9,8 +9,9 @@
 # -arch=sm_90 -o gemv_probe tools/gpu/gemv_probe.cu) added to c; carry a, b, c with
 # tools/gpu/stage.sh, then: bash tools/gpu/gemv_ab_h200.sh [probe test bench]
 # (SHAPES="llama2-7b:verify:64" benches that shape alone; SHAPES="llama2-7b:verify:16,verify:64"
-# several modes; BUILDS="base new new:KESTREL_PA_WARPS=1" one build under a setting too;
-# BUILDS="base e1 e2" further variants staged as spec-bench-e1.xz, spec-bench-e2.xz).
+# several modes; BUILDS="base new new:KESTREL_PA_WARPS=1" one build under a setting too, and
+# "new:A=1,B=2" under several; BUILDS="base e1 e2" further variants staged as
+# spec-bench-e1.xz, spec-bench-e2.xz).
 # Results: $OUT/gemv_ab/*.json and the summary in $OUT/gemv_ab.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,13 +23,13 @@ for what in ${@:-probe test bench}; do
   test) run_gpu_tests | grep -v " ok$" | tee -a $OUT/gemv_ab.txt ;;
   bench)
     # BUILDS: "new" (spec-bench), any other NAME (spec-bench-NAME: "base" is the previous
-    # build), each with one environment setting for its runs if given
-    # ("new:KESTREL_PA_WARPS=1"); PROMPT_LEN: the prompts' length.
+    # build), each with environment settings for its runs if given ("new:KESTREL_PA_WARPS=1",
+    # comma-separated for several); PROMPT_LEN: the prompts' length.
     for r in $(seq 1 ${ROUNDS:-2}); do
       for build in ${BUILDS:-base new}; do
         name=${build%%:*}; sb=$B/spec-bench-$name; [ $name = new ] && sb=$B/spec-bench
-        setting=; [ "$build" != "${build%%:*}" ] && setting=${build#*:}
-        label=$(echo "$build" | tr ':=' '__')
+        setting=; [ "$build" != "${build%%:*}" ] && setting=${build#*:} && setting=${setting//,/ }
+        label=$(echo "$build" | tr ':=,' '___')
         for shape in ${SHAPES:-llama2-7b:verify:64 smollm2-135m:verify:8}; do
           env $setting $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 \
             --prompt_len ${PROMPT_LEN:-128} --max_output_len 64 --num_prompts 4 --batch_sizes 1 \
