@@ -2,6 +2,7 @@
 //! sampling flags into [`SamplingParams`] (spec-bench takes the same ones).
 
 use anyhow::{bail, Context, Result};
+use kestrel_core::plan::EAGLE_CHOICES_FILE;
 use kestrel_core::SpeculativeMode;
 use kestrel_runtime::{Acceptance, DecodeMode, EagleOptions, EagleTreeKind, Engine};
 use kestrel_spec::tree::{TreeLimits, DEFAULT_MAX_TOP_K, DEFAULT_PRESET};
@@ -127,8 +128,17 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
             max_draft_len: limits.max_draft_len,
             max_top_k: DEFAULT_MAX_TOP_K,
         };
-        let spec = flags.eagle_choices.as_deref().unwrap_or(DEFAULT_PRESET);
-        EagleTreeKind::Static(static_tree(spec, &tree_limits)?)
+        let tree = match (&flags.eagle_choices, &engine.eagle_choices) {
+            (Some(spec), _) => static_tree(spec, &tree_limits)?,
+            (None, Some(json)) => EagleTree::from_json(json, &tree_limits).with_context(|| {
+                format!(
+                    "{}: the engine's default tree ({EAGLE_CHOICES_FILE}) does not fit its limits; rebuild the engine",
+                    engine.dir.display()
+                )
+            })?,
+            (None, None) => static_tree(DEFAULT_PRESET, &tree_limits)?,
+        };
+        EagleTreeKind::Static(tree)
     };
     Ok(DecodeMode::Eagle(EagleOptions {
         tree,
@@ -157,20 +167,27 @@ fn acceptance(flags: &EagleFlags) -> Result<Acceptance> {
     }
 }
 
+/// `--eagle_choices` as JSON paths or a preset name: a JSON file's contents, anything else as
+/// given (trimmed).
+pub fn tree_json(spec: &str) -> Result<String> {
+    let trimmed = spec.trim();
+    if trimmed.starts_with('[') || !(trimmed.ends_with(".json") || trimmed.contains('/')) {
+        return Ok(trimmed.to_string());
+    }
+    if !Path::new(trimmed).is_file() {
+        bail!("--eagle_choices {trimmed}: no such file (give JSON paths, a preset name or an existing JSON file)");
+    }
+    std::fs::read_to_string(trimmed)
+        .with_context(|| format!("--eagle_choices {trimmed}: cannot read it"))
+}
+
 /// `spec` is JSON (`[[0], [1], …]`), a JSON file, or a preset name.
 fn static_tree(spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
-    let trimmed = spec.trim();
-    let tree = if trimmed.starts_with('[') {
-        EagleTree::from_json(trimmed, limits)
-    } else if trimmed.ends_with(".json") || trimmed.contains('/') {
-        if !Path::new(trimmed).is_file() {
-            bail!("--eagle_choices {trimmed}: no such file (give JSON paths, a preset name or an existing JSON file)");
-        }
-        let json = std::fs::read_to_string(trimmed)
-            .with_context(|| format!("--eagle_choices {trimmed}: cannot read it"))?;
+    let json = tree_json(spec)?;
+    let tree = if json.starts_with('[') {
         EagleTree::from_json(&json, limits)
     } else {
-        EagleTree::from_preset(trimmed, limits)
+        EagleTree::from_preset(&json, limits)
     };
     tree.map_err(anyhow::Error::from)
 }

@@ -608,6 +608,7 @@ fn draft_target_view(engine: &Engine, k: usize) -> Engine {
         model: engine.model.clone(),
         eagle: None,
         draft_vocab: None,
+        eagle_choices: None,
         device: engine.device.clone(),
     }
 }

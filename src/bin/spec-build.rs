@@ -48,6 +48,11 @@ struct Args {
     /// cpu or cuda:sm_XY.
     #[arg(long, default_value = "cpu")]
     target_device: String,
+    /// EAGLE engines: the EAGLE-1 tree spec-run drafts when given none (JSON paths, a preset
+    /// name or a JSON file, e.g. one `spec-train calibrate` derived for this device);
+    /// without it, mc_sim_7b_63.
+    #[arg(long)]
+    eagle_choices: Option<String>,
 }
 
 fn run(args: Args) -> Result<()> {
@@ -71,6 +76,11 @@ fn run(args: Args) -> Result<()> {
         use_paged_context_fmha,
         gemm_plugin: parse_flag(args.gemm_plugin.parse::<GemmPlugin>())?,
         target_device: parse_flag(args.target_device.parse::<TargetDevice>())?,
+        eagle_choices: args
+            .eagle_choices
+            .as_deref()
+            .map(kestrel::decoding::tree_json)
+            .transpose()?,
     };
     let summary = build_engine(&opts)?;
     let l = &summary.plan.limits;

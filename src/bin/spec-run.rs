@@ -11,9 +11,10 @@ use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
 use kestrel_core::SpeculativeMode;
 use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
-    generate_with, ChatMessage, DecodeMode, DraftTargetOptions, Engine, GenerationParams, NoSink,
-    PromptLookup, TextCodec, TokenSink,
+    generate_with, ChatMessage, DecodeMode, DraftTargetOptions, EagleOptions, EagleTreeKind,
+    Engine, GenerationParams, NoSink, PromptLookup, TextCodec, TokenSink,
 };
+use kestrel_spec::tree::DEFAULT_PRESET;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -296,6 +297,22 @@ fn run(args: Args) -> Result<()> {
         }
         _ => eagle_mode(&engine, &eagle_flags, args.no_speculation)?,
     };
+    if let DecodeMode::Eagle(EagleOptions {
+        tree: EagleTreeKind::Static(tree),
+        ..
+    }) = &mode
+    {
+        if eagle_flags.eagle_choices.is_none()
+            && engine.eagle_choices.is_none()
+            && engine.plan.target_device == "cpu"
+            && tree.choices().len() > 8
+        {
+            eprintln!(
+                "note: drafting TensorRT-LLM's default tree {DEFAULT_PRESET} ({} nodes): on a CPU every verified node costs about a decode step's multiply-adds, so this can run several times slower than --no_speculation; pass --eagle_choices, or build the engine with one (a tree `spec-train calibrate --step_costs` derives for this CPU)",
+                tree.choices().len()
+            );
+        }
+    }
     let mut printer = StreamPrinter::new(&codec, prompts.len());
     let sink: &mut dyn TokenSink = if args.streaming {
         &mut printer

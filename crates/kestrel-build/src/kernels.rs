@@ -135,6 +135,7 @@ mod tests {
             use_paged_context_fmha: true,
             gemm_plugin: GemmPlugin::Auto,
             target_device: TargetDevice::Cuda { major: 9, minor: 0 },
+            eagle_choices: None,
         };
         let k = choose_kernels(
             TargetDevice::Cuda { major: 9, minor: 0 },

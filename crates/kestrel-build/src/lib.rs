@@ -31,6 +31,11 @@ pub struct BuildSummary {
 pub fn build_engine(opts: &BuildOptions) -> Result<BuildSummary, BuildError> {
     let (model, meta) = read_checkpoint_config(&opts.checkpoint_dir)?;
     let limits = opts.limits(&model, &meta)?;
+    let default_tree = opts
+        .eagle_choices
+        .as_deref()
+        .map(|spec| default_tree(spec, opts.speculative_mode, &limits))
+        .transpose()?;
     let kernels = choose_kernels(opts.target_device, meta.dtype, opts)?;
 
     let out = AtomicDir::new(&opts.output_dir).map_err(|e| BuildError::io(&opts.output_dir, e))?;
@@ -66,6 +71,13 @@ pub fn build_engine(opts: &BuildOptions) -> Result<BuildSummary, BuildError> {
         weights,
         source_checkpoint_sha256: hex(&Sha256::digest(&config_bytes)),
     };
+    if let Some(json) = &default_tree {
+        write(
+            &out,
+            kestrel_core::plan::EAGLE_CHOICES_FILE,
+            json.as_bytes(),
+        )?;
+    }
     write(&out, PLAN_FILE, &plan.to_bytes())?;
     write(&out, PLAN_JSON_FILE, plan.to_pretty_json().as_bytes())?;
     out.commit()
@@ -74,6 +86,37 @@ pub fn build_engine(opts: &BuildOptions) -> Result<BuildSummary, BuildError> {
         output_dir: opts.output_dir.clone(),
         plan,
     })
+}
+
+/// `--eagle_choices` (JSON paths or a preset name) validated against the engine's limits, as
+/// the JSON paths `eagle_choices.json` holds.
+fn default_tree(
+    spec: &str,
+    mode: SpeculativeMode,
+    limits: &kestrel_core::plan::BuildLimits,
+) -> Result<String, BuildError> {
+    use kestrel_spec::tree::{TreeLimits, DEFAULT_MAX_TOP_K};
+    use kestrel_spec::EagleTree;
+    if mode != SpeculativeMode::Eagle {
+        return Err(BuildError::option(format!(
+            "--eagle_choices needs --speculative_decoding_mode eagle (this build is {}): only EAGLE engines draft trees",
+            mode.as_str()
+        )));
+    }
+    let tree_limits = TreeLimits {
+        num_eagle_layers: limits.num_eagle_layers,
+        max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
+        max_draft_len: limits.max_draft_len,
+        max_top_k: DEFAULT_MAX_TOP_K,
+    };
+    let spec = spec.trim();
+    let tree = if spec.starts_with('[') {
+        EagleTree::from_json(spec, &tree_limits)
+    } else {
+        EagleTree::from_preset(spec, &tree_limits)
+    };
+    let tree = tree.map_err(|e| BuildError::option(format!("--eagle_choices: {e}")))?;
+    Ok(serde_json::to_string(tree.choices()).expect("paths serialise"))
 }
 
 fn write(out: &AtomicDir, name: &str, bytes: &[u8]) -> Result<(), BuildError> {

@@ -45,6 +45,9 @@ pub struct BuildOptions {
     pub use_paged_context_fmha: bool,
     pub gemm_plugin: GemmPlugin,
     pub target_device: TargetDevice,
+    /// EAGLE engines: the default EAGLE-1 tree, as JSON paths or a preset name, validated
+    /// against the engine's limits and written as `eagle_choices.json`.
+    pub eagle_choices: Option<String>,
 }
 
 /// The most draft tokens one verification step may carry (TensorRT-LLM's bound).

@@ -16,6 +16,10 @@ use std::path::Path;
 
 pub const PLAN_FILE: &str = "plan.bin";
 pub const PLAN_JSON_FILE: &str = "plan.json";
+/// An EAGLE engine's default EAGLE-1 tree (`spec-build --eagle_choices`): the validated paths
+/// as JSON, beside the plan. spec-run and spec-bench draft it when no tree is given, so a tree
+/// calibrated for the engine's device (`spec-train calibrate`) travels with the engine.
+pub const EAGLE_CHOICES_FILE: &str = "eagle_choices.json";
 const MAGIC: &[u8; 8] = b"KSTRLPLN";
 /// Bumped whenever the plan's fields or the weight layout change meaning.
 pub const PLAN_FORMAT_VERSION: u32 = 1;

@@ -5,6 +5,7 @@ use crate::error::{Result, RuntimeError};
 use candle_core::Device;
 use kestrel_core::checkpoint::{CHAT_TEMPLATE_FILE, EAGLE_PREFIX, TOKENIZER_FILE};
 use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
+use kestrel_core::plan::EAGLE_CHOICES_FILE;
 use kestrel_core::{EagleHeadConfig, EnginePlan, ModelConfig, SpeculativeMode};
 use kestrel_model::{CudaKernels, EagleHead, Llama};
 use std::collections::BTreeMap;
@@ -21,6 +22,9 @@ pub struct Engine {
     /// carries a `draft_vocab.json` (`spec-train draft-vocab`): `--eagle_draft_vocab N`
     /// drafts from the first N of these rather than the first N ids.
     pub draft_vocab: Option<Vec<u32>>,
+    /// The EAGLE-1 tree drafted when none is given, as JSON paths, when the engine was built
+    /// with one (`spec-build --eagle_choices`, [`EAGLE_CHOICES_FILE`]).
+    pub eagle_choices: Option<String>,
     pub device: Device,
 }
 
@@ -70,6 +74,14 @@ impl Engine {
         } else {
             None
         };
+        let tree_file = dir.join(EAGLE_CHOICES_FILE);
+        let eagle_choices = if tree_file.is_file() {
+            Some(std::fs::read_to_string(&tree_file).map_err(|e| {
+                RuntimeError::Engine(format!("{}: cannot read it: {e}", tree_file.display()))
+            })?)
+        } else {
+            None
+        };
         let mut engine = Engine {
             dir: dir.to_path_buf(),
             plan,
@@ -77,6 +89,7 @@ impl Engine {
             model,
             eagle,
             draft_vocab,
+            eagle_choices,
             device: device.clone(),
         };
         engine.set_cuda_graphs(true);
@@ -128,6 +141,7 @@ impl Engine {
             model,
             eagle: None,
             draft_vocab: None,
+            eagle_choices: None,
         })
     }
 

@@ -98,6 +98,7 @@ fn build(root: &Path, name: &str, cfg: &ModelConfig, seed: u64, spec: &Spec) -> 
         use_paged_context_fmha: true,
         gemm_plugin: GemmPlugin::Auto,
         target_device: TargetDevice::Cpu,
+        eagle_choices: None,
     })
     .unwrap();
     out

@@ -202,6 +202,7 @@ pub fn build(
         use_paged_context_fmha: true,
         gemm_plugin: GemmPlugin::Auto,
         target_device: TargetDevice::Cpu,
+        eagle_choices: None,
     })
     .unwrap();
     engine
