@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    build_ok, convert, convert_ok, one_line_error, s, spec_run_ids, spec_train, stderr,
-    tiny_checkpoint, tiny_eagle, tiny_llama,
+    build_eagle_ok, convert, convert_ok, one_line_error, s, spec_run_ids, spec_train, stderr,
+    tiny_checkpoint, tiny_eagle, tiny_llama, tiny_request,
 };
 use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use std::path::{Path, PathBuf};
@@ -26,16 +26,7 @@ fn head_copy(dir: &Path) -> PathBuf {
 
 /// spec-run's output ids for "a b c hello" with `extra` flags.
 fn run_ids(engine: &Path, json: &Path, extra: &[&str]) -> Vec<Vec<u32>> {
-    let mut args = vec![
-        "--engine_dir",
-        s(engine),
-        "--input_text",
-        "a b c hello",
-        "--max_output_len",
-        "16",
-    ];
-    args.extend_from_slice(extra);
-    spec_run_ids(&args, json)
+    spec_run_ids(&tiny_request(engine, extra), json)
 }
 
 #[test]
@@ -87,14 +78,7 @@ fn a_ranking_travels_from_the_data_to_the_engine_and_keeps_output() {
 
     let ckpt = tiny_checkpoint(&w.join("e"), &["--eagle_model_dir", s(&head)]);
     let engine = w.join("e/engine");
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--speculative_decoding_mode",
-        "eagle",
-    ]);
+    build_eagle_ok(&ckpt, &engine, &[]);
     let original = std::fs::read(head.join(DRAFT_VOCAB_FILE)).unwrap();
     for dir in [&ckpt, &engine] {
         assert_eq!(

@@ -6,7 +6,10 @@
 
 mod common;
 
-use common::{build_ok, one_line_error, s, spec_build, spec_run_ids, tiny_checkpoint, tiny_eagle};
+use common::{
+    build_eagle_ok, one_line_error, s, spec_build, spec_run_ids, tiny_checkpoint, tiny_eagle,
+    tiny_request,
+};
 use kestrel_core::plan::EAGLE_CHOICES_FILE;
 use std::path::Path;
 
@@ -15,16 +18,7 @@ const TREE: &str = "[[0],[1],[0,0]]";
 /// spec-run on "a b c hello" for 16 tokens with `extra` flags: the output ids and the first
 /// output's (steps, draft tokens).
 fn run(engine: &Path, json: &Path, extra: &[&str]) -> (Vec<Vec<u32>>, (u64, u64)) {
-    let mut args = vec![
-        "--engine_dir",
-        s(engine),
-        "--input_text",
-        "a b c hello",
-        "--max_output_len",
-        "16",
-    ];
-    args.extend_from_slice(extra);
-    let ids = spec_run_ids(&args, json);
+    let ids = spec_run_ids(&tiny_request(engine, extra), json);
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
     let stats = &doc["outputs"][0]["stats"];
@@ -39,17 +33,8 @@ fn the_engine_default_tree_is_drafted_when_no_tree_is_given() {
     let w = tmp.path();
     let ckpt = tiny_checkpoint(w, &["--eagle_model_dir", s(&tiny_eagle())]);
     let engine = w.join("engine");
-    build_ok(&[
-        "--checkpoint_dir",
-        s(&ckpt),
-        "--output_dir",
-        s(&engine),
-        "--speculative_decoding_mode",
-        "eagle",
-        "--eagle_choices",
-        // Unsorted and spaced: the engine keeps the validated paths in node order.
-        "[[0, 0], [1], [0]]",
-    ]);
+    // Unsorted and spaced: the engine keeps the validated paths in node order.
+    build_eagle_ok(&ckpt, &engine, &["--eagle_choices", "[[0, 0], [1], [0]]"]);
     assert_eq!(
         std::fs::read_to_string(engine.join(EAGLE_CHOICES_FILE)).unwrap(),
         TREE

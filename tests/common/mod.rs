@@ -83,6 +83,20 @@ pub fn build_ok(args: &[&str]) {
     assert!(stdout.starts_with("Built engine "), "{stdout}");
 }
 
+/// Builds the EAGLE engine `engine` from `ckpt` (plus `extra`), which must succeed.
+pub fn build_eagle_ok(ckpt: &Path, engine: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "--checkpoint_dir",
+        s(ckpt),
+        "--output_dir",
+        s(engine),
+        "--speculative_decoding_mode",
+        "eagle",
+    ];
+    args.extend_from_slice(extra);
+    build_ok(&args);
+}
+
 /// Converts `--model_dir src` (plus `convert_args`) into `<work>/ckpt` and builds
 /// `<work>/engine` from it (plus `build_args`); returns the engine directory.
 pub fn pipeline(src: &Path, work: &Path, convert_args: &[&str], build_args: &[&str]) -> PathBuf {
@@ -209,6 +223,21 @@ pub fn tiny_engine_with(dir: &Path, eagle: bool, build_args: &[&str]) -> PathBuf
     }
     build_ok(&args);
     engine
+}
+
+/// spec-run's arguments for the tiny engines' usual request: "a b c hello", 16 tokens, then
+/// `extra`.
+pub fn tiny_request<'a>(engine: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "--engine_dir",
+        s(engine),
+        "--input_text",
+        "a b c hello",
+        "--max_output_len",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    args
 }
 
 /// Runs spec-run with `args` plus `--output_json json`, which must succeed; returns the

@@ -76,33 +76,38 @@ fn run<T: WithDType + WeightElem>(
     let (n, nh, nkv, d) = (s.n, s.n_heads, s.n_kv, s.head_dim);
     let g = nh / nkv;
     let l = rows.len();
-    let group = Group {
-        rows,
-        nkv,
-        d,
-        g,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
     let simd = simd_applies(d);
     with_slice::<T, _>(q, |q| {
-        with_slice::<T, _>(k_pool, |kp| {
-            with_slice::<T, _>(v_pool, |vp| {
+        with_slice::<T, _>(k_pool, |k_pool| {
+            with_slice::<T, _>(v_pool, |v_pool| {
+                let group = Group {
+                    k_pool,
+                    v_pool,
+                    rows,
+                    nkv,
+                    d,
+                    g,
+                    scale: 1.0 / (d as f32).sqrt(),
+                };
                 let mut out = vec![0f32; n * nh * d];
                 // A task is one row's group of g query heads, which share a KV head: each
                 // slot's K and V rows are read (and, in half precision, widened) once for the
                 // group. Every head still sees its own operations in slot order.
                 let task = |idx: usize, o: &mut [f32]| {
                     let (i, kvh) = (idx / nkv, idx % nkv);
-                    let qg = &q[(i * nh + kvh * g) * d..(i * nh + (kvh + 1) * g) * d];
-                    let mask_row = mask.map(|m| &m[i * l..(i + 1) * l]);
+                    let t = Task {
+                        qg: &q[(i * nh + kvh * g) * d..(i * nh + (kvh + 1) * g) * d],
+                        kvh,
+                        mask_row: mask.map(|m| &m[i * l..(i + 1) * l]),
+                    };
                     #[cfg(target_arch = "x86_64")]
                     if simd {
                         // SAFETY: `simd_applies` checked the features and d's multiple of 8.
-                        unsafe { avx2::attend_group(&group, qg, kp, vp, kvh, mask_row, o) };
+                        unsafe { avx2::attend_group(&group, &t, o) };
                         return;
                     }
                     let _ = simd;
-                    attend_group(&group, qg, kp, vp, kvh, mask_row, o);
+                    attend_group(&group, &t, o);
                 };
                 if n * nh * l * d >= PAR_MIN_WORK {
                     crate::team::for_each_chunk_mut(&mut out, g * d, task);
@@ -117,9 +122,11 @@ fn run<T: WithDType + WeightElem>(
     })
 }
 
-/// What every task of one attention shares: the sequence's pool rows, the KV heads, the head
-/// size, the query heads a KV head serves and the score scale.
-struct Group<'a> {
+/// What every task of one attention shares: the K and V pools, the sequence's pool rows, the
+/// KV heads, the head size, the query heads a KV head serves and the score scale.
+struct Group<'a, T> {
+    k_pool: &'a [T],
+    v_pool: &'a [T],
     rows: &'a [u32],
     nkv: usize,
     d: usize,
@@ -127,7 +134,14 @@ struct Group<'a> {
     scale: f32,
 }
 
-impl Group<'_> {
+/// One task: a row's `g` query heads `qg` (`[g, d]`), their KV head and the row's mask.
+struct Task<'a, T> {
+    qg: &'a [T],
+    kvh: usize,
+    mask_row: Option<&'a [f32]>,
+}
+
+impl<T> Group<'_, T> {
     /// Where slot j's row of KV head `kvh` starts in a pool.
     fn base(&self, j: usize, kvh: usize) -> usize {
         (self.rows[j] as usize * self.nkv + kvh) * self.d
@@ -168,17 +182,9 @@ fn softmax_rows(scores: &mut [f32], l: usize) {
     }
 }
 
-/// One task without SIMD: the `g` query heads `qg` of a row against KV head `kvh`, into `o`
-/// (`[g, d]`, zeroed).
-fn attend_group<T: WeightElem>(
-    grp: &Group,
-    qg: &[T],
-    kp: &[T],
-    vp: &[T],
-    kvh: usize,
-    mask_row: Option<&[f32]>,
-    o: &mut [f32],
-) {
+/// One task without SIMD, into `o` (`[g, d]`, zeroed).
+fn attend_group<T: WeightElem>(grp: &Group<T>, task: &Task<T>, o: &mut [f32]) {
+    let (kp, vp, qg, kvh, mask_row) = (grp.k_pool, grp.v_pool, task.qg, task.kvh, task.mask_row);
     let (d, g, l) = (grp.d, grp.g, grp.rows.len());
     let dot = crate::matvec::pick_dot();
     let mut qf = vec![0f32; g * d];
@@ -220,7 +226,7 @@ fn slot_row<'a, T: WeightElem>(row: &'a [T], scratch: &'a mut [f32]) -> &'a [f32
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{softmax_rows, Group};
+    use super::{softmax_rows, Group, Task};
     use crate::matvec::{hsum_lanes, load8, WeightElem};
     use std::arch::x86_64::*;
 
@@ -233,14 +239,12 @@ mod avx2 {
     /// through a function pointer and a scalar-SSE weighted sum cost more than the work.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_group<T: WeightElem>(
-        grp: &Group,
-        qg: &[T],
-        kp: &[T],
-        vp: &[T],
-        kvh: usize,
-        mask_row: Option<&[f32]>,
+        grp: &Group<T>,
+        task: &Task<T>,
         o: &mut [f32],
     ) {
+        let (kp, vp, qg, kvh, mask_row) =
+            (grp.k_pool, grp.v_pool, task.qg, task.kvh, task.mask_row);
         let (d, g, l) = (grp.d, grp.g, grp.rows.len());
         let chunks = d / 8;
         let mut scores = vec![0f32; g * l];
