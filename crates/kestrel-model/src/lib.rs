@@ -25,6 +25,7 @@ pub mod error;
 mod layer;
 pub mod llama;
 pub mod matvec;
+mod matvec_bf16;
 pub mod prefix_cache;
 mod rope;
 mod row_gemm;

@@ -5,12 +5,8 @@
 //! the CPU has it (no `RUSTFLAGS` needed), with rows taken in pairs on AVX-512 (the same
 //! arithmetic, two rows a register) and the weights prefetched ahead of the stream.
 //! f16/bf16 weights are widened to f32 (exactly) in registers as they load, and accumulated
-//! in f32. (AVX512-BF16's `vdpbf16ps` on bf16 rows, 32 products an instruction with no
-//! widening, 2.2× the f32 FMAs' multiply-adds a cycle on Zen 4, was tried in sessions 28 and
-//! 29: with the weights prefetched in address order, 3 and 8 verified rows took 0-7% and
-//! 10-15% less time, but a one-row step 11-14% more (`KESTREL_BENCH_DTYPE=bf16 cargo bench
-//! --bench decode`, alternated three times), its full-line loads per weight row streaming
-//! slower; decode and verification must share one arithmetic, so it was not kept.)
+//! in f32. bf16 rows against bf16 weights take `matvec_bf16.rs` instead on CPUs with
+//! AVX512-BF16.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, WithDType};
@@ -169,54 +165,80 @@ pub fn matmul_nt<W: WeightElem>(x: &[f32], w: &[W], m: usize, k: usize, n: usize
     let pairs = pick_pairs::<W>().filter(|_| m >= 2);
     let paired = pairs.map(|_| interleave(x, m, k));
     let n_pairs = m / 2;
-    let per_task = rows_per_task(n).next_multiple_of(TILE_N);
-    // Column-major result chunks ([n, m]), transposed at the end when m > 1.
+    by_weight_tiles(m, n, TILE_N, |j, nj, out| {
+        let wtile = &w[j * k..(j + nj) * k];
+        if let (Some(pair), Some(xi)) = (pairs, &paired) {
+            // The odd row joins the last pass if it has room, else takes one alone.
+            let passes = if m % 2 == 1 && n_pairs.is_multiple_of(PAIRS_MAX) {
+                n_pairs / PAIRS_MAX + 1
+            } else {
+                n_pairs.div_ceil(PAIRS_MAX)
+            };
+            for pass in 0..passes {
+                let p0 = pass * PAIRS_MAX;
+                let np = PAIRS_MAX.min(n_pairs - p0);
+                let odd = m % 2 == 1 && pass + 1 == passes;
+                let rows = 2 * np + usize::from(odd);
+                let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
+                if np == 0 {
+                    let row = &x[(m - 1) * k..m * k];
+                    let mut one = [[0f32; TILE_N]; TILE_M];
+                    tile(row, wtile, k, 1, nj, &mut one);
+                    res[0] = one[0];
+                } else {
+                    pair(xi, x, wtile, k, (p0, np, odd), nj, &mut res);
+                }
+                out.put(2 * p0, &res[..rows], nj);
+            }
+            return;
+        }
+        for ib in (0..m).step_by(TILE_M) {
+            let mi = TILE_M.min(m - ib);
+            let mut res = [[0f32; TILE_N]; TILE_M];
+            tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
+            out.put(ib, &res[..mi], nj);
+        }
+    })
+}
+
+/// Where a tile of up to `TILE_N` weight rows writes its results: the column-major chunk
+/// (`[n, m]`) of a task's weight rows, from the tile's first one (`jb`).
+pub(crate) struct TileOut<'a> {
+    out: &'a mut [f32],
+    m: usize,
+    jb: usize,
+}
+
+impl TileOut<'_> {
+    /// `res[r][j]` is row `i0 + r`'s product with the tile's weight row `j < nj`.
+    #[inline]
+    pub(crate) fn put(&mut self, i0: usize, res: &[[f32; TILE_N]], nj: usize) {
+        for (r, row) in res.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate().take(nj) {
+                self.out[(self.jb + j) * self.m + i0 + r] = v;
+            }
+        }
+    }
+}
+
+/// The `[m, n]` result of `tile(j, nj, out)` over tiles of `tile_n` weight rows (`nj` of
+/// them from row `j`; fewer at the end of a task), split over the step's team in tasks of
+/// [`rows_per_task`] weight rows. Tasks write column-major chunks (`[n, m]`), transposed
+/// at the end when `m > 1`.
+pub(crate) fn by_weight_tiles(
+    m: usize,
+    n: usize,
+    tile_n: usize,
+    tile: impl Fn(usize, usize, &mut TileOut) + Sync,
+) -> Vec<f32> {
+    let per_task = rows_per_task(n).next_multiple_of(tile_n);
     let mut out_t = vec![0f32; n * m];
     crate::team::for_each_chunk_mut(&mut out_t, per_task * m, |task, out| {
         let j0 = task * per_task;
         let rows = out.len() / m;
-        for jb in (0..rows).step_by(TILE_N) {
-            let nj = TILE_N.min(rows - jb);
-            let wtile = &w[(j0 + jb) * k..(j0 + jb + nj) * k];
-            if let (Some(pair), Some(xi)) = (pairs, &paired) {
-                // The odd row joins the last pass if it has room, else takes one alone.
-                let passes = if m % 2 == 1 && n_pairs.is_multiple_of(PAIRS_MAX) {
-                    n_pairs / PAIRS_MAX + 1
-                } else {
-                    n_pairs.div_ceil(PAIRS_MAX)
-                };
-                for pass in 0..passes {
-                    let p0 = pass * PAIRS_MAX;
-                    let np = PAIRS_MAX.min(n_pairs - p0);
-                    let odd = m % 2 == 1 && pass + 1 == passes;
-                    let rows = 2 * np + usize::from(odd);
-                    let mut res = [[0f32; TILE_N]; 2 * PAIRS_MAX];
-                    if np == 0 {
-                        let row = &x[(m - 1) * k..m * k];
-                        let mut one = [[0f32; TILE_N]; TILE_M];
-                        tile(row, wtile, k, 1, nj, &mut one);
-                        res[0] = one[0];
-                    } else {
-                        pair(xi, x, wtile, k, (p0, np, odd), nj, &mut res);
-                    }
-                    for (i, row) in res.iter().enumerate().take(rows) {
-                        for (j, &v) in row.iter().enumerate().take(nj) {
-                            out[(jb + j) * m + 2 * p0 + i] = v;
-                        }
-                    }
-                }
-                continue;
-            }
-            for ib in (0..m).step_by(TILE_M) {
-                let mi = TILE_M.min(m - ib);
-                let mut res = [[0f32; TILE_N]; TILE_M];
-                tile(&x[ib * k..(ib + mi) * k], wtile, k, mi, nj, &mut res);
-                for (i, row) in res.iter().enumerate().take(mi) {
-                    for (j, &v) in row.iter().enumerate().take(nj) {
-                        out[(jb + j) * m + ib + i] = v;
-                    }
-                }
-            }
+        for jb in (0..rows).step_by(tile_n) {
+            let nj = tile_n.min(rows - jb);
+            tile(j0 + jb, nj, &mut TileOut { out, m, jb });
         }
     });
     transpose(out_t, m, n)
@@ -365,6 +387,30 @@ pub(crate) fn hsum_lanes(a: &[f32; VEC]) -> f32 {
     c[0] + c[1]
 }
 
+/// Bytes ahead of the weights being read that the kernels ask the caches for.
+const PREFETCH_BYTES: usize = 9 << 10;
+
+/// Asks for the cache lines of bytes `from..to` of a weight tile (at `tile`: the tile's rows,
+/// contiguous) `PREFETCH_BYTES` ahead, as if the tile were read in address order: a kernel
+/// that reads chunk `c` of each of its rows side by side passes chunk `c`'s share of the
+/// tile's bytes, so over the tile it walks the bytes after it line by line, one stream.
+/// Why: the hardware prefetchers do not follow a tile's rows read side by side as one
+/// stream; on the 2-core Zen 4 machine a 1-row bf16 matvec streamed 18.5-19 GB/s with a line
+/// ahead in each of its 4 rows and ~31 GB/s (its read bandwidth) with this (session 29). The
+/// addresses may lie past the weights: a prefetch never faults.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_ahead(tile: *const u8, from: usize, to: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = tile.wrapping_add(PREFETCH_BYTES);
+    let mut at = from.next_multiple_of(64);
+    while at < to {
+        // SAFETY: prefetching is a hint; it reads nothing and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(at).cast()) };
+        at += 64;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::load8;
 
@@ -412,28 +458,11 @@ mod avx2 {
         }
     }
 
-    /// Bytes ahead of the weights being read that the kernels ask the caches for. A tile's
-    /// weight rows are adjacent in memory and read side by side, which the hardware
-    /// prefetchers do not follow as one stream; [`prefetch_ahead`] asks for the lines ahead
-    /// in address order instead.
-    const PREFETCH_BYTES: usize = 9 << 10;
-
-    /// Asks for the cache lines that chunk `c` of a tile of `NJ` weight rows (at `tile`,
-    /// contiguous) would read if the tile were read in address order, `PREFETCH_BYTES`
-    /// ahead: over a tile's chunks this walks the bytes after it line by line, one stream.
-    /// Why: on the 2-core Zen 4 machine a 1-row bf16 matvec streamed 18.5-19 GB/s with a
-    /// line ahead in each of the 4 rows and 31 GB/s (its read bandwidth) with this
-    /// (session 29; the addresses may lie past the weights: a prefetch never faults).
+    /// See [`super::prefetch_ahead`]: chunk `c` of a tile of `NJ` weight rows.
     #[inline(always)]
-    pub(super) fn prefetch_ahead<W, const NJ: usize>(tile: *const W, c: usize) {
+    pub(super) fn prefetch_chunk<W, const NJ: usize>(tile: *const W, c: usize) {
         let per_chunk = NJ * VEC * std::mem::size_of::<W>();
-        let ahead = tile.cast::<u8>().wrapping_add(PREFETCH_BYTES);
-        let mut at = (c * per_chunk).next_multiple_of(64);
-        while at < (c + 1) * per_chunk {
-            // SAFETY: prefetching is a hint; it reads nothing and never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(at).cast()) };
-            at += 64;
-        }
+        super::prefetch_ahead(tile.cast(), c * per_chunk, (c + 1) * per_chunk);
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -449,7 +478,7 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); NJ]; MI];
         for c in 0..chunks {
             let t = c * VEC;
-            prefetch_ahead::<W, NJ>(wp, c);
+            prefetch_chunk::<W, NJ>(wp, c);
             let mut wv = [_mm256_setzero_ps(); NJ];
             for (j, v) in wv.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ t + 8 elements.
@@ -487,7 +516,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{finish, load8, prefetch_ahead};
+    use super::avx2::{finish, load8, prefetch_chunk};
     use super::{WeightElem, PAIRS_MAX, TILE_N, VEC};
     use std::arch::x86_64::*;
 
@@ -551,7 +580,7 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); NJ]; NP];
         let mut acc_odd = [_mm256_setzero_ps(); NJ];
         for c in 0..chunks {
-            prefetch_ahead::<W, NJ>(wp, c);
+            prefetch_chunk::<W, NJ>(wp, c);
             let mut w8 = [_mm256_setzero_ps(); NJ];
             for (j, v) in w8.iter_mut().enumerate() {
                 // SAFETY: row j of w has k ≥ 8c + 8 elements.
@@ -642,9 +671,14 @@ impl CustomOp2 for MatMulNt {
                 CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect())
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let mut xf = vec![0f32; m * k];
-                bf16::widen(slice(x, l1)?, &mut xf);
-                let out = matmul_nt(&xf, slice(w, l2)?, m, k, n);
+                let (x, w) = (slice(x, l1)?, slice(w, l2)?);
+                let out = if crate::matvec_bf16::available() {
+                    crate::matvec_bf16::matmul_nt(x, w, m, k, n)
+                } else {
+                    let mut xf = vec![0f32; m * k];
+                    bf16::widen(x, &mut xf);
+                    matmul_nt(&xf, w, m, k, n)
+                };
                 CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect())
             }
             _ => candle_core::bail!(
