@@ -8,11 +8,10 @@
 # then the same prompt without speculation as the
 # baseline. The outputs are identical. bfloat16 by default: it decodes ~1.5x faster than
 # float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), session 29: plain bf16 decoding
-# streams the weights at the machine's read bandwidth (97-106 tok/s on MT-bench 1-5, 64
-# tokens) while each verified row costs its multiply-adds, so the tree is one candidate:
-# EAGLE 118 tok/s, 1.12-1.22x there; on this prompt (tau 1.35) EAGLE 105-111 tok/s against
-# plain 116-122 in four of five runs (0.87-0.92x): the head accepts too little to pay for a
-# CPU's verified row on every prompt. On a GPU a verified row is nearly free (tools/gpu/).
+# streams the weights at the machine's read bandwidth while each verified row still costs
+# multiply-adds (vdpbf16ps there), so the tree is one candidate: on this prompt EAGLE
+# 117-125 tok/s against plain 108-111 (1.09-1.14x, tau 1.36, three runs); MT-bench 1-5,
+# 64 tokens: EAGLE 119-122, plain 108-116 (1.02-1.14x). A GPU is where speculation pays more.
 # KESTREL_DEMO_DTYPE=float32 runs the demo in f32.
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
