@@ -5,9 +5,8 @@
 # spec-build --eagle_choices tree_cpu.json: the root's best candidate, which `spec-train
 # calibrate --step_costs` derived for this head from the costs of a speculative step on 2 CPU
 # cores; drafting from the head's 4,096 most frequent tokens, draft_vocab.json), streamed,
-# then the same prompt without speculation as the
-# baseline. The outputs are identical. bfloat16 by default: it decodes ~1.5x faster than
-# float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), session 29: plain bf16 decoding
+# then the same prompt without speculation as the baseline. The outputs are identical.
+# bfloat16 by default: it decodes ~1.5x faster than float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), session 29: plain bf16 decoding
 # streams the weights at the machine's read bandwidth while each verified row still costs
 # multiply-adds (vdpbf16ps there), so the tree is one candidate: on this prompt EAGLE
 # 117-125 tok/s against plain 108-111 (1.09-1.14x, tau 1.36, three runs); MT-bench 1-5,
