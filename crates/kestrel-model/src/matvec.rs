@@ -244,6 +244,19 @@ pub(crate) fn by_weight_tiles(
     transpose(out_t, m, n)
 }
 
+/// `x · wᵀ` for bf16 rows `x: [m, k]` and weights `w: [n, k]`, in f32: through
+/// `vdpbf16ps` on CPUs with AVX512-BF16 (`matvec_bf16.rs`), else widened into
+/// [`matmul_nt`]. A bf16 engine's every step takes this, so the choice depends on the machine
+/// only.
+pub fn matmul_nt_bf16(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    if crate::matvec_bf16::available() {
+        return crate::matvec_bf16::matmul_nt(x, w, m, k, n);
+    }
+    let mut xf = vec![0f32; m * k];
+    bf16::widen(x, &mut xf);
+    matmul_nt(&xf, w, m, k, n)
+}
+
 /// `[n, m]` (column-major results) → `[m, n]`, in blocks of 16 × 16 so that a long prompt's
 /// rows are not walked one column at a time.
 pub(crate) fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
@@ -396,8 +409,9 @@ const PREFETCH_BYTES: usize = 9 << 10;
 /// tile's bytes, so over the tile it walks the bytes after it line by line, one stream.
 /// Why: the hardware prefetchers do not follow a tile's rows read side by side as one
 /// stream; on the 2-core Zen 4 machine a 1-row bf16 matvec streamed 18.5-19 GB/s with a line
-/// ahead in each of its 4 rows and ~31 GB/s (its read bandwidth) with this (session 29). The
-/// addresses may lie past the weights: a prefetch never faults.
+/// ahead in each of its 4 rows and ~31 GB/s (its read bandwidth then) with this (session 29,
+/// alternated in one run; `cargo bench -p kestrel-model --bench matvec` measures the kernels
+/// now). The addresses may lie past the weights: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_ahead(tile: *const u8, from: usize, to: usize) {
@@ -671,14 +685,7 @@ impl CustomOp2 for MatMulNt {
                 CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect())
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let (x, w) = (slice(x, l1)?, slice(w, l2)?);
-                let out = if crate::matvec_bf16::available() {
-                    crate::matvec_bf16::matmul_nt(x, w, m, k, n)
-                } else {
-                    let mut xf = vec![0f32; m * k];
-                    bf16::widen(x, &mut xf);
-                    matmul_nt(&xf, w, m, k, n)
-                };
+                let out = matmul_nt_bf16(slice(x, l1)?, slice(w, l2)?, m, k, n);
                 CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect())
             }
             _ => candle_core::bail!(

@@ -13,7 +13,10 @@
 //! Measured on 2 Zen 4 cores against the widened kernel in one binary
 //! (`KESTREL_CPU_DPBF16=0|1 KESTREL_BENCH_DTYPE=bf16 cargo bench --bench decode`, alternated
 //! three times, session 29): decode unchanged (8.3-9.4 ms both), 3 verified rows 12.9-14.2 →
-//! 12.4-13.0 ms, 8 rows 22.3-25.4 → 21.0-21.3, a 128-token prompt 307-312 → 277-284 ms.
+//! 12.4-13.0 ms, 8 rows 22.3-25.4 → 21.0-21.3, a 128-token prompt 307-312 → 277-284 ms;
+//! `cargo bench --bench matvec` (a 230 MB matrix): 1 and 3 rows as fast as the widened
+//! kernel (~44 and ~21 GiB/s of weights), 8 rows 17% faster. Few rows wait on its
+//! accumulators' chains (one `vdpbf16ps` an input row a chunk) rather than on the FMAs.
 //!
 //! The arithmetic, the same for every row count, so a row's bits never depend on the step
 //! (the property greedy speculation rests on): an output keeps 4 f32 lanes; for each chunk

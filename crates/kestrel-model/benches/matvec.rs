@@ -1,0 +1,41 @@
+//! How fast the CPU matrix-vector kernels stream a bf16 weight matrix, in weight bytes a
+//! second: `cargo bench -p kestrel-model --bench matvec`.
+//!
+//! A [200,000, 576] bf16 matrix (230 MB, far past the caches; SmolLM2's rows) against 1, 3
+//! and 8 rows: `widened` is the kernel f32 rows take (bf16 weights widened in registers),
+//! `bf16_rows` what a bf16 engine's rows take (`vdpbf16ps` where the CPU has AVX512-BF16,
+//! else the widened kernel). One row should stream at the machine's read bandwidth; more
+//! rows show where the multiply-adds start to cost.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::bf16;
+use kestrel_model::matvec::{matmul_nt, matmul_nt_bf16};
+use std::hint::black_box;
+
+const K: usize = 576;
+const N: usize = 200_000;
+
+fn bench(c: &mut Criterion) {
+    let w: Vec<bf16> = (0..N * K)
+        .map(|i| bf16::from_f32(((i * 13 % 89) as f32 - 44.0) / 2300.0))
+        .collect();
+    let mut group = c.benchmark_group("matvec-bf16-200000x576");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes((N * K * 2) as u64));
+    for m in [1usize, 3, 8] {
+        let xb: Vec<bf16> = (0..m * K)
+            .map(|i| bf16::from_f32(((i * 31 % 97) as f32 - 48.0) / 17.0))
+            .collect();
+        let xf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        group.bench_function(format!("widened_{m}_rows"), |b| {
+            b.iter(|| black_box(matmul_nt(&xf, &w, m, K, N)))
+        });
+        group.bench_function(format!("bf16_rows_{m}_rows"), |b| {
+            b.iter(|| black_box(matmul_nt_bf16(&xb, &w, m, K, N)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
