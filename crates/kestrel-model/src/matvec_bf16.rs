@@ -14,15 +14,19 @@
 //! (`KESTREL_CPU_DPBF16=0|1 KESTREL_BENCH_DTYPE=bf16 cargo bench --bench decode`, alternated
 //! three times, session 29): decode unchanged (8.3-9.4 ms both), 3 verified rows 12.9-14.2 →
 //! 12.4-13.0 ms, 8 rows 22.3-25.4 → 21.0-21.3, a 128-token prompt 307-312 → 277-284 ms;
-//! `cargo bench --bench matvec` (a 230 MB matrix): 1 and 3 rows as fast as the widened
-//! kernel (~44 and ~21 GiB/s of weights), 8 rows 17% faster. Few rows wait on its
-//! accumulators' chains (one `vdpbf16ps` an input row a chunk) rather than on the FMAs.
+//! `cargo bench --bench matvec` (a 230 MB matrix, two chains): 1 row as fast as the widened
+//! kernel (~32 GiB/s in that run), 3 rows 25.4 against 21.1 GiB/s, 8 rows 15.8 against 12.7;
+//! the decode bench's 8 rows another 7-10% shorter than with one chain (20.2-22.0 against
+//! 22.7-23.7 ms), decode and 3 rows within noise.
 //!
 //! The arithmetic, the same for every row count, so a row's bits never depend on the step
-//! (the property greedy speculation rests on): an output keeps 4 f32 lanes; for each chunk
-//! of 8 elements, lane q adds `x[2q+1]·w[2q+1]` then `x[2q]·w[2q]` (each product exact in f32,
-//! each addition rounded: what `vdpbf16ps` does, checked bit for bit against [`reference`] in
-//! the tests); then `(l0 + l2) + (l1 + l3)`, and the `k mod 8` tail added in order.
+//! (the property greedy speculation rests on): an output keeps two chains of 4 f32 lanes, the
+//! even chunks of 8 elements in one and the odd ones in the other; for each chunk, lane q adds
+//! `x[2q+1]·w[2q+1]` then `x[2q]·w[2q]` (each product exact in f32, each addition rounded:
+//! what `vdpbf16ps` does, checked bit for bit against [`reference`] in the tests); then the
+//! chains are added lane by lane, `(l0 + l2) + (l1 + l3)`, and the `k mod 8` tail added in
+//! order. (Two chains: with one, a step of a few rows waited on each accumulator's
+//! `vdpbf16ps` latency, 3 rows no faster than the widened kernel.)
 //! `vdpbf16ps` treats denormal inputs and results as zero, so results differ from the widened
 //! path's, as the portable path's already do from the AVX2 path's: each machine is
 //! consistent with itself.
@@ -96,14 +100,15 @@ fn add_tail(sum: f32, x: &[bf16], w: &[bf16]) -> f32 {
 /// tested against.
 #[cfg(test)]
 fn reference(x: &[bf16], w: &[bf16]) -> f32 {
-    let mut l = [0f32; 4];
+    let mut chains = [[0f32; 4]; 2];
     for c in 0..x.len() / CHUNK {
-        for (q, lane) in l.iter_mut().enumerate() {
+        for (q, lane) in chains[c % 2].iter_mut().enumerate() {
             let (o, e) = (c * CHUNK + 2 * q + 1, c * CHUNK + 2 * q);
             *lane += x[o].to_f32() * w[o].to_f32();
             *lane += x[e].to_f32() * w[e].to_f32();
         }
     }
+    let l: [f32; 4] = std::array::from_fn(|q| chains[0][q] + chains[1][q]);
     add_tail((l[0] + l[2]) + (l[1] + l[3]), x, w)
 }
 
@@ -181,8 +186,10 @@ mod avx512 {
     ) {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let per_chunk = NJ * CHUNK * std::mem::size_of::<bf16>();
-        let mut acc = [_mm512_setzero_ps(); MI];
-        for c in 0..k / CHUNK {
+        // Two chains an input row: even chunks into acc[i][0], odd ones into acc[i][1].
+        let mut acc = [[_mm512_setzero_ps(); 2]; MI];
+        let chunks = k / CHUNK;
+        let step = |c: usize, h: usize, acc: &mut [[__m512; 2]; MI]| {
             if prefetch {
                 crate::matvec::prefetch_ahead(wp.cast(), c * per_chunk, (c + 1) * per_chunk);
             }
@@ -191,12 +198,19 @@ mod avx512 {
             for (i, a) in acc.iter_mut().enumerate() {
                 // SAFETY: row i of x has k ≥ 8c + 8 elements.
                 let xq = unsafe { _mm_loadu_si128(xp.add(i * k + c * CHUNK).cast()) };
-                *a = _mm512_dpbf16_ps(*a, as_bf16_pairs(_mm512_broadcast_i32x4(xq)), wv);
+                a[h] = _mm512_dpbf16_ps(a[h], as_bf16_pairs(_mm512_broadcast_i32x4(xq)), wv);
             }
+        };
+        for c in (0..chunks / 2 * 2).step_by(2) {
+            step(c, 0, &mut acc);
+            step(c + 1, 1, &mut acc);
         }
-        for (i, &a) in acc.iter().enumerate() {
+        if chunks % 2 == 1 {
+            step(chunks - 1, 0, &mut acc);
+        }
+        for (i, &[a0, a1]) in acc.iter().enumerate() {
             let mut lanes = [0f32; 16];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), a);
+            _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(a0, a1));
             for j in 0..NJ {
                 let l = &lanes[4 * j..4 * j + 4];
                 out[i][j] = add_tail(
