@@ -183,11 +183,5 @@ pub fn tree_json(spec: &str) -> Result<String> {
 
 /// `spec` is JSON (`[[0], [1], …]`), a JSON file, or a preset name.
 fn static_tree(spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
-    let json = tree_json(spec)?;
-    let tree = if json.starts_with('[') {
-        EagleTree::from_json(&json, limits)
-    } else {
-        EagleTree::from_preset(&json, limits)
-    };
-    tree.map_err(anyhow::Error::from)
+    EagleTree::from_spec(&tree_json(spec)?, limits).map_err(anyhow::Error::from)
 }

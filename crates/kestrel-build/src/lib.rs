@@ -109,13 +109,8 @@ fn default_tree(
         max_draft_len: limits.max_draft_len,
         max_top_k: DEFAULT_MAX_TOP_K,
     };
-    let spec = spec.trim();
-    let tree = if spec.starts_with('[') {
-        EagleTree::from_json(spec, &tree_limits)
-    } else {
-        EagleTree::from_preset(spec, &tree_limits)
-    };
-    let tree = tree.map_err(|e| BuildError::option(format!("--eagle_choices: {e}")))?;
+    let tree = EagleTree::from_spec(spec, &tree_limits)
+        .map_err(|e| BuildError::option(format!("--eagle_choices: {e}")))?;
     Ok(serde_json::to_string(tree.choices()).expect("paths serialise"))
 }
 

@@ -698,6 +698,26 @@ impl CustomOp2 for MatMulNt {
     }
 }
 
+/// Asserts the property greedy speculation rests on for a kernel `f(rows, m)` → `[m, n]` over
+/// `x: [m, k]`: each row's bits among all the rows equal its bits computed alone.
+#[cfg(test)]
+pub(crate) fn assert_rows_independent<X>(
+    x: &[X],
+    (m, k, n): (usize, usize, usize),
+    f: impl Fn(&[X], usize) -> Vec<f32>,
+) {
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let all = f(x, m);
+    for i in 0..m {
+        let one = f(&x[i * k..(i + 1) * k], 1);
+        assert_eq!(
+            bits(&all[i * n..(i + 1) * n]),
+            bits(&one),
+            "{m}x{k}x{n}: row {i} differs from its single-row result"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -726,18 +746,7 @@ mod tests {
             (64, 64, 130),
         ] {
             let (x, w) = operands(m, k, n);
-            let all = matmul_nt(&x, &w, m, k, n);
-            for i in 0..m {
-                let one = matmul_nt(&x[i * k..(i + 1) * k], &w, 1, k, n);
-                assert_eq!(
-                    all[i * n..(i + 1) * n]
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect::<Vec<_>>(),
-                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{m}x{k}x{n}: row {i} differs from its single-row result"
-                );
-            }
+            assert_rows_independent(&x, (m, k, n), |x, m| matmul_nt(x, &w, m, k, n));
         }
     }
 

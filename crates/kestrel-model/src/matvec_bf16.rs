@@ -245,10 +245,6 @@ mod tests {
         (x, w)
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|f| f.to_bits()).collect()
-    }
-
     /// The kernel computes every output exactly as [`reference`] does, for tails, tiles past
     /// their edges and several tiles of rows.
     #[test]
@@ -290,15 +286,7 @@ mod tests {
         }
         for &(m, k, n) in &[(9, 576, 37), (6, 100, 9), (3, 7, 5), (17, 64, 130)] {
             let (x, w) = operands(m, k, n);
-            let all = matmul_nt(&x, &w, m, k, n);
-            for i in 0..m {
-                let one = matmul_nt(&x[i * k..(i + 1) * k], &w, 1, k, n);
-                assert_eq!(
-                    bits(&all[i * n..(i + 1) * n]),
-                    bits(&one),
-                    "{m}x{k}x{n}: row {i} differs from its single-row result"
-                );
-            }
+            crate::matvec::assert_rows_independent(&x, (m, k, n), |x, m| matmul_nt(x, &w, m, k, n));
         }
     }
 

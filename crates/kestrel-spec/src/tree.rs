@@ -409,6 +409,17 @@ impl EagleTree {
         Self::from_json(json, limits)
     }
 
+    /// `spec` as `--eagle_choices` spells it inline: JSON paths (`[[0], [1], …]`) or a preset
+    /// name.
+    pub fn from_spec(spec: &str, limits: &TreeLimits) -> Result<Self, TreeError> {
+        let spec = spec.trim();
+        if spec.starts_with('[') {
+            Self::from_json(spec, limits)
+        } else {
+            Self::from_preset(spec, limits)
+        }
+    }
+
     /// The choices in node order (sorted by depth, then lexicographically).
     pub fn choices(&self) -> &[Vec<usize>] {
         &self.choices
