@@ -50,6 +50,8 @@ pub struct EagleFlags {
     /// max_draft_len and num_eagle_layers (the default).
     pub eagle_dynamic_tree_max_draft_len: Option<usize>,
     pub eagle_dynamic_tree_num_layers: Option<usize>,
+    /// EAGLE-2: nodes whose cumulative draft probability is below this are not drafted.
+    pub eagle_dynamic_tree_min_prob: Option<f32>,
     /// token_match, typical or exact.
     pub eagle_sampling: Option<String>,
     /// Draft from the first N token ids only.
@@ -65,6 +67,7 @@ impl EagleFlags {
             || self.eagle_dynamic_tree_max_top_k.is_some()
             || self.eagle_dynamic_tree_max_draft_len.is_some()
             || self.eagle_dynamic_tree_num_layers.is_some()
+            || self.eagle_dynamic_tree_min_prob.is_some()
             || self.eagle_sampling.is_some()
             || self.eagle_draft_vocab.is_some()
     }
@@ -102,6 +105,7 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
             top_k,
             max_draft_len: flags.eagle_dynamic_tree_max_draft_len,
             num_layers: flags.eagle_dynamic_tree_num_layers,
+            min_prob: flags.eagle_dynamic_tree_min_prob.unwrap_or(0.0),
         }
     } else {
         for (flag, given) in [
@@ -121,6 +125,9 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
             if given.is_some() {
                 bail!("{flag} needs --eagle_use_dynamic_tree");
             }
+        }
+        if flags.eagle_dynamic_tree_min_prob.is_some() {
+            bail!("--eagle_dynamic_tree_min_prob needs --eagle_use_dynamic_tree");
         }
         let tree_limits = TreeLimits {
             num_eagle_layers: limits.num_eagle_layers,

@@ -612,6 +612,7 @@ fn run_refuses_dynamic_tree_caps_without_a_dynamic_tree_and_past_the_engine() {
     for flag in [
         "--eagle_dynamic_tree_max_draft_len",
         "--eagle_dynamic_tree_num_layers",
+        "--eagle_dynamic_tree_min_prob",
     ] {
         assert_eq!(
             run_error(&engine, &["--input_text", "a", flag, "2"]),
@@ -636,6 +637,28 @@ fn run_refuses_dynamic_tree_caps_without_a_dynamic_tree_and_past_the_engine() {
             engine.display()
         )
     );
+}
+
+#[test]
+fn run_refuses_a_dynamic_tree_gate_outside_zero_to_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_eagle_engine(tmp.path());
+    for gate in ["1.5", "-0.25"] {
+        assert_eq!(
+            run_error(
+                &engine,
+                &[
+                    "--input_text",
+                    "a",
+                    "--eagle_use_dynamic_tree",
+                    "--eagle_dynamic_tree_max_top_k",
+                    "2",
+                    &format!("--eagle_dynamic_tree_min_prob={gate}"),
+                ]
+            ),
+            format!("eagle_dynamic_tree_min_prob must be a probability in [0, 1], got {gate}")
+        );
+    }
 }
 
 #[test]

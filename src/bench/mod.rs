@@ -67,9 +67,10 @@ pub struct BenchArgs {
     /// above the engine's max_batch_size.
     #[arg(long, visible_alias = "batch_size")]
     pub batch_sizes: Option<String>,
-    /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file), eagle2:N[:T[:L]]
-    /// (top-k N, at most T draft nodes and L layers: spec-run's
-    /// --eagle_dynamic_tree_max_draft_len and --eagle_dynamic_tree_num_layers),
+    /// Comma-separated: plain, eagle1[:TREE] (TREE = preset or JSON file),
+    /// eagle2:N[:T[:L[:P]]] (top-k N, at most T draft nodes and L layers, nodes of draft
+    /// probability P or more: spec-run's --eagle_dynamic_tree_max_draft_len,
+    /// --eagle_dynamic_tree_num_layers and --eagle_dynamic_tree_min_prob),
     /// draft_target:K[:logits] (needs --draft_engine_dir; `logits`: speculative sampling,
     /// else token matching), prompt_lookup:K[:N[:corpus]] (up to K drafts after the latest
     /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
@@ -152,6 +153,8 @@ enum ModeSpec {
         top_k: usize,
         max_draft_len: Option<usize>,
         num_layers: Option<usize>,
+        /// spec-run's --eagle_dynamic_tree_min_prob.
+        min_prob: Option<f32>,
         lookup: Option<LookupSpec>,
     },
     DraftTarget {
@@ -184,7 +187,7 @@ impl ModeSpec {
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated; an eagle mode may end in +prompt_lookup:K[:N[:corpus]]";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L[:P]]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated; an eagle mode may end in +prompt_lookup:K[:N[:corpus]]";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -242,13 +245,21 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                 let top_k = count(name, parts.next().unwrap_or(""), spec)?;
                 let max_draft_len = parts.next().map(|a| count(name, a, spec)).transpose()?;
                 let num_layers = parts.next().map(|a| count(name, a, spec)).transpose()?;
+                let min_prob = match parts.next().map(str::parse::<f32>) {
+                    None => None,
+                    Some(Ok(p)) if (0.0..=1.0).contains(&p) => Some(p),
+                    Some(_) => bail!(
+                        "--modes {spec}: eagle2's P (after N:T:L) is the least draft probability a node needs, in [0, 1]"
+                    ),
+                };
                 if parts.next().is_some() {
-                    bail!("--modes {spec}: eagle2 takes at most N:T:L");
+                    bail!("--modes {spec}: eagle2 takes at most N:T:L:P");
                 }
                 ModeSpec::Eagle2 {
                     top_k,
                     max_draft_len,
                     num_layers,
+                    min_prob,
                     lookup: grafted,
                 }
             }
@@ -363,6 +374,10 @@ pub struct ModeResult {
     pub time_to_first_token_ms: Option<f64>,
     /// Tokens committed per target forward (τ; 1 for plain decoding).
     pub mean_accepted_len: Option<f64>,
+    /// Draft tokens verified per target forward of a sequence (tree nodes, chain length).
+    pub draft_tokens_per_step: Option<f64>,
+    /// Of the draft tokens verified, the share accepted; none when nothing was drafted.
+    pub draft_acceptance_rate: Option<f64>,
     /// tokens/s ÷ plain's at the same batch size.
     pub speedup_vs_plain: Option<f64>,
     pub draft_s: f64,
@@ -895,6 +910,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     step_latency_ms: v.tree_step_s * 1e3,
                     time_to_first_token_ms: None,
                     mean_accepted_len: None,
+                    draft_tokens_per_step: None,
+                    draft_acceptance_rate: None,
                     speedup_vs_plain: None,
                     draft_s: 0.0,
                     verify_s: v.tree_step_s * v.steps as f64,
@@ -955,12 +972,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             top_k,
                             max_draft_len,
                             num_layers,
+                            min_prob,
                             ..
                         } => EagleFlags {
                             eagle_use_dynamic_tree: true,
                             eagle_dynamic_tree_max_top_k: Some(*top_k),
                             eagle_dynamic_tree_max_draft_len: *max_draft_len,
                             eagle_dynamic_tree_num_layers: *num_layers,
+                            eagle_dynamic_tree_min_prob: *min_prob,
                             eagle_draft_vocab: args.eagle_draft_vocab,
                             eagle_sampling: args.eagle_sampling.clone(),
                             eagle_posterior_threshold: args.eagle_posterior_threshold,
@@ -1040,6 +1059,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 .iter()
                 .map(|o| o.stats.tokens_per_step * o.stats.steps as f64)
                 .sum();
+            let drafted: usize = outputs.iter().map(|o| o.stats.draft_tokens).sum();
+            let accepted: usize = outputs.iter().map(|o| o.stats.accepted_draft_tokens).sum();
             let prompt_tokens: usize = batch_prompts.iter().map(Vec::len).sum();
             let bytes_total =
                 timings.batch_steps as f64 * sizes.weight_bytes as f64 + shape_of.kv_read_bytes;
@@ -1088,6 +1109,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 } else {
                     committed / steps as f64
                 }),
+                draft_tokens_per_step: (steps > 0).then(|| drafted as f64 / steps as f64),
+                draft_acceptance_rate: (drafted > 0).then(|| accepted as f64 / drafted as f64),
                 speedup_vs_plain: speedup,
                 draft_s: timings.draft_s,
                 verify_s: timings.verify_s,
@@ -1303,7 +1326,7 @@ mod tests {
     #[test]
     fn modes_parse() {
         let m = parse_modes(
-            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2:corpus,verify:64,eagle1:small_8+prompt_lookup:4:3:corpus,eagle2:4:4:1+prompt_lookup:2",
+            "plain, eagle1:[[0],[0,0]],eagle2:8,eagle2:10:16:3,eagle2:1:1:1:0.4,draft_target:3,draft_target:2:logits,prompt_lookup:4,prompt_lookup:8:2:corpus,verify:64,eagle1:small_8+prompt_lookup:4:3:corpus,eagle2:4:4:1+prompt_lookup:2",
         )
         .unwrap();
         let kinds: Vec<ModeSpec> = m.into_iter().map(|(_, k)| k).collect();
@@ -1321,12 +1344,21 @@ mod tests {
                     top_k: 8,
                     max_draft_len: None,
                     num_layers: None,
+                    min_prob: None,
                     lookup: None,
                 },
                 ModeSpec::Eagle2 {
                     top_k: 10,
                     max_draft_len: Some(16),
                     num_layers: Some(3),
+                    min_prob: None,
+                    lookup: None,
+                },
+                ModeSpec::Eagle2 {
+                    top_k: 1,
+                    max_draft_len: Some(1),
+                    num_layers: Some(1),
+                    min_prob: Some(0.4),
                     lookup: None,
                 },
                 ModeSpec::DraftTarget {
@@ -1345,6 +1377,7 @@ mod tests {
                     top_k: 4,
                     max_draft_len: Some(4),
                     num_layers: Some(1),
+                    min_prob: None,
                     lookup: Some(lookup(2, 3, false)),
                 },
             ]
@@ -1379,7 +1412,11 @@ mod tests {
         );
         assert_eq!(
             parse_modes("eagle2:8:16:3:2").unwrap_err().to_string(),
-            "--modes eagle2:8:16:3:2: eagle2 takes at most N:T:L"
+            "--modes eagle2:8:16:3:2: eagle2's P (after N:T:L) is the least draft probability a node needs, in [0, 1]"
+        );
+        assert_eq!(
+            parse_modes("eagle2:8:16:3:0.2:1").unwrap_err().to_string(),
+            "--modes eagle2:8:16:3:0.2:1: eagle2 takes at most N:T:L:P"
         );
         assert_eq!(
             parse_modes("draft_target:4:exact").unwrap_err().to_string(),

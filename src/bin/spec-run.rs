@@ -92,6 +92,13 @@ struct Args {
     /// Each is a head step.
     #[arg(long)]
     eagle_dynamic_tree_num_layers: Option<usize>,
+    /// EAGLE-2: nodes whose cumulative draft probability (the product of the head's
+    /// probabilities down their path) is below P are neither expanded nor verified; a step
+    /// whose best guess is below P drafts nothing and runs as a plain decode step. Where
+    /// verified rows are dear (a CPU, a small model), a gate spends them where the head is
+    /// sure. Default 0: every node counts.
+    #[arg(long, value_name = "P")]
+    eagle_dynamic_tree_min_prob: Option<f32>,
     /// Acceptance under sampling: token_match (default), typical or exact.
     #[arg(long)]
     eagle_sampling: Option<String>,
@@ -233,6 +240,7 @@ fn run(args: Args) -> Result<()> {
         eagle_dynamic_tree_max_top_k: args.eagle_dynamic_tree_max_top_k,
         eagle_dynamic_tree_max_draft_len: args.eagle_dynamic_tree_max_draft_len,
         eagle_dynamic_tree_num_layers: args.eagle_dynamic_tree_num_layers,
+        eagle_dynamic_tree_min_prob: args.eagle_dynamic_tree_min_prob,
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_draft_vocab: args.eagle_draft_vocab,
     };

@@ -97,6 +97,10 @@ pub enum EagleTreeKind {
         top_k: usize,
         max_draft_len: Option<usize>,
         num_layers: Option<usize>,
+        /// Nodes whose cumulative draft probability is below this are neither expanded nor
+        /// verified (0: none dropped); where the head is unsure a step drafts less, or
+        /// nothing and runs as a plain decode step.
+        min_prob: f32,
     },
 }
 

@@ -48,11 +48,22 @@ fn capped_dynamic_mode(
     max_draft_len: Option<usize>,
     num_layers: Option<usize>,
 ) -> DecodeMode<'static> {
+    gated_dynamic_mode(top_k, max_draft_len, num_layers, 0.0)
+}
+
+/// EAGLE-2 with run-time caps and a confidence gate on its nodes' draft probability.
+fn gated_dynamic_mode(
+    top_k: usize,
+    max_draft_len: Option<usize>,
+    num_layers: Option<usize>,
+    min_prob: f32,
+) -> DecodeMode<'static> {
     DecodeMode::Eagle(EagleOptions {
         tree: EagleTreeKind::Dynamic {
             top_k,
             max_draft_len,
             num_layers,
+            min_prob,
         },
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
@@ -394,7 +405,8 @@ fn eagle2_refuses_top_k_beyond_the_engine_limits() {
             top_k: 5,
             num_layers: 4,
             max_draft_len: 63,
-            max_non_leaves_per_layer: 4
+            max_non_leaves_per_layer: 4,
+            min_prob: 0.0,
         }
         .validate()
         .unwrap_err()
@@ -454,6 +466,52 @@ fn eagle2_caps_its_draft_nodes_and_layers_at_run_time() {
         let err = generate(&engine, &mode, &prompts, &greedy(4), &mut NoSink).unwrap_err();
         assert_eq!(err.to_string(), want);
     }
+}
+
+#[test]
+fn eagle2_gated_by_draft_confidence_drafts_less_and_keeps_plain_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, mut base, head) = agreeing_pair(11);
+    // The agreeing head guesses right but with flat probabilities; a sharper LM head (the
+    // same argmax) spreads its confidence across the gates tried below.
+    let lm_head = "lm_head.weight".to_string();
+    base.insert(lm_head.clone(), (base[&lm_head].clone() * 8.0).unwrap());
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    let plain = run(&engine, &DecodeMode::Plain, &prompts, &greedy(48));
+    // (top-k, layers, gate) → (drafted nodes, steps), summed over the batch's sequences.
+    let drafted = |top_k, layers, gate| {
+        let out = run(
+            &engine,
+            &gated_dynamic_mode(top_k, None, Some(layers), gate),
+            &prompts,
+            &greedy(48),
+        );
+        assert_eq!(ids(&out), ids(&plain), "gate {gate} changed the output");
+        let sum = |f: fn(&SequenceOutput) -> usize| out.iter().map(f).sum::<usize>();
+        (sum(|o| o.stats.draft_tokens), sum(|o| o.stats.steps))
+    };
+    // Ungated, a one-node tree drafts every step.
+    let (drafts, steps) = drafted(1, 1, 0.0);
+    assert_eq!(drafts, steps);
+    // Gated, some steps draft and some (in the same batch) run as plain decode steps.
+    for layers in [1, 3] {
+        let (drafts, steps) = drafted(1, layers, 0.5);
+        assert!(
+            drafts > 0 && drafts < steps,
+            "{drafts} drafts in {steps} steps"
+        );
+    }
+    for (top_k, layers, gate) in [(3, 4, 0.3), (4, 4, 0.9)] {
+        drafted(top_k, layers, gate);
+    }
+    // Nothing is sure enough for a gate of 1: every step is a plain one.
+    assert_eq!(
+        drafted(2, 2, 1.0),
+        (0, 4 * 47),
+        "4 prompts, 47 steps after the prefill"
+    );
 }
 
 #[test]

@@ -255,6 +255,7 @@ fn eagle_reuses_base_and_head_caches_and_keeps_the_output() {
             top_k: 4,
             max_draft_len: None,
             num_layers: None,
+            min_prob: 0.0,
         },
         EagleTreeKind::Static(
             kestrel_spec::EagleTree::from_json(

@@ -15,6 +15,12 @@
 //!
 //! Log-probs must be ≤ 0 (log-softmax values), so a child never outranks its parent and the
 //! selection is closed under ancestors.
+//!
+//! With `min_prob` p > 0, a candidate whose cumulative draft probability is below p is
+//! neither expanded nor verified (a confidence gate: where the draft is unsure, its rows cost
+//! more than they are likely to return). Since scores never increase along a path, this is
+//! exactly the ungated tree's nodes of score ≥ ln p, found without expanding any node below
+//! it; a step may draft nothing and verify the root alone, a plain decode step.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -63,10 +69,12 @@ pub enum DynamicTreeError {
     },
     #[error("EAGLE-2 tree has no layers yet: push layer 0 (the root's top-k) before finish")]
     Empty,
+    #[error("eagle_dynamic_tree_min_prob must be a probability in [0, 1], got {min_prob}")]
+    MinProb { min_prob: f32 },
 }
 
 /// EAGLE-2 parameters and the engine limits they are checked against.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DynamicTreeConfig {
     /// N: children per expanded node, and frontier size.
     pub top_k: usize,
@@ -76,11 +84,20 @@ pub struct DynamicTreeConfig {
     pub max_draft_len: usize,
     /// Engine limit that N must not exceed.
     pub max_non_leaves_per_layer: usize,
+    /// Candidates whose cumulative draft probability is below this are neither expanded nor
+    /// verified (0: every candidate counts, EAGLE-2 as published).
+    pub min_prob: f32,
 }
 
 impl DynamicTreeConfig {
-    /// Checks `N ≥ 1`, `L ≥ 1`, `N ≤ max_non_leaves_per_layer`, `N ≤ max_draft_len`.
+    /// Checks `N ≥ 1`, `L ≥ 1`, `N ≤ max_non_leaves_per_layer`, `N ≤ max_draft_len`,
+    /// `0 ≤ min_prob ≤ 1`.
     pub fn validate(&self) -> Result<(), DynamicTreeError> {
+        if !(0.0..=1.0).contains(&self.min_prob) {
+            return Err(DynamicTreeError::MinProb {
+                min_prob: self.min_prob,
+            });
+        }
         if self.top_k == 0 {
             return Err(DynamicTreeError::ZeroTopK);
         }
@@ -105,9 +122,13 @@ impl DynamicTreeConfig {
     pub fn num_candidates(&self) -> usize {
         self.top_k + self.top_k * self.top_k * self.num_layers.saturating_sub(1)
     }
-    /// `min(N + N²(L−1), max_draft_len)`: draft nodes in the final tree.
+    /// `min(N + N²(L−1), max_draft_len)`: the most draft nodes in the final tree.
     pub fn num_selected(&self) -> usize {
         self.num_candidates().min(self.max_draft_len)
+    }
+    /// The lowest score (cumulative log-prob) a candidate may have to count.
+    fn min_score(&self) -> f32 {
+        self.min_prob.ln()
     }
 }
 
@@ -234,7 +255,7 @@ impl DynamicTreeBuilder {
             });
         }
         self.candidates = new;
-        self.frontier = top_ids(&self.candidates, 0..n, n);
+        self.frontier = top_ids(&self.candidates, 0..n, n, self.cfg.min_score());
         self.layers = 1;
         Ok(())
     }
@@ -281,7 +302,12 @@ impl DynamicTreeBuilder {
         }
         let start = self.candidates.len();
         self.candidates.extend(new);
-        self.frontier = top_ids(&self.candidates, start..self.candidates.len(), n);
+        self.frontier = top_ids(
+            &self.candidates,
+            start..self.candidates.len(),
+            n,
+            self.cfg.min_score(),
+        );
         self.layers += 1;
         Ok(())
     }
@@ -294,7 +320,12 @@ impl DynamicTreeBuilder {
             return Err(DynamicTreeError::Empty);
         }
         let m = self.candidates.len().min(self.cfg.max_draft_len);
-        let mut chosen = top_ids(&self.candidates, 0..self.candidates.len(), m);
+        let mut chosen = top_ids(
+            &self.candidates,
+            0..self.candidates.len(),
+            m,
+            self.cfg.min_score(),
+        );
         // Creation order is topological (parents are created before children). Scores never
         // increase along a path and ties favour the earlier id, so the set is closed under
         // ancestors; drop any orphan defensively (cannot happen with valid input).
@@ -328,9 +359,10 @@ impl DynamicTreeBuilder {
     }
 }
 
-/// The `k` best ids in `range` by (score desc, id asc), best first.
-fn top_ids(c: &[Candidate], range: std::ops::Range<usize>, k: usize) -> Vec<usize> {
-    let mut ids: Vec<usize> = range.collect();
+/// The `k` best ids in `range` by (score desc, id asc), best first, of those scoring at
+/// least `min_score`.
+fn top_ids(c: &[Candidate], range: std::ops::Range<usize>, k: usize, min_score: f32) -> Vec<usize> {
+    let mut ids: Vec<usize> = range.filter(|&i| c[i].score >= min_score).collect();
     ids.sort_by(|&a, &b| c[b].score.total_cmp(&c[a].score).then(a.cmp(&b)));
     ids.truncate(k);
     ids
@@ -366,6 +398,7 @@ mod tests {
             num_layers: l,
             max_draft_len,
             max_non_leaves_per_layer: 10,
+            min_prob: 0.0,
         }
     }
 
@@ -521,6 +554,119 @@ mod tests {
                 prop_assert!(p < i);
                 prop_assert_eq!(tree.candidate_ids[p], c[id].parent);
             }
+        }
+
+        #[test]
+        fn a_gated_tree_is_the_ungated_one_above_the_gate(
+            n in 1usize..4, l in 1usize..4, max_draft_len in 1usize..40,
+            min_prob in 0.0f32..0.9,
+            seed_logps in proptest::collection::vec(-3.0f32..0.0, 64),
+        ) {
+            prop_assume!(n <= max_draft_len);
+            let ungated = grow(cfg(n, l, max_draft_len), &seed_logps);
+            let gated = grow(
+                DynamicTreeConfig { min_prob, ..cfg(n, l, max_draft_len) },
+                &seed_logps,
+            );
+            let keep: Vec<usize> = (0..ungated.tokens.len())
+                .filter(|&i| i == 0 || ungated.scores[i] >= min_prob.ln())
+                .collect();
+            let pick = |v: &[u32]| keep.iter().map(|&i| v[i]).collect::<Vec<_>>();
+            prop_assert_eq!(&gated.tokens, &pick(&ungated.tokens));
+            let depths: Vec<u32> = ungated.buffers().depths().iter().map(|&d| d as u32).collect();
+            let gated_depths: Vec<u32> =
+                gated.buffers().depths().iter().map(|&d| d as u32).collect();
+            prop_assert_eq!(gated_depths, pick(&depths));
+        }
+    }
+
+    /// Grows a tree whose children depend on their parent's token alone: node token t's
+    /// rank-r child is `t * 4 + r + 1` with log-prob `logps[(t * 7 + r) % 64]`, so gated and
+    /// ungated builders meet the same tree whatever each expands.
+    fn grow(cfg: DynamicTreeConfig, logps: &[f32]) -> DynamicTree {
+        let children = |parents: &[u32]| -> (Vec<u32>, Vec<f32>) {
+            let mut toks = Vec::new();
+            let mut lps = Vec::new();
+            for &t in parents {
+                for r in 0..cfg.top_k as u32 {
+                    toks.push(t * 4 + r + 1);
+                    lps.push(logps[((t * 7 + r) % 64) as usize]);
+                }
+            }
+            (toks, lps)
+        };
+        let mut b = DynamicTreeBuilder::new(cfg).unwrap();
+        let (t, lp) = children(&[0]);
+        b.push_root_layer(&t, &lp).unwrap();
+        for _ in 1..cfg.num_layers {
+            let frontier: Vec<u32> = b
+                .frontier()
+                .iter()
+                .map(|&c| b.candidates()[c].token)
+                .collect();
+            let (t, lp) = children(&frontier);
+            b.push_layer(&t, &lp).unwrap();
+        }
+        b.finish(0).unwrap()
+    }
+
+    #[test]
+    fn the_gate_keeps_what_the_draft_is_sure_of() {
+        // The worked example's tree (N = 2, L = 3, max_draft_len 5) gated at 0.2: of its
+        // nodes 0 (.6), 1 (.3), 2 (.54), 4 (.15), 6 (.27), node 4 and its child go.
+        let ln = |p: f32| p.ln();
+        let mut b = DynamicTreeBuilder::new(DynamicTreeConfig {
+            min_prob: 0.2,
+            ..cfg(2, 3, 5)
+        })
+        .unwrap();
+        b.push_root_layer(&[10, 11], &[ln(0.6), ln(0.3)]).unwrap();
+        assert_eq!(b.frontier(), &[0, 1]);
+        b.push_layer(&[20, 21, 22, 23], &[ln(0.9), ln(0.05), ln(0.5), ln(0.4)])
+            .unwrap(); // ids 2 (.54), 3 (.03), 4 (.15), 5 (.12)
+        assert_eq!(b.frontier(), &[2], "only node 2 clears the gate");
+        b.push_layer(&[30, 31], &[ln(0.5), ln(0.1)]).unwrap(); // ids 6 (.27), 7 (.054)
+        assert_eq!(b.frontier(), &[6]);
+        let t = b.finish(99).unwrap();
+        assert_eq!(t.tokens, vec![99, 10, 11, 20, 30]);
+        assert_eq!(
+            t.buffers().parents(),
+            &[None, Some(0), Some(0), Some(1), Some(3)]
+        );
+    }
+
+    #[test]
+    fn a_gate_nothing_clears_drafts_nothing() {
+        let mut b = DynamicTreeBuilder::new(DynamicTreeConfig {
+            min_prob: 0.5,
+            ..cfg(2, 2, 5)
+        })
+        .unwrap();
+        b.push_root_layer(&[10, 11], &[0.4f32.ln(), 0.3f32.ln()])
+            .unwrap();
+        assert!(b.frontier().is_empty());
+        b.push_layer(&[], &[]).unwrap();
+        let t = b.finish(7).unwrap();
+        assert_eq!(t.tokens, vec![7]);
+        assert_eq!(t.buffers().num_nodes(), 1);
+        assert_eq!(t.buffers().retrieve_paths(), &[vec![0]]);
+    }
+
+    #[test]
+    fn the_gate_must_be_a_probability() {
+        for min_prob in [-0.1, 1.5, f32::NAN] {
+            assert_eq!(
+                DynamicTreeConfig {
+                    min_prob,
+                    ..cfg(2, 2, 5)
+                }
+                .validate()
+                .unwrap_err()
+                .to_string(),
+                format!(
+                    "eagle_dynamic_tree_min_prob must be a probability in [0, 1], got {min_prob}"
+                )
+            );
         }
     }
 }

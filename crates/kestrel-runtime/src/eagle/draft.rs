@@ -180,7 +180,9 @@ impl Drafter<'_> {
                 let feeds: Vec<TreeFeed> = roots
                     .iter()
                     .zip(fed_tokens.host)
-                    .map(|(r, tokens)| TreeFeed {
+                    .enumerate()
+                    .map(|(tree, (r, tokens))| TreeFeed {
+                        tree,
                         seq: r.seq,
                         committed: r.committed,
                         root_pos: r.root_pos,
@@ -326,10 +328,18 @@ impl Drafter<'_> {
         // the previous one, so these hold its ancestors): N nodes a layer whatever the tree's
         // shape, one step layout a level that its CUDA graph replays. Kept in creation order,
         // the order an ancestors-only feed would have; a node attends to its ancestors alone.
+        // A gated tree (`min_prob`) may leave a sequence nothing to expand: it is not fed,
+        // and a level nobody has anything to expand is not run.
         let mut fed: Vec<Vec<usize>> = vec![Vec::new(); roots.len()];
         for _layer in 1..cfg.num_layers {
+            if builders.iter().all(|b| b.frontier().is_empty()) {
+                break;
+            }
             let mut feeds = Vec::with_capacity(roots.len());
-            for ((r, b), fed) in roots.iter().zip(&builders).zip(&mut fed) {
+            for (tree, ((r, b), fed)) in roots.iter().zip(&builders).zip(&mut fed).enumerate() {
+                if b.frontier().is_empty() {
+                    continue;
+                }
                 fed.extend_from_slice(b.frontier());
                 fed.sort_unstable();
                 let cands = b.candidates();
@@ -339,6 +349,7 @@ impl Drafter<'_> {
                     .map(|c| fed.binary_search(c).expect("the frontier is fed"))
                     .collect();
                 feeds.push(TreeFeed {
+                    tree,
                     seq: r.seq,
                     committed: r.committed,
                     root_pos: r.root_pos,

@@ -14,6 +14,8 @@ use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows, PagedKvCache, S
 /// Node ids are local to one sequence's tree; id 0 is the root, whose output is the head's
 /// prediction from the committed pairs.
 pub(crate) struct TreeFeed {
+    /// Which of the drafted roots' trees this grows (its nodes' outputs in [`NodeOutputs`]).
+    pub tree: usize,
     pub seq: SeqId,
     /// Committed head pairs: the cache length to return to.
     pub committed: usize,
@@ -29,8 +31,8 @@ pub(crate) struct TreeFeed {
     pub want: Vec<usize>,
 }
 
-/// Runs one head forward over every sequence's feed (feed `s` grows tree `s` of `outputs`,
-/// which must hold the output of each fed node's parent: the feature it is paired with);
+/// Runs one head forward over the feeds (each grows its `tree` of `outputs`, which must hold
+/// the output of each fed node's parent: the feature it is paired with);
 /// returns the outputs of the wanted nodes, `[Σ want, hidden]`, feed by feed. The fed tokens
 /// are the feeds' own, or `device_ids` (u32, feed after feed) when they were drafted on the
 /// device, in which case the feeds carry none.
@@ -49,8 +51,7 @@ pub(crate) fn feed_trees(
     let masks: Vec<Vec<bool>> = feeds.iter().map(ancestor_mask).collect();
     let parents: Vec<NodeRef> = feeds
         .iter()
-        .enumerate()
-        .flat_map(|(s, f)| f.parents.iter().map(move |&p| (s, p)))
+        .flat_map(|f| f.parents.iter().map(move |&p| (f.tree, p)))
         .collect();
     let features = outputs.gather(&parents)?;
     let mut offset = 0;

@@ -74,7 +74,14 @@ impl<'e> EagleDecoder<'e> {
                 top_k,
                 max_draft_len,
                 num_layers,
-            } => Some(dynamic_config(engine, *top_k, *max_draft_len, *num_layers)?),
+                min_prob,
+            } => Some(dynamic_config(
+                engine,
+                *top_k,
+                *max_draft_len,
+                *num_layers,
+                *min_prob,
+            )?),
         };
         let draft_vocab = options
             .draft_vocab
@@ -474,6 +481,7 @@ fn dynamic_config(
     top_k: usize,
     max_draft_len: Option<usize>,
     num_layers: Option<usize>,
+    min_prob: f32,
 ) -> Result<DynamicTreeConfig> {
     let limits = &engine.plan.limits;
     // A cap within the engine's limit; `rebuild` says how to raise the limit.
@@ -502,6 +510,7 @@ fn dynamic_config(
             "spec-build --max_draft_len",
         )?,
         max_non_leaves_per_layer: limits.max_non_leaves_per_layer,
+        min_prob,
     };
     if let Some(cap) = max_draft_len.filter(|&cap| top_k > cap) {
         // Otherwise the check below would blame the engine's max_draft_len.

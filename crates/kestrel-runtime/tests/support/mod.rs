@@ -364,6 +364,7 @@ pub fn dynamic_tree(top_k: usize) -> kestrel_runtime::EagleTreeKind {
         top_k,
         max_draft_len: None,
         num_layers: None,
+        min_prob: 0.0,
     }
 }
 
