@@ -38,8 +38,13 @@ fn pack_as<T: candle_core::WithDType>(tensors: &mut [&mut Tensor]) -> Result<()>
     let mut offsets = Vec::with_capacity(tensors.len());
     for t in tensors.iter() {
         offsets.push(buf.len());
-        let flat = t.flatten_all()?;
-        buf.extend_from_slice(&flat.to_vec1::<T>()?);
+        // Straight from the tensor's storage: a copy through a Vec would touch (and fault in)
+        // every weight byte once more while the model loads.
+        let t = t.contiguous()?;
+        crate::cpu_norm::cpu_slice::<T, _>(&t, |s| {
+            buf.extend_from_slice(s);
+            Ok(())
+        })?;
     }
     let len = buf.len();
     let arena = Tensor::from_vec(buf, len, &candle_core::Device::Cpu)?;

@@ -10,7 +10,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{Device, Tensor};
 use kestrel_core::{Mapping, ModelConfig, ShardDim};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn split_dim(name: &str) -> Option<usize> {
     match Mapping::shard_dim(name) {
@@ -113,6 +113,33 @@ pub fn unshard(
 }
 
 /// Opens the rank files and reassembles every expected tensor (in its stored dtype, on CPU).
+fn map_file(path: &Path) -> Result<MmapedSafetensors> {
+    // SAFETY: the file is mapped read-only; Kestrel never writes a checkpoint it is reading.
+    unsafe { MmapedSafetensors::new(path) }.map_err(|e| ModelError::File {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// The tensors of the safetensors file `path` whose names start with `prefix`, keyed
+/// without it, on the CPU. Only they are read: an engine's rank file holds the EAGLE head
+/// beside the whole base model, which reading the file whole would load a second time.
+pub fn load_prefixed(path: &Path, prefix: &str) -> Result<BTreeMap<String, Tensor>> {
+    let st = map_file(path)?;
+    let mut out = BTreeMap::new();
+    for (name, _) in st.tensors() {
+        let Some(short) = name.strip_prefix(prefix) else {
+            continue;
+        };
+        let t = st.load(&name, &Device::Cpu).map_err(|e| ModelError::File {
+            path: path.display().to_string(),
+            message: format!("tensor '{name}': {e}"),
+        })?;
+        out.insert(short.to_string(), t);
+    }
+    Ok(out)
+}
+
 pub(crate) fn load_unsharded(
     cfg: &ModelConfig,
     mapping: Mapping,
@@ -127,15 +154,10 @@ pub(crate) fn load_unsharded(
         )));
     }
     mapping.validate(cfg).map_err(ModelError::Config)?;
-    let mut files = Vec::with_capacity(rank_files.len());
-    for path in rank_files {
-        // SAFETY: the file is mapped read-only; Kestrel never writes a checkpoint it is reading.
-        let st = unsafe { MmapedSafetensors::new(path) }.map_err(|e| ModelError::File {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        files.push(st);
-    }
+    let files = rank_files
+        .iter()
+        .map(|p| map_file(p))
+        .collect::<Result<Vec<_>>>()?;
     let origins: Vec<String> = rank_files.iter().map(|p| p.display().to_string()).collect();
     let mut out = BTreeMap::new();
     for (name, full) in expected {

@@ -8,7 +8,6 @@ use kestrel_core::draft_vocab::{DraftVocabRanking, DRAFT_VOCAB_FILE};
 use kestrel_core::plan::EAGLE_CHOICES_FILE;
 use kestrel_core::{EagleHeadConfig, EnginePlan, ModelConfig, SpeculativeMode};
 use kestrel_model::{CudaKernels, EagleHead, Llama};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
@@ -168,11 +167,7 @@ fn load_eagle_head(
             "EAGLE engines with tp_size > 1 cannot run on a single device yet: build the EAGLE engine with --tp_size 1".into(),
         ));
     }
-    let all = candle_core::safetensors::load(&rank_files[0], &Device::Cpu)?;
-    let tensors: BTreeMap<String, candle_core::Tensor> = all
-        .into_iter()
-        .filter_map(|(name, t)| name.strip_prefix(EAGLE_PREFIX).map(|n| (n.to_string(), t)))
-        .collect();
+    let tensors = kestrel_model::unshard::load_prefixed(&rank_files[0], EAGLE_PREFIX)?;
     Ok(EagleHead::from_tensors(
         head_cfg, tensors, base, plan.dtype, device,
     )?)
