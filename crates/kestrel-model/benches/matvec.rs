@@ -1,8 +1,8 @@
 //! How fast the CPU matrix-vector kernels stream a bf16 weight matrix, in weight bytes a
 //! second: `cargo bench -p kestrel-model --bench matvec`.
 //!
-//! A [200,000, 576] bf16 matrix (230 MB, far past the caches; SmolLM2's rows) against 1, 3
-//! and 8 rows: `widened` is the kernel f32 rows take (bf16 weights widened in registers),
+//! A [200,000, 576] bf16 matrix (230 MB, far past the caches; SmolLM2's rows) against 1, 2
+//! (EAGLE's one-candidate verification), 3 and 8 rows: `widened` is the kernel f32 rows take (bf16 weights widened in registers),
 //! `bf16_rows` what a bf16 engine's rows take (`vdpbf16ps` where the CPU has AVX512-BF16,
 //! else the widened kernel). One row should stream at the machine's read bandwidth; more
 //! rows show where the multiply-adds start to cost.
@@ -22,7 +22,7 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("matvec-bf16-200000x576");
     group.sample_size(10);
     group.throughput(Throughput::Bytes((N * K * 2) as u64));
-    for m in [1usize, 3, 8] {
+    for m in [1usize, 2, 3, 8] {
         let xb: Vec<bf16> = (0..m * K)
             .map(|i| bf16::from_f32(((i * 31 % 97) as f32 - 48.0) / 17.0))
             .collect();

@@ -109,27 +109,29 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
 ) {
     let chunk = chunk.max(1);
     let n = out.len().div_ceil(chunk);
-    let team = CURRENT.with(|c| c.get());
-    let Some(team) = team.filter(|_| n > 1) else {
-        out.par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(i, c)| task(i, c));
-        return;
-    };
     let len = out.len();
     let base = SendPtr(out.as_mut_ptr());
-    let run_one = |i: usize| {
+    for_each_task(n, |i| {
         let start = i * chunk;
         let end = (start + chunk).min(len);
-        // SAFETY: each i in 0..n is handed out exactly once (an atomic counter), so the
-        // pieces are disjoint, and all lie within `out`, which is mutably borrowed until
-        // `share` returns, after every task has finished.
+        // SAFETY: each i in 0..n runs exactly once, so the pieces are disjoint, and all lie
+        // within `out`, which is mutably borrowed until every task has finished.
         let piece = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
         task(i, piece);
+    });
+}
+
+/// Calls `task(i)` once for each `i` in `0..n`, on the current team's threads if this
+/// thread runs one, else on rayon's pool; returns when all have run.
+pub(crate) fn for_each_task(n: usize, task: impl Fn(usize) + Sync) {
+    let team = CURRENT.with(|c| c.get());
+    let Some(team) = team.filter(|_| n > 1) else {
+        (0..n).into_par_iter().for_each(&task);
+        return;
     };
     // SAFETY: `team` was set by `run` on this thread and lives until `run` returns, which
     // cannot happen while this call is on the stack.
-    unsafe { &*team }.share(n, &run_one);
+    unsafe { &*team }.share(n, &task);
 }
 
 /// One idle turn of a wait loop that has already waited `idle` turns; returns the count.
