@@ -77,6 +77,9 @@ pub struct Profile {
     pub tokens_per_s: f64,
     pub mean_ttft_s: f64,
     pub mean_tokens_per_step: f64,
+    /// Draft tokens verified and accepted, over all sequences (0 without speculation).
+    pub drafted: usize,
+    pub accepted: usize,
     pub timings: RunTimings,
 }
 
@@ -93,14 +96,24 @@ impl Profile {
                 .sum::<f64>()
                 / n,
             mean_tokens_per_step: outputs.iter().map(|o| o.stats.tokens_per_step).sum::<f64>() / n,
+            drafted: outputs.iter().map(|o| o.stats.draft_tokens).sum(),
+            accepted: outputs.iter().map(|o| o.stats.accepted_draft_tokens).sum(),
             timings: timings.clone(),
         }
     }
 
     pub fn print(&self) {
         let t = &self.timings;
+        let acceptance = match self.drafted {
+            0 => String::new(),
+            d => format!(
+                " ({} of {d} draft tokens accepted, {:.0}%)",
+                self.accepted,
+                100.0 * self.accepted as f64 / d as f64
+            ),
+        };
         println!(
-            "[profile] generated {} tokens in {:.3} s: {:.1} tokens/s after the first token; time to first token {:.1} ms; {:.2} tokens per step; draft {:.3} s, verify/decode {:.3} s, prefill {:.3} s",
+            "[profile] generated {} tokens in {:.3} s: {:.1} tokens/s after the first token; time to first token {:.1} ms; {:.2} tokens per step{acceptance}; draft {:.3} s, verify/decode {:.3} s, prefill {:.3} s",
             t.generated_tokens,
             t.total_s,
             self.tokens_per_s,

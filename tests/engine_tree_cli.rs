@@ -7,8 +7,8 @@
 mod common;
 
 use common::{
-    build_eagle_ok, one_line_error, s, spec_build, spec_run_ids, tiny_checkpoint, tiny_eagle,
-    tiny_request,
+    build_eagle_ok, one_line_error, s, spec_build, spec_run, spec_run_ids, stderr, stdout,
+    tiny_checkpoint, tiny_eagle, tiny_request,
 };
 use kestrel_core::plan::EAGLE_CHOICES_FILE;
 use std::path::Path;
@@ -86,4 +86,40 @@ fn a_default_tree_that_cannot_run_is_refused_at_build_time() {
         assert_eq!(one_line_error("spec-build", &out), want, "{flags:?}");
         assert!(!engine.exists(), "{flags:?} left an engine behind");
     }
+}
+
+#[test]
+fn the_profile_reports_the_share_of_draft_tokens_accepted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let ckpt = tiny_checkpoint(w, &["--eagle_model_dir", s(&tiny_eagle())]);
+    let engine = w.join("engine");
+    build_eagle_ok(&ckpt, &engine, &["--eagle_choices", TREE]);
+    let json = w.join("out.json");
+    let profile = |extra: &[&str]| {
+        let mut args = tiny_request(&engine, extra);
+        args.extend(["--run_profiling", "--output_json", s(&json)]);
+        let out = spec_run(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let line = stdout(&out)
+            .lines()
+            .find(|l| l.starts_with("[profile] generated "))
+            .expect("a profile line")
+            .to_string();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let stats = &doc["outputs"][0]["stats"];
+        let count = |k: &str| stats[k].as_u64().unwrap();
+        (line, count("draft_tokens"), count("accepted_draft_tokens"))
+    };
+    let (line, drafted, accepted) = profile(&[]);
+    assert!(drafted > 0);
+    let share = format!(
+        "tokens per step ({accepted} of {drafted} draft tokens accepted, {:.0}%);",
+        100.0 * accepted as f64 / drafted as f64
+    );
+    assert!(line.contains(&share), "{line} lacks {share}");
+    let (line, drafted, _) = profile(&["--no_speculation"]);
+    assert_eq!(drafted, 0);
+    assert!(line.contains("tokens per step; draft "), "{line}");
 }
