@@ -620,18 +620,7 @@ fn run_refuses_dynamic_tree_caps_without_a_dynamic_tree_and_past_the_engine() {
         );
     }
     assert_eq!(
-        run_error(
-            &engine,
-            &[
-                "--input_text",
-                "a",
-                "--eagle_use_dynamic_tree",
-                "--eagle_dynamic_tree_max_top_k",
-                "2",
-                "--eagle_dynamic_tree_num_layers",
-                "9"
-            ]
-        ),
+        dynamic_run_error(&engine, &["--eagle_dynamic_tree_num_layers", "9"]),
         format!(
             "--eagle_dynamic_tree_num_layers 9 exceeds 4, the limit {} was built with; more needs convert-checkpoint --num_eagle_layers 9",
             engine.display()
@@ -645,20 +634,23 @@ fn run_refuses_a_dynamic_tree_gate_outside_zero_to_one() {
     let engine = tiny_eagle_engine(tmp.path());
     for gate in ["1.5", "-0.25"] {
         assert_eq!(
-            run_error(
-                &engine,
-                &[
-                    "--input_text",
-                    "a",
-                    "--eagle_use_dynamic_tree",
-                    "--eagle_dynamic_tree_max_top_k",
-                    "2",
-                    &format!("--eagle_dynamic_tree_min_prob={gate}"),
-                ]
-            ),
+            dynamic_run_error(&engine, &[&format!("--eagle_dynamic_tree_min_prob={gate}")]),
             format!("eagle_dynamic_tree_min_prob must be a probability in [0, 1], got {gate}")
         );
     }
+}
+
+/// spec-run's one-line error for EAGLE-2 (top-k 2) on input "a" with `extra` flags.
+fn dynamic_run_error(engine: &Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "--input_text",
+        "a",
+        "--eagle_use_dynamic_tree",
+        "--eagle_dynamic_tree_max_top_k",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    run_error(engine, &args)
 }
 
 #[test]

@@ -11,7 +11,7 @@ use common::{
     tiny_checkpoint, tiny_eagle, tiny_request,
 };
 use kestrel_core::plan::EAGLE_CHOICES_FILE;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const TREE: &str = "[[0],[1],[0,0]]";
 
@@ -27,14 +27,20 @@ fn run(engine: &Path, json: &Path, extra: &[&str]) -> (Vec<Vec<u32>>, (u64, u64)
     (ids, (steps, drafts))
 }
 
+/// The tiny Llama with the tiny EAGLE head, built in `w` with the default tree `choices`.
+fn eagle_engine(w: &Path, choices: &str) -> PathBuf {
+    let ckpt = tiny_checkpoint(w, &["--eagle_model_dir", s(&tiny_eagle())]);
+    let engine = w.join("engine");
+    build_eagle_ok(&ckpt, &engine, &["--eagle_choices", choices]);
+    engine
+}
+
 #[test]
 fn the_engine_default_tree_is_drafted_when_no_tree_is_given() {
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
-    let ckpt = tiny_checkpoint(w, &["--eagle_model_dir", s(&tiny_eagle())]);
-    let engine = w.join("engine");
     // Unsorted and spaced: the engine keeps the validated paths in node order.
-    build_eagle_ok(&ckpt, &engine, &["--eagle_choices", "[[0, 0], [1], [0]]"]);
+    let engine = eagle_engine(w, "[[0, 0], [1], [0]]");
     assert_eq!(
         std::fs::read_to_string(engine.join(EAGLE_CHOICES_FILE)).unwrap(),
         TREE
@@ -92,9 +98,7 @@ fn a_default_tree_that_cannot_run_is_refused_at_build_time() {
 fn the_profile_reports_the_share_of_draft_tokens_accepted() {
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
-    let ckpt = tiny_checkpoint(w, &["--eagle_model_dir", s(&tiny_eagle())]);
-    let engine = w.join("engine");
-    build_eagle_ok(&ckpt, &engine, &["--eagle_choices", TREE]);
+    let engine = eagle_engine(w, TREE);
     let json = w.join("out.json");
     let profile = |extra: &[&str]| {
         let mut args = tiny_request(&engine, extra);
