@@ -11,7 +11,7 @@ use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
 use crate::step_ids::StepIds;
 use crate::unshard;
-use crate::weights::{MapSource, TrainSource, VarSource, WeightSource};
+use crate::weights::{MapSource, PackedSource, TrainSource, VarSource, WeightSource};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use kestrel_core::{Mapping, ModelConfig};
@@ -178,16 +178,26 @@ impl Llama {
         device: &Device,
     ) -> Result<Self> {
         check_supported(cfg)?;
-        let tensors = unshard::load_unsharded(cfg, mapping, rank_files, &expected_tensors(cfg))?;
-        let origin = format!(
-            "checkpoint files {}",
-            rank_files
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        Self::build(cfg, &tensors, &origin, candle_dtype(dtype), device)
+        let files = unshard::ShardedFiles::open(cfg, mapping, rank_files)?;
+        let origin = format!("checkpoint files {}", files.origin());
+        let expected = expected_tensors(cfg);
+        let dtype = candle_dtype(dtype);
+        if device.is_cpu() {
+            // Each tensor straight into the packed buffer: the weights exist once in memory.
+            let weights =
+                crate::arena::load_packed(dtype, &expected, |name, full| files.load(name, full))?;
+            let src = PackedSource {
+                weights: &weights,
+                origin: &origin,
+                device,
+            };
+            return Self::build_from(cfg, &src);
+        }
+        let tensors = expected
+            .iter()
+            .map(|(name, full)| Ok((name.clone(), files.load(name, full)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        Self::build(cfg, &tensors, &origin, dtype, device)
     }
 
     /// Builds a model from HF-named full tensors held in memory.
@@ -299,7 +309,7 @@ impl Llama {
         };
         // Packing copies the weights into one buffer: trainable variables must stay where
         // the optimiser updates them.
-        if src.fuse() {
+        if src.fuse() && !src.packed() {
             model.pack_weights()?;
         }
         // The projections take the default kernel choice too.

@@ -140,54 +140,72 @@ pub fn load_prefixed(path: &Path, prefix: &str) -> Result<BTreeMap<String, Tenso
     Ok(out)
 }
 
-pub(crate) fn load_unsharded(
-    cfg: &ModelConfig,
+/// Per-rank checkpoint files, mapped, from which full tensors are reassembled one at a time.
+pub(crate) struct ShardedFiles {
+    cfg: ModelConfig,
     mapping: Mapping,
-    rank_files: &[PathBuf],
-    expected: &[(String, Vec<usize>)],
-) -> Result<BTreeMap<String, Tensor>> {
-    if rank_files.len() != mapping.tp_size {
-        return Err(ModelError::InvalidInput(format!(
-            "{} rank files given for tp_size {}",
-            rank_files.len(),
-            mapping.tp_size
-        )));
+    files: Vec<MmapedSafetensors>,
+    origins: Vec<String>,
+}
+
+impl ShardedFiles {
+    /// Maps `rank_files` (one per rank of `mapping`) after checking the mapping fits `cfg`.
+    pub(crate) fn open(
+        cfg: &ModelConfig,
+        mapping: Mapping,
+        rank_files: &[PathBuf],
+    ) -> Result<Self> {
+        if rank_files.len() != mapping.tp_size {
+            return Err(ModelError::InvalidInput(format!(
+                "{} rank files given for tp_size {}",
+                rank_files.len(),
+                mapping.tp_size
+            )));
+        }
+        mapping.validate(cfg).map_err(ModelError::Config)?;
+        Ok(ShardedFiles {
+            cfg: cfg.clone(),
+            mapping,
+            files: rank_files
+                .iter()
+                .map(|p| map_file(p))
+                .collect::<Result<Vec<_>>>()?,
+            origins: rank_files.iter().map(|p| p.display().to_string()).collect(),
+        })
     }
-    mapping.validate(cfg).map_err(ModelError::Config)?;
-    let files = rank_files
-        .iter()
-        .map(|p| map_file(p))
-        .collect::<Result<Vec<_>>>()?;
-    let origins: Vec<String> = rank_files.iter().map(|p| p.display().to_string()).collect();
-    let mut out = BTreeMap::new();
-    for (name, full) in expected {
-        let mut shards = Vec::with_capacity(files.len());
-        for (rank, st) in files.iter().enumerate() {
+
+    /// The full tensor `name` of shape `full`, reassembled from every rank's slice (on the
+    /// CPU, in the files' dtype).
+    pub(crate) fn load(&self, name: &str, full: &[usize]) -> Result<Tensor> {
+        let mut shards = Vec::with_capacity(self.files.len());
+        for (rank, st) in self.files.iter().enumerate() {
+            let origin = &self.origins[rank];
             let view = st.get(name).map_err(|_| ModelError::MissingTensor {
-                name: name.clone(),
-                origin: origins[rank].clone(),
+                name: name.to_string(),
+                origin: origin.clone(),
             })?;
-            let want = shard_shape(cfg, &mapping, name, full, rank);
+            let want = shard_shape(&self.cfg, &self.mapping, name, full, rank);
             if view.shape() != want.as_slice() {
                 return Err(ModelError::ShapeMismatch {
-                    name: name.clone(),
-                    origin: origins[rank].clone(),
+                    name: name.to_string(),
+                    origin: origin.clone(),
                     expected: want,
                     got: view.shape().to_vec(),
                 });
             }
             let t = st.load(name, &Device::Cpu).map_err(|e| ModelError::File {
-                path: origins[rank].clone(),
+                path: origin.clone(),
                 message: format!("tensor '{name}': {e}"),
             })?;
             shards.push(t);
         }
-        out.insert(
-            name.clone(),
-            unshard(cfg, &mapping, name, full, &shards, &origins)?,
-        );
+        unshard(&self.cfg, &self.mapping, name, full, &shards, &self.origins)
     }
-    Ok(out)
+
+    /// The files, comma-separated, for messages.
+    pub(crate) fn origin(&self) -> String {
+        self.origins.join(", ")
+    }
 }
 
 #[cfg(test)]

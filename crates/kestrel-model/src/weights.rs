@@ -1,7 +1,9 @@
 //! Where a model's weights come from: an in-memory map of named tensors (inference, tests,
-//! loaded checkpoints), a candle `VarBuilder` (trainable `Var`s for the EAGLE head), or both
+//! checkpoints loaded onto a GPU), a checkpoint streamed into one packed CPU buffer
+//! (`PackedSource`), a candle `VarBuilder` (trainable `Var`s for the EAGLE head), or both
 //! (a draft model whose embedding stays frozen while its layers train).
 
+use crate::arena::PackedWeights;
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -28,6 +30,75 @@ pub(crate) trait WeightSource {
     }
     fn dtype(&self) -> DType;
     fn device(&self) -> &Device;
+    /// Whether the tensors it hands out are views of one packed CPU buffer already
+    /// ([`PackedSource`]), so that the model need not pack them.
+    fn packed(&self) -> bool {
+        false
+    }
+}
+
+/// A checkpoint's weights streamed into one CPU buffer at load ([`crate::arena::load_packed`]):
+/// every tensor is a view of it, and a fused projection whose parts were loaded in a row is
+/// one view too.
+pub(crate) struct PackedSource<'a> {
+    pub weights: &'a PackedWeights,
+    pub origin: &'a str,
+    /// The CPU, where the buffer is.
+    pub device: &'a Device,
+}
+
+impl WeightSource for PackedSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], _init: Init) -> Result<Tensor> {
+        self.get_opt(name, shape)?
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                origin: self.origin.to_string(),
+            })
+    }
+
+    fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        let Some(t) = self.weights.get(name)? else {
+            return Ok(None);
+        };
+        if t.dims() != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                origin: self.origin.to_string(),
+                expected: shape.to_vec(),
+                got: t.dims().to_vec(),
+            });
+        }
+        Ok(Some(t))
+    }
+
+    fn fuse(&self) -> bool {
+        true
+    }
+
+    fn get_cat(&self, parts: &[(String, Vec<usize>)]) -> Result<Tensor> {
+        let names: Vec<&str> = parts.iter().map(|(n, _)| n.as_str()).collect();
+        let views = parts
+            .iter()
+            .map(|(name, shape)| self.get(name, shape, Init::Const(0.0)))
+            .collect::<Result<Vec<_>>>()?;
+        // Loaded in a row, the parts are already their concatenation; else they are copied.
+        match self.weights.get_adjacent(&names)? {
+            Some(fused) => Ok(fused),
+            None => Ok(Tensor::cat(&views, 0)?),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        self.weights.dtype()
+    }
+
+    fn device(&self) -> &Device {
+        self.device
+    }
+
+    fn packed(&self) -> bool {
+        true
+    }
 }
 
 pub(crate) struct MapSource<'a> {
