@@ -9,8 +9,10 @@
 # bfloat16 by default: it decodes ~1.5x faster than float32 on 2 cores. On 2 cores of an AMD EPYC (Zen 4), session 29: plain bf16 decoding
 # streams the weights at the machine's read bandwidth while each verified row still costs
 # multiply-adds (vdpbf16ps there), so the tree is one candidate: on this prompt EAGLE
-# 115-121 tok/s against plain 107-109 (1.06-1.12x, tau 1.37, three runs); MT-bench 1-5,
-# 64 tokens: EAGLE 124-126, plain 104-116 (1.09-1.20x). A GPU is where speculation pays more.
+# 115-121 tok/s against plain 107-109 (1.06-1.12x, tau 1.37, three runs); session 30 (the
+# verification's rows written in place, lighter loading): 126-134 against 97-116 (1.15-1.30x);
+# MT-bench 1-5, 64 tokens: EAGLE 130-137, plain 115-119 (1.13-1.15x). A GPU is where
+# speculation pays more.
 # KESTREL_DEMO_DTYPE=float32 runs the demo in f32.
 # Usage: bash tools/demo.sh ["your prompt"]
 set -euo pipefail
