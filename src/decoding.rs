@@ -152,7 +152,28 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
         acceptance,
         draft_vocab: flags.eagle_draft_vocab,
         lookup: None,
+        disable_by_batch_size: None,
     }))
+}
+
+/// `--speculative_disable_by_batch_size N`: EAGLE steps of more than `n` sequences draft
+/// nothing (vLLM's flag of that name). Only EAGLE decoding takes it.
+pub fn disable_by_batch_size(mode: &mut DecodeMode, n: Option<usize>) -> Result<()> {
+    let Some(n) = n else {
+        return Ok(());
+    };
+    if n == 0 {
+        bail!("--speculative_disable_by_batch_size 0 would never speculate: pass --no_speculation instead");
+    }
+    match mode {
+        DecodeMode::Eagle(options) => {
+            options.disable_by_batch_size = Some(n);
+            Ok(())
+        }
+        _ => bail!(
+            "--speculative_disable_by_batch_size applies to EAGLE decoding, which this run does not use"
+        ),
+    }
 }
 
 fn acceptance(flags: &EagleFlags) -> Result<Acceptance> {

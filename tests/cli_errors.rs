@@ -654,6 +654,53 @@ fn dynamic_run_error(engine: &Path, extra: &[&str]) -> String {
 }
 
 #[test]
+fn run_takes_a_speculation_batch_limit_for_eagle_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let eagle = tiny_eagle_engine(&tmp.path().join("eagle"));
+    let plain = tiny_engine(&tmp.path().join("plain"));
+    let limit = |engine: &Path, n: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--input_text",
+            "a",
+            "--speculative_disable_by_batch_size",
+            n,
+        ];
+        args.extend_from_slice(extra);
+        run_error(engine, &args)
+    };
+    assert_eq!(
+        limit(&eagle, "0", &[]),
+        "--speculative_disable_by_batch_size 0 would never speculate: pass --no_speculation instead"
+    );
+    let not_eagle =
+        "--speculative_disable_by_batch_size applies to EAGLE decoding, which this run does not use";
+    assert_eq!(limit(&eagle, "2", &["--no_speculation"]), not_eagle);
+    assert_eq!(limit(&plain, "2", &[]), not_eagle);
+    assert_eq!(
+        limit(&eagle, "2", &["--prompt_lookup_config", "[2,2]"]),
+        not_eagle
+    );
+    // A batch of one is within a limit of one: the run speculates, with plain's output.
+    let json = tmp.path().join("out.json");
+    let request = |extra: &[&'static str]| {
+        let mut args = vec![
+            "--engine_dir",
+            s(&eagle),
+            "--input_text",
+            "a b",
+            "--max_output_len",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        spec_run_ids::<Vec<u32>>(&args, &json)
+    };
+    assert_eq!(
+        request(&["--speculative_disable_by_batch_size", "1"]),
+        request(&["--no_speculation"])
+    );
+}
+
+#[test]
 fn run_names_the_offending_eagle_choices_path() {
     let tmp = tempfile::tempdir().unwrap();
     let engine = tiny_eagle_engine(tmp.path());

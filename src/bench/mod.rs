@@ -12,7 +12,7 @@ pub mod measure;
 pub mod shapes;
 pub mod verify;
 
-use crate::decoding::{eagle_mode, EagleFlags, SamplingFlags};
+use crate::decoding::{disable_by_batch_size, eagle_mode, EagleFlags, SamplingFlags};
 use crate::prompts::read_prompt_file;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -110,6 +110,10 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
+    /// EAGLE modes run steps of more than N sequences as plain decode steps (spec-run's
+    /// --speculative_disable_by_batch_size).
+    #[arg(long, value_name = "N")]
+    pub speculative_disable_by_batch_size: Option<usize>,
     /// spec-run's sampling flags (greedy by default). Sampled speculative modes keep the
     /// target's distribution but not plain decoding's tokens, so their outputs are compared
     /// by digest only.
@@ -501,6 +505,9 @@ pub struct BenchReport {
     pub cuda_graph_failure: Option<String>,
     /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
     pub eagle_draft_vocab: Option<String>,
+    /// `--speculative_disable_by_batch_size N`: EAGLE steps of more than N sequences were
+    /// plain steps.
+    pub speculative_disable_by_batch_size: Option<usize>,
     /// How every mode picked its tokens (greedy: temperature 0).
     pub sampling: SamplingParams,
     /// Whether sampled steps drew their tokens and accepted drafts on the device
@@ -991,6 +998,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     if let (DecodeMode::Eagle(options), Some(l)) = (&mut eagle, mode.lookup()) {
                         options.lookup = Some(prompt_lookup(spec, l, &ngram_corpus)?);
                     }
+                    disable_by_batch_size(&mut eagle, args.speculative_disable_by_batch_size)?;
                     (&engine, eagle)
                 }
                 ModeSpec::DraftTarget { k, use_logits } => {
@@ -1175,6 +1183,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 format!("the first {n} token ids")
             }
         }),
+        speculative_disable_by_batch_size: args.speculative_disable_by_batch_size,
         results,
     })
 }

@@ -83,6 +83,11 @@ pub struct EagleOptions {
     /// lookup guess differently, and one verification checks both. Not with children sampled
     /// for exact acceptance (a static tree under sampling), whose laws the lookup lacks.
     pub lookup: Option<PromptLookup>,
+    /// With more sequences than this in a step, the step drafts nothing and runs as a plain
+    /// decode step (vLLM's `speculative_disable_by_batch_size`): where a batch already fills
+    /// the device, verified rows cost more than they return. The head catches up on the
+    /// pairs it missed once the batch is small again. `None`: always speculate.
+    pub disable_by_batch_size: Option<usize>,
 }
 
 #[derive(Debug, Clone)]

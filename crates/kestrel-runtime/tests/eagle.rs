@@ -35,6 +35,7 @@ fn static_mode(preset: &str) -> DecodeMode<'static> {
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
         lookup: None,
+        disable_by_batch_size: None,
     })
 }
 
@@ -68,6 +69,7 @@ fn gated_dynamic_mode(
         acceptance: Acceptance::TokenMatch,
         draft_vocab: None,
         lookup: None,
+        disable_by_batch_size: None,
     })
 }
 
@@ -318,6 +320,7 @@ fn greedy_eagle_equals_plain_on_random_trees() {
                     acceptance: Acceptance::TokenMatch,
                     draft_vocab: None,
                     lookup: None,
+                    disable_by_batch_size: None,
                 }),
             )
         })
@@ -344,6 +347,7 @@ fn typical_acceptance_at_temperature_zero_is_greedy() {
         },
         draft_vocab: None,
         lookup: None,
+        disable_by_batch_size: None,
     });
     assert_lossless(&engine, &[("typical", typical)], 24);
 }
@@ -364,6 +368,7 @@ fn exact_sampling_follows_the_target_distribution() {
             acceptance: Acceptance::Exact,
             draft_vocab,
             lookup: None,
+            disable_by_batch_size: None,
         })
     };
     for draft_vocab in [None, Some(20)] {
@@ -563,6 +568,7 @@ fn drafted_tokens_on_the_device_or_fetched_per_level_are_the_same_drafts() {
             acceptance,
             draft_vocab,
             lookup: None,
+            disable_by_batch_size: None,
         })
     };
     let typical = Acceptance::Typical {

@@ -23,6 +23,7 @@ fn eagle(
         acceptance,
         draft_vocab: None,
         lookup,
+        disable_by_batch_size: None,
     })
 }
 

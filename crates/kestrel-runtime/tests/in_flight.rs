@@ -7,7 +7,7 @@ mod support;
 use candle_core::Device;
 use kestrel_runtime::{
     generate, Acceptance, DecodeMode, EagleOptions, Engine, GenerationParams, PromptLookup,
-    TokenSink,
+    SequenceOutput, TokenSink,
 };
 use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use support::{agreeing_pair, build, dynamic_tree, run, sampled, static_tree, EngineSpec};
@@ -39,6 +39,7 @@ fn modes() -> Vec<(&'static str, DecodeMode<'static>)> {
             acceptance: Acceptance::TokenMatch,
             draft_vocab: None,
             lookup,
+            disable_by_batch_size: None,
         })
     };
     let lookup = || PromptLookup {
@@ -134,5 +135,76 @@ fn outputs_do_not_depend_on_the_batch_limit() {
             assert_eq!(by_batch[1], by_batch[0], "{name}, batches of 2");
             assert_eq!(by_batch[2], by_batch[0], "{name}, batches of 5");
         }
+    }
+}
+
+/// With speculation off above a batch size, steps of a fuller batch draft nothing and steps
+/// of fewer sequences draft again, the head first reading the pairs it missed: greedy, every
+/// sequence keeps plain decoding's tokens; sampled, a run that never drafts makes plain
+/// decoding's very draws, and a limit at the batch size changes nothing.
+#[test]
+fn speculation_off_above_a_batch_size_keeps_every_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(11);
+    let spec = EngineSpec {
+        max_batch_size: 5,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    let free = GenerationParams {
+        max_output_len: 20,
+        sampling: SamplingParams::greedy(),
+        end_ids: vec![],
+    };
+    // Sequence 0's sixth token ends every sequence that makes it: sequence 0 leaves the batch
+    // after 6 tokens, and the 4 left speculate again under a limit of 4.
+    let end = run(&engine, &DecodeMode::Plain, &prompts[..1], &free)[0].output_ids[5];
+    let greedy = GenerationParams {
+        end_ids: vec![end],
+        ..free
+    };
+    let ids = |out: &[SequenceOutput]| out.iter().map(|o| o.output_ids.clone()).collect::<Vec<_>>();
+    let drafts = |out: &[SequenceOutput]| out.iter().map(|o| o.stats.draft_tokens).sum::<usize>();
+    let plain = run(&engine, &DecodeMode::Plain, &prompts, &greedy);
+    assert_eq!(plain[0].output_ids.len(), 6);
+    assert!(plain[1..].iter().all(|o| o.output_ids.len() > 6));
+    let sampled_params = GenerationParams {
+        end_ids: vec![7, 30],
+        ..sampled(20, 0.9, 4)
+    };
+    let sampled_plain = run(&engine, &DecodeMode::Plain, &prompts, &sampled_params);
+    for (name, mode) in modes() {
+        let DecodeMode::Eagle(options) = &mode else {
+            continue;
+        };
+        let limited = |n| {
+            DecodeMode::Eagle(EagleOptions {
+                disable_by_batch_size: Some(n),
+                ..options.clone()
+            })
+        };
+        let always = run(&engine, &mode, &prompts, &greedy);
+        for n in [1, 4, 5] {
+            let out = run(&engine, &limited(n), &prompts, &greedy);
+            assert_eq!(ids(&out), ids(&plain), "{name}, off above {n}");
+            match n {
+                1 => assert_eq!(drafts(&out), 0, "{name}: a batch of one never formed"),
+                4 => assert!(
+                    drafts(&out) > 0 && drafts(&out) < drafts(&always),
+                    "{name}: {} drafts, {} always",
+                    drafts(&out),
+                    drafts(&always)
+                ),
+                _ => assert_eq!(drafts(&out), drafts(&always), "{name}"),
+            }
+        }
+        let never = run(&engine, &limited(2), &prompts, &sampled_params);
+        assert_eq!(drafts(&never), 0, "{name}");
+        assert_eq!(ids(&never), ids(&sampled_plain), "{name}, sampled");
+        let always = run(&engine, &mode, &prompts, &sampled_params);
+        let at_batch = run(&engine, &limited(5), &prompts, &sampled_params);
+        assert_eq!(ids(&at_batch), ids(&always), "{name}, sampled, off above 5");
     }
 }

@@ -275,6 +275,7 @@ fn eagle_reuses_base_and_head_caches_and_keeps_the_output() {
             acceptance: Acceptance::TokenMatch,
             draft_vocab: None,
             lookup: None,
+            disable_by_batch_size: None,
         });
         let (off, t_off) = run_with(&engine, &mode, &prompts, &params, &Default::default());
         let (on, t) = run_with(&engine, &mode, &prompts, &params, &reuse());

@@ -223,6 +223,11 @@ pub struct TreeBuffers {
 }
 
 impl TreeBuffers {
+    /// The root alone: what a step that drafts nothing verifies (a plain decode step).
+    pub fn root_only() -> Self {
+        Self::from_parents(vec![None], vec![0])
+    }
+
     /// Builds the buffers from parent links and child ranks. Callers guarantee
     /// `parents[0] == None`, `parents[i] = Some(p)` with `p < i` for `i > 0`, depth
     /// non-decreasing with the index, and distinct ranks among siblings.

@@ -252,6 +252,7 @@ fn measured_ranks_predict_spec_runs_steps_exactly() {
                 acceptance: Acceptance::TokenMatch,
                 draft_vocab: None,
                 lookup: None,
+                disable_by_batch_size: None,
             });
             let params = GenerationParams {
                 max_output_len: ANSWER,

@@ -45,6 +45,17 @@ pub(crate) struct DraftedTree<'t> {
     pub draft_laws: DraftLaws,
 }
 
+impl DraftedTree<'static> {
+    /// The root alone: verifying it is a plain decode step.
+    pub fn root_only(token: u32) -> Self {
+        DraftedTree {
+            tokens: vec![token],
+            buffers: Cow::Owned(TreeBuffers::root_only()),
+            draft_laws: DraftLaws::None,
+        }
+    }
+}
+
 /// The laws a tree's children were drawn from, for exact acceptance.
 pub(crate) enum DraftLaws {
     /// Fixed independently of the target (the head's top-k).

@@ -145,6 +145,14 @@ impl<'e> EagleDecoder<'e> {
             .enumerate()
             .map(|(row, &i)| {
                 let committed = self.head_cache.seq_len(head_ids[i])?;
+                // One pair a committed token after the first: a head that fell behind (pairs
+                // lost while it did not draft) would draft from the wrong context unnoticed.
+                let want = seqs[i].tokens.len() - 1;
+                if committed != want {
+                    return Err(RuntimeError::Engine(format!(
+                        "internal error: the EAGLE head holds {committed} pairs of sequence {i}, which has committed {want}"
+                    )));
+                }
                 Ok(DraftRoot {
                     seq: head_ids[i],
                     committed,
@@ -320,51 +328,69 @@ impl Decoder for EagleDecoder<'_> {
                 return Ok(seqs);
             }
 
-            let draft_start = Instant::now();
-            let roots = self.advance_head(&live, &seqs, &head_ids, &pending)?;
-            timings.head_s += draft_start.elapsed().as_secs_f64();
-            let mut drafter = Drafter {
-                head: self.head,
-                base: model,
-                cache: &mut self.head_cache,
-                draft_vocab: self.draft_vocab.as_ref(),
-                device_laws: Vec::new(),
-            };
-            let drafted = match (&self.options.tree, &self.dynamic) {
-                (EagleTreeKind::Static(tree), _) => {
-                    let choice = if self.options.acceptance == Acceptance::Exact
-                        && !params.sampling.is_greedy()
-                    {
-                        ChildChoice::Sample(&params.sampling)
-                    } else {
-                        ChildChoice::TopK
-                    };
-                    let mut rngs: Vec<&mut SeqRng> = seqs_at(&mut seqs, &live)
-                        .into_iter()
-                        .map(|s| &mut s.rng)
-                        .collect();
-                    if self.options.lookup.is_some() && matches!(choice, ChildChoice::Sample(_)) {
-                        return Err(RuntimeError::InvalidRequest(
-                            "prompt lookup cannot join a static EAGLE tree under exact acceptance with sampling: the tree's children are drawn and the lookup's drafts have no draft law; use --eagle_sampling token_match or typical".into(),
-                        ));
+            // Above the batch size that disables speculation, a plain step: each sequence's
+            // root alone, while the head's pairs wait in `pending` until it drafts again.
+            let speculate = self
+                .options
+                .disable_by_batch_size
+                .is_none_or(|n| live.len() <= n);
+            let (mut trees, tree_tokens, device_laws) = if speculate {
+                let draft_start = Instant::now();
+                let roots = self.advance_head(&live, &seqs, &head_ids, &pending)?;
+                timings.head_s += draft_start.elapsed().as_secs_f64();
+                let mut drafter = Drafter {
+                    head: self.head,
+                    base: model,
+                    cache: &mut self.head_cache,
+                    draft_vocab: self.draft_vocab.as_ref(),
+                    device_laws: Vec::new(),
+                };
+                let drafted = match (&self.options.tree, &self.dynamic) {
+                    (EagleTreeKind::Static(tree), _) => {
+                        let choice = if self.options.acceptance == Acceptance::Exact
+                            && !params.sampling.is_greedy()
+                        {
+                            ChildChoice::Sample(&params.sampling)
+                        } else {
+                            ChildChoice::TopK
+                        };
+                        let mut rngs: Vec<&mut SeqRng> = seqs_at(&mut seqs, &live)
+                            .into_iter()
+                            .map(|s| &mut s.rng)
+                            .collect();
+                        if self.options.lookup.is_some() && matches!(choice, ChildChoice::Sample(_))
+                        {
+                            return Err(RuntimeError::InvalidRequest(
+                                "prompt lookup cannot join a static EAGLE tree under exact acceptance with sampling: the tree's children are drawn and the lookup's drafts have no draft law; use --eagle_sampling token_match or typical".into(),
+                            ));
+                        }
+                        let host_tokens = self.options.lookup.is_some();
+                        drafter.draft_static(tree, &roots, &choice, &mut rngs, host_tokens)?
                     }
-                    let host_tokens = self.options.lookup.is_some();
-                    drafter.draft_static(tree, &roots, &choice, &mut rngs, host_tokens)?
+                    (EagleTreeKind::Dynamic { .. }, Some(cfg)) => {
+                        drafter.draft_dynamic(cfg, &roots)?
+                    }
+                    (EagleTreeKind::Dynamic { .. }, None) => unreachable!("validated in new"),
+                };
+                let device_laws = match drafter.device_laws.len() {
+                    0 => None,
+                    1 => drafter.device_laws.pop(),
+                    _ => Some(Tensor::cat(&drafter.device_laws, 0)?),
+                };
+                timings.draft_s += draft_start.elapsed().as_secs_f64();
+                let mut trees = drafted.trees;
+                if let Some(lookup) = &self.options.lookup {
+                    let max_nodes = self.engine.plan.limits.max_draft_len + 1;
+                    graft_lookups(lookup, &mut trees, &live, &seqs, max_nodes);
                 }
-                (EagleTreeKind::Dynamic { .. }, Some(cfg)) => drafter.draft_dynamic(cfg, &roots)?,
-                (EagleTreeKind::Dynamic { .. }, None) => unreachable!("validated in new"),
+                (trees, drafted.device_tokens, device_laws)
+            } else {
+                let roots = live
+                    .iter()
+                    .map(|&i| DraftedTree::root_only(*seqs[i].tokens.last().expect("non-empty")))
+                    .collect();
+                (roots, None, None)
             };
-            let device_laws = match drafter.device_laws.len() {
-                0 => None,
-                1 => drafter.device_laws.pop(),
-                _ => Some(Tensor::cat(&drafter.device_laws, 0)?),
-            };
-            timings.draft_s += draft_start.elapsed().as_secs_f64();
-            let (mut trees, tree_tokens) = (drafted.trees, drafted.device_tokens);
-            if let Some(lookup) = &self.options.lookup {
-                let max_nodes = self.engine.plan.limits.max_draft_len + 1;
-                graft_lookups(lookup, &mut trees, &live, &seqs, max_nodes);
-            }
 
             // Verify every tree in one target forward.
             let verify_start = Instant::now();
@@ -437,12 +463,23 @@ impl Decoder for EagleDecoder<'_> {
                 s.stats.accepted_draft_tokens += acc.accepted_len;
                 s.stats.record_step(acc.tokens.len());
                 s.commit(&acc.tokens, params, sink);
-                pending[i] = Some(Pending {
-                    tokens: acc.tokens,
-                    features: features.narrow(0, first_row, kept)?,
-                    start: base_len,
-                });
+                let features = features.narrow(0, first_row, kept)?;
                 first_row += kept;
+                match &mut pending[i] {
+                    // A plain step: the new pairs join those the head has yet to read.
+                    Some(p) if !speculate => {
+                        debug_assert_eq!(p.start + p.tokens.len(), base_len);
+                        p.tokens.extend_from_slice(&acc.tokens);
+                        p.features = Tensor::cat(&[&p.features, &features], 0)?;
+                    }
+                    slot => {
+                        *slot = Some(Pending {
+                            tokens: acc.tokens,
+                            features,
+                            start: base_len,
+                        })
+                    }
+                }
             }
             timings.update_s += update_start.elapsed().as_secs_f64();
             timings.verify_s += verify_start.elapsed().as_secs_f64();
