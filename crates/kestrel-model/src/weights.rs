@@ -49,25 +49,14 @@ pub(crate) struct PackedSource<'a> {
 
 impl WeightSource for PackedSource<'_> {
     fn get(&self, name: &str, shape: &[usize], _init: Init) -> Result<Tensor> {
-        self.get_opt(name, shape)?
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                origin: self.origin.to_string(),
-            })
+        present(self.get_opt(name, shape)?, name, self.origin)
     }
 
     fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
         let Some(t) = self.weights.get(name)? else {
             return Ok(None);
         };
-        if t.dims() != shape {
-            return Err(ModelError::ShapeMismatch {
-                name: name.to_string(),
-                origin: self.origin.to_string(),
-                expected: shape.to_vec(),
-                got: t.dims().to_vec(),
-            });
-        }
+        check_shape(&t, name, shape, self.origin)?;
         Ok(Some(t))
     }
 
@@ -114,25 +103,35 @@ impl MapSource<'_> {
         let Some(t) = self.map.get(name) else {
             return Ok(None);
         };
-        if t.dims() != shape {
-            return Err(ModelError::ShapeMismatch {
-                name: name.to_string(),
-                origin: self.origin.to_string(),
-                expected: shape.to_vec(),
-                got: t.dims().to_vec(),
-            });
-        }
+        check_shape(t, name, shape, self.origin)?;
         Ok(Some(t))
     }
 }
 
+/// Tensor `name`, which `origin` must hold.
+fn present(found: Option<Tensor>, name: &str, origin: &str) -> Result<Tensor> {
+    found.ok_or_else(|| ModelError::MissingTensor {
+        name: name.to_string(),
+        origin: origin.to_string(),
+    })
+}
+
+/// Tensor `name` from `origin` must have `shape`.
+fn check_shape(t: &Tensor, name: &str, shape: &[usize], origin: &str) -> Result<()> {
+    if t.dims() != shape {
+        return Err(ModelError::ShapeMismatch {
+            name: name.to_string(),
+            origin: origin.to_string(),
+            expected: shape.to_vec(),
+            got: t.dims().to_vec(),
+        });
+    }
+    Ok(())
+}
+
 impl WeightSource for MapSource<'_> {
     fn get(&self, name: &str, shape: &[usize], _init: Init) -> Result<Tensor> {
-        self.get_opt(name, shape)?
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                origin: self.origin.to_string(),
-            })
+        present(self.get_opt(name, shape)?, name, self.origin)
     }
 
     fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {

@@ -100,18 +100,23 @@ fn a_finished_sequence_gives_its_place_to_the_next_prompt_at_once() {
     }
 }
 
-/// Batches of 1, 2 and 5 give every sequence the same tokens, greedy and sampled: a sequence's
-/// stream and the batch-invariant CPU kernels do not depend on its neighbours.
-#[test]
-fn outputs_do_not_depend_on_the_batch_limit() {
-    let dir = tempfile::tempdir().unwrap();
+/// The agreeing pair's EAGLE engine, built in `dir` for batches of up to 5.
+fn engine_of_five(dir: &std::path::Path) -> Engine {
     let (cfg, base, head) = agreeing_pair(11);
     let spec = EngineSpec {
         max_batch_size: 5,
         ..EngineSpec::default()
     };
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
-    let mut engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let engine_dir = build(dir, &cfg, &base, Some(&head), &spec);
+    Engine::load(&engine_dir, &Device::Cpu).unwrap()
+}
+
+/// Batches of 1, 2 and 5 give every sequence the same tokens, greedy and sampled: a sequence's
+/// stream and the batch-invariant CPU kernels do not depend on its neighbours.
+#[test]
+fn outputs_do_not_depend_on_the_batch_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = engine_of_five(dir.path());
     let prompts = prompts();
     for params in [
         GenerationParams {
@@ -145,13 +150,7 @@ fn outputs_do_not_depend_on_the_batch_limit() {
 #[test]
 fn speculation_off_above_a_batch_size_keeps_every_output() {
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(11);
-    let spec = EngineSpec {
-        max_batch_size: 5,
-        ..EngineSpec::default()
-    };
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &spec);
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let engine = engine_of_five(dir.path());
     let prompts = prompts();
     let free = GenerationParams {
         max_output_len: 20,
