@@ -127,3 +127,31 @@ fn the_profile_reports_the_share_of_draft_tokens_accepted() {
     assert_eq!(drafted, 0);
     assert!(line.contains("tokens per step; draft "), "{line}");
 }
+
+#[test]
+fn several_prompts_on_a_cpu_get_a_note_on_the_batch_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let engine = eagle_engine(w, TREE);
+    let prompts = w.join("prompts.json");
+    std::fs::write(&prompts, r#"["a b c", "hello a"]"#).unwrap();
+    let one = w.join("one.json");
+    std::fs::write(&one, r#"["a b c"]"#).unwrap();
+    let note_for = |file: &Path, extra: &[&str]| {
+        let mut args = vec!["--engine_dir", s(&engine), "--input_file", s(file)];
+        args.extend(["--max_output_len", "4"]);
+        args.extend_from_slice(extra);
+        let out = spec_run(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stderr(&out).contains(
+            "--speculative_disable_by_batch_size 1 speculates only while one sequence decodes",
+        )
+    };
+    assert!(note_for(&prompts, &[]));
+    assert!(!note_for(
+        &prompts,
+        &["--speculative_disable_by_batch_size", "1"]
+    ));
+    assert!(!note_for(&prompts, &["--no_speculation"]));
+    assert!(!note_for(&one, &[]));
+}
