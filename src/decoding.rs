@@ -156,8 +156,8 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
     }))
 }
 
-/// `--speculative_disable_by_batch_size N`: EAGLE steps of more than `n` sequences draft
-/// nothing (vLLM's flag of that name). Only EAGLE decoding takes it.
+/// `--speculative_disable_by_batch_size N`: speculative steps of more than `n` sequences
+/// draft nothing (vLLM's flag of that name), in every speculative mode.
 pub fn disable_by_batch_size(mode: &mut DecodeMode, n: Option<usize>) -> Result<()> {
     let Some(n) = n else {
         return Ok(());
@@ -165,15 +165,19 @@ pub fn disable_by_batch_size(mode: &mut DecodeMode, n: Option<usize>) -> Result<
     if n == 0 {
         bail!("--speculative_disable_by_batch_size 0 would never speculate: pass --no_speculation instead");
     }
-    match mode {
-        DecodeMode::Eagle(options) => {
-            options.disable_by_batch_size = Some(n);
-            Ok(())
-        }
-        _ => bail!(
-            "--speculative_disable_by_batch_size applies to EAGLE decoding, which this run does not use"
+    let limit = match mode {
+        DecodeMode::Eagle(options) => &mut options.disable_by_batch_size,
+        DecodeMode::DraftTarget { options, .. } => &mut options.disable_by_batch_size,
+        DecodeMode::PromptLookup {
+            disable_by_batch_size,
+            ..
+        } => disable_by_batch_size,
+        DecodeMode::Plain => bail!(
+            "--speculative_disable_by_batch_size applies to speculative decoding, which this run does not use"
         ),
-    }
+    };
+    *limit = Some(n);
+    Ok(())
 }
 
 fn acceptance(flags: &EagleFlags) -> Result<Acceptance> {

@@ -395,10 +395,13 @@ fn smollm2_prompt_lookup_with_the_shipped_corpus_keeps_transformers_greedy() {
         .iter()
         .map(|p| p.templated_ids.clone())
         .collect();
-    let mode = DecodeMode::PromptLookup(PromptLookup {
-        config: kestrel_spec::PromptLookupConfig::new(4, 3).unwrap(),
-        corpus: Some(std::sync::Arc::new(corpus)),
-    });
+    let mode = DecodeMode::PromptLookup {
+        lookup: PromptLookup {
+            config: kestrel_spec::PromptLookupConfig::new(4, 3).unwrap(),
+            corpus: Some(std::sync::Arc::new(corpus)),
+        },
+        disable_by_batch_size: None,
+    };
     let (outputs, _) = generate(
         &engine,
         &mode,

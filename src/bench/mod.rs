@@ -110,7 +110,7 @@ pub struct BenchArgs {
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
-    /// EAGLE modes run steps of more than N sequences as plain decode steps (spec-run's
+    /// Speculative modes run steps of more than N sequences as plain decode steps (spec-run's
     /// --speculative_disable_by_batch_size).
     #[arg(long, value_name = "N")]
     pub speculative_disable_by_batch_size: Option<usize>,
@@ -505,8 +505,8 @@ pub struct BenchReport {
     pub cuda_graph_failure: Option<String>,
     /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
     pub eagle_draft_vocab: Option<String>,
-    /// `--speculative_disable_by_batch_size N`: EAGLE steps of more than N sequences were
-    /// plain steps.
+    /// `--speculative_disable_by_batch_size N`: speculative steps of more than N sequences
+    /// were plain steps.
     pub speculative_disable_by_batch_size: Option<usize>,
     /// How every mode picked its tokens (greedy: temperature 0).
     pub sampling: SamplingParams,
@@ -1013,6 +1013,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                             options: DraftTargetOptions {
                                 draft_len: *k,
                                 use_logits: *use_logits,
+                                disable_by_batch_size: args.speculative_disable_by_batch_size,
                             },
                         },
                     )
@@ -1021,7 +1022,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     // Any engine verifies drafts here: the view lifts max_draft_len to k.
                     dt_view = draft_target_view(&engine, l.k);
                     let lookup = prompt_lookup(spec, l, &ngram_corpus)?;
-                    (&dt_view, DecodeMode::PromptLookup(lookup))
+                    (
+                        &dt_view,
+                        DecodeMode::PromptLookup {
+                            lookup,
+                            disable_by_batch_size: args.speculative_disable_by_batch_size,
+                        },
+                    )
                 }
                 ModeSpec::Verify(_) => unreachable!("handled above"),
             };

@@ -99,8 +99,9 @@ struct Args {
     /// sure. Default 0: every node counts.
     #[arg(long, value_name = "P")]
     eagle_dynamic_tree_min_prob: Option<f32>,
-    /// EAGLE: a step of more than N sequences drafts nothing and runs as a plain decode step
-    /// (vLLM's flag of that name); the head catches up once the batch is N or fewer. Where
+    /// A step of more than N sequences drafts nothing and runs as a plain decode step (vLLM's
+    /// flag of that name; EAGLE, draft-target and prompt lookup); the draft (EAGLE's head or
+    /// the draft model) catches up once the batch is N or fewer. Where
     /// a full batch already keeps the device busy, verified rows cost more than they return
     /// (SmolLM2 at batch 4: EAGLE ran 0.83x plain decoding on 2 CPU cores). Default: always
     /// speculate.
@@ -296,7 +297,10 @@ fn run(args: Args) -> Result<()> {
             if eagle_flags.any() || args.no_speculation {
                 bail!("--prompt_lookup_config cannot be combined with --eagle_* flags or --no_speculation (--eagle_prompt_lookup grafts its drafts onto EAGLE's tree)");
             }
-            DecodeMode::PromptLookup(prompt_lookup.expect("checked"))
+            DecodeMode::PromptLookup {
+                lookup: prompt_lookup.expect("checked"),
+                disable_by_batch_size: None,
+            }
         }
         (Some(draft), Some(c)) => {
             if eagle_flags.any() || args.no_speculation {
@@ -307,6 +311,7 @@ fn run(args: Args) -> Result<()> {
                 options: DraftTargetOptions {
                     draft_len: c.draft_len,
                     use_logits: c.use_logits,
+                    disable_by_batch_size: None,
                 },
             }
         }

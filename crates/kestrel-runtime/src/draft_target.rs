@@ -82,6 +82,18 @@ struct Proposal {
     q: DraftLaws,
 }
 
+impl Proposal {
+    /// No drafts for the sequence of batch index `index`.
+    fn none(index: usize) -> Self {
+        Proposal {
+            index,
+            k: 0,
+            tokens: Vec::new(),
+            q: DraftLaws::None,
+        }
+    }
+}
+
 /// Where a proposal's draft laws are, for speculative sampling.
 enum DraftLaws {
     /// Not kept: greedy, or token matching.
@@ -132,6 +144,7 @@ impl<'e> DraftTargetDecoder<'e> {
     pub fn prompt_lookup(
         target: &'e Engine,
         lookup: PromptLookup,
+        disable_by_batch_size: Option<usize>,
         kv: &KvCacheOptions,
         max_output_len: usize,
     ) -> Result<Self> {
@@ -148,6 +161,7 @@ impl<'e> DraftTargetDecoder<'e> {
             options: DraftTargetOptions {
                 draft_len: lookup.config.num_tokens,
                 use_logits: false,
+                disable_by_batch_size,
             },
             target_cache,
             pools,
@@ -320,6 +334,18 @@ impl<'e> DraftTargetDecoder<'e> {
         live: &[usize],
         params: &GenerationParams,
     ) -> Result<Proposals> {
+        if self
+            .options
+            .disable_by_batch_size
+            .is_some_and(|n| live.len() > n)
+        {
+            // A plain step: nothing drafted. The draft model's cache catches up in the next
+            // step it drafts (its first forward feeds every committed token it lacks).
+            return Ok(Proposals {
+                list: live.iter().map(|&i| Proposal::none(i)).collect(),
+                device_logits: None,
+            });
+        }
         let (engine, cache) = match &mut self.drafter {
             Drafter::Model { engine, cache } => (*engine, cache),
             Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),

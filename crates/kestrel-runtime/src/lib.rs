@@ -49,7 +49,11 @@ pub enum DecodeMode<'a> {
     /// Prompt lookup: drafts are the tokens that followed the latest earlier occurrence of
     /// the sequence's final n-gram in its own prompt and output, or, where it has nothing
     /// longer than one token to copy, the chain of an n-gram model of other answers.
-    PromptLookup(PromptLookup),
+    PromptLookup {
+        lookup: PromptLookup,
+        /// As [`DraftTargetOptions::disable_by_batch_size`].
+        disable_by_batch_size: Option<usize>,
+    },
 }
 
 /// Prompt lookup's drafter: no model and no cache, only the sequence's own tokens and,
@@ -127,6 +131,10 @@ pub struct DraftTargetOptions {
     /// true: speculative (rejection) sampling on both models' distributions; false: accept
     /// while the draft token equals the target's own sampled token.
     pub use_logits: bool,
+    /// With more sequences than this in a step, nothing is drafted and the step is a plain
+    /// one, as [`EagleOptions::disable_by_batch_size`]; the draft model reads the tokens it
+    /// missed in its next step. `None`: always speculate.
+    pub disable_by_batch_size: Option<usize>,
 }
 
 /// Generates for every prompt (token ids) with `mode`, streaming committed tokens to `sink`;
@@ -173,9 +181,17 @@ pub fn generate_with(
                 draft_target::DraftTargetDecoder::new(engine, draft, options.clone(), kv, out)?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
-        DecodeMode::PromptLookup(lookup) => {
-            let mut decoder =
-                draft_target::DraftTargetDecoder::prompt_lookup(engine, lookup.clone(), kv, out)?;
+        DecodeMode::PromptLookup {
+            lookup,
+            disable_by_batch_size,
+        } => {
+            let mut decoder = draft_target::DraftTargetDecoder::prompt_lookup(
+                engine,
+                lookup.clone(),
+                *disable_by_batch_size,
+                kv,
+                out,
+            )?;
             generate::drive(engine, &mut decoder, prompts, params, sink)
         }
     }

@@ -5,9 +5,10 @@
 mod support;
 
 use candle_core::Device;
+use kestrel_core::SpeculativeMode;
 use kestrel_runtime::{
-    generate, Acceptance, DecodeMode, EagleOptions, Engine, GenerationParams, PromptLookup,
-    SequenceOutput, TokenSink,
+    generate, Acceptance, DecodeMode, DraftTargetOptions, EagleOptions, Engine, GenerationParams,
+    PromptLookup, SequenceOutput, TokenSink,
 };
 use kestrel_spec::{PromptLookupConfig, SamplingParams};
 use support::{agreeing_pair, build, dynamic_tree, run, sampled, static_tree, EngineSpec};
@@ -54,7 +55,13 @@ fn modes() -> Vec<(&'static str, DecodeMode<'static>)> {
             "eagle small_8 + lookup",
             eagle(static_tree("small_8"), Some(lookup())),
         ),
-        ("prompt lookup", DecodeMode::PromptLookup(lookup())),
+        (
+            "prompt lookup",
+            DecodeMode::PromptLookup {
+                lookup: lookup(),
+                disable_by_batch_size: None,
+            },
+        ),
     ]
 }
 
@@ -175,15 +182,10 @@ fn speculation_off_above_a_batch_size_keeps_every_output() {
     };
     let sampled_plain = run(&engine, &DecodeMode::Plain, &prompts, &sampled_params);
     for (name, mode) in modes() {
-        let DecodeMode::Eagle(options) = &mode else {
+        if matches!(mode, DecodeMode::Plain) {
             continue;
-        };
-        let limited = |n| {
-            DecodeMode::Eagle(EagleOptions {
-                disable_by_batch_size: Some(n),
-                ..options.clone()
-            })
-        };
+        }
+        let limited = |n| limited(&mode, n);
         let always = run(&engine, &mode, &prompts, &greedy);
         for n in [1, 4, 5] {
             let out = run(&engine, &limited(n), &prompts, &greedy);
@@ -205,5 +207,103 @@ fn speculation_off_above_a_batch_size_keeps_every_output() {
         let always = run(&engine, &mode, &prompts, &sampled_params);
         let at_batch = run(&engine, &limited(5), &prompts, &sampled_params);
         assert_eq!(ids(&at_batch), ids(&always), "{name}, sampled, off above 5");
+    }
+}
+
+/// `mode` with speculation off above `n` sequences.
+fn limited<'a>(mode: &DecodeMode<'a>, n: usize) -> DecodeMode<'a> {
+    match mode {
+        DecodeMode::Eagle(options) => DecodeMode::Eagle(EagleOptions {
+            disable_by_batch_size: Some(n),
+            ..options.clone()
+        }),
+        DecodeMode::PromptLookup { lookup, .. } => DecodeMode::PromptLookup {
+            lookup: lookup.clone(),
+            disable_by_batch_size: Some(n),
+        },
+        DecodeMode::DraftTarget { draft, options } => DecodeMode::DraftTarget {
+            draft,
+            options: DraftTargetOptions {
+                disable_by_batch_size: Some(n),
+                ..options.clone()
+            },
+        },
+        DecodeMode::Plain => unreachable!("plain decoding does not speculate"),
+    }
+}
+
+/// Draft-target with speculation off above a batch size: steps of the full batch draft
+/// nothing, later steps draft again once the draft model has read the tokens it skipped, and
+/// the output stays plain decoding's. The draft is the target itself, so its drafts are all
+/// accepted but where a sequence ends mid-chain.
+#[test]
+fn a_draft_model_catches_up_after_steps_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::tiny_config(1);
+    let weights = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let spec = |mode| EngineSpec {
+        mode,
+        max_batch_size: 5,
+        max_draft_len: 4,
+        ..EngineSpec::default()
+    };
+    let target_dir = build(
+        &dir.path().join("target"),
+        &cfg,
+        &weights,
+        None,
+        &spec(SpeculativeMode::DraftTokensExternal),
+    );
+    let draft_dir = build(
+        &dir.path().join("draft"),
+        &cfg,
+        &weights,
+        None,
+        &spec(SpeculativeMode::None),
+    );
+    let target = Engine::load(&target_dir, &Device::Cpu).unwrap();
+    let draft = Engine::load(&draft_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    let free = GenerationParams {
+        max_output_len: 20,
+        sampling: SamplingParams::greedy(),
+        end_ids: vec![],
+    };
+    let end = run(&target, &DecodeMode::Plain, &prompts[..1], &free)[0].output_ids[5];
+    let params = GenerationParams {
+        end_ids: vec![end],
+        ..free
+    };
+    let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
+    let mode = DecodeMode::DraftTarget {
+        draft: &draft,
+        options: DraftTargetOptions {
+            draft_len: 3,
+            use_logits: false,
+            disable_by_batch_size: None,
+        },
+    };
+    let sum =
+        |out: &[SequenceOutput], f: fn(&SequenceOutput) -> usize| out.iter().map(f).sum::<usize>();
+    let always = sum(&run(&target, &mode, &prompts, &params), |o| {
+        o.stats.draft_tokens
+    });
+    for n in [1, 4, 5] {
+        let out = run(&target, &limited(&mode, n), &prompts, &params);
+        let ids: Vec<&Vec<u32>> = out.iter().map(|o| &o.output_ids).collect();
+        let want: Vec<&Vec<u32>> = plain.iter().map(|o| &o.output_ids).collect();
+        assert_eq!(ids, want, "off above {n}");
+        let drafted = sum(&out, |o| o.stats.draft_tokens);
+        let accepted = sum(&out, |o| o.stats.accepted_draft_tokens);
+        // A draft equal to the target loses drafts only where a sequence ends mid-chain.
+        assert!(
+            drafted - accepted <= prompts.len(),
+            "off above {n}: {accepted} of {drafted} drafts accepted: the draft fell behind"
+        );
+        match n {
+            1 => assert_eq!(drafted, 0),
+            4 => assert!(drafted > 0 && drafted < always, "{drafted} of {always}"),
+            _ => assert_eq!(drafted, always),
+        }
     }
 }

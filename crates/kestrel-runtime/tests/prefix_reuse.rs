@@ -207,6 +207,7 @@ fn draft_target_reuses_both_caches_and_keeps_the_output() {
             options: DraftTargetOptions {
                 draft_len: 3,
                 use_logits,
+                disable_by_batch_size: None,
             },
         };
         let (off, _) = run_with(&target, &mode, &prompts, &params, &Default::default());
