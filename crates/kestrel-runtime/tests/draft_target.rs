@@ -130,6 +130,7 @@ fn dt(draft: &Engine, draft_len: usize, use_logits: bool) -> DecodeMode<'_> {
         options: DraftTargetOptions {
             draft_len,
             use_logits,
+            disable_by_batch_size: None,
         },
     }
 }
@@ -573,10 +574,18 @@ fn tokenizer_vocabularies_must_agree() {
 }
 
 fn lookup(num_tokens: usize, max_ngram: usize) -> DecodeMode<'static> {
-    DecodeMode::PromptLookup(PromptLookup {
+    lookup_mode(PromptLookup {
         config: PromptLookupConfig::new(num_tokens, max_ngram).unwrap(),
         corpus: None,
     })
+}
+
+/// Prompt lookup decoding with `lookup`, always speculating.
+fn lookup_mode(lookup: PromptLookup) -> DecodeMode<'static> {
+    DecodeMode::PromptLookup {
+        lookup,
+        disable_by_batch_size: None,
+    }
 }
 
 /// The target of the prompt lookup tests, built to verify up to `max_draft_len` drafts.
@@ -696,7 +705,7 @@ fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
     let config = PromptLookupConfig::new(4, 3).unwrap();
     let with = run(
         &target,
-        &DecodeMode::PromptLookup(PromptLookup {
+        &lookup_mode(PromptLookup {
             config,
             corpus: Some(corpus),
         }),
