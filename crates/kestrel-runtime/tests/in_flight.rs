@@ -159,18 +159,9 @@ fn speculation_off_above_a_batch_size_keeps_every_output() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine_of_five(dir.path());
     let prompts = prompts();
-    let free = GenerationParams {
-        max_output_len: 20,
-        sampling: SamplingParams::greedy(),
-        end_ids: vec![],
-    };
-    // Sequence 0's sixth token ends every sequence that makes it: sequence 0 leaves the batch
-    // after 6 tokens, and the 4 left speculate again under a limit of 4.
-    let end = run(&engine, &DecodeMode::Plain, &prompts[..1], &free)[0].output_ids[5];
-    let greedy = GenerationParams {
-        end_ids: vec![end],
-        ..free
-    };
+    // Sequence 0 leaves the batch after 6 tokens; the 4 left speculate again under a limit
+    // of 4.
+    let greedy = ending_the_first_after_six(&engine, &prompts);
     let ids = |out: &[SequenceOutput]| out.iter().map(|o| o.output_ids.clone()).collect::<Vec<_>>();
     let drafts = |out: &[SequenceOutput]| out.iter().map(|o| o.stats.draft_tokens).sum::<usize>();
     let plain = run(&engine, &DecodeMode::Plain, &prompts, &greedy);
@@ -207,6 +198,21 @@ fn speculation_off_above_a_batch_size_keeps_every_output() {
         let always = run(&engine, &mode, &prompts, &sampled_params);
         let at_batch = run(&engine, &limited(5), &prompts, &sampled_params);
         assert_eq!(ids(&at_batch), ids(&always), "{name}, sampled, off above 5");
+    }
+}
+
+/// Greedy decoding of up to 20 tokens that ends where the first prompt's sixth token is
+/// made: the first sequence leaves the batch after 6 tokens, the others when they make it.
+fn ending_the_first_after_six(engine: &Engine, prompts: &[Vec<u32>]) -> GenerationParams {
+    let free = GenerationParams {
+        max_output_len: 20,
+        sampling: SamplingParams::greedy(),
+        end_ids: vec![],
+    };
+    let end = run(engine, &DecodeMode::Plain, &prompts[..1], &free)[0].output_ids[5];
+    GenerationParams {
+        end_ids: vec![end],
+        ..free
     }
 }
 
@@ -264,16 +270,7 @@ fn a_draft_model_catches_up_after_steps_off() {
     let target = Engine::load(&target_dir, &Device::Cpu).unwrap();
     let draft = Engine::load(&draft_dir, &Device::Cpu).unwrap();
     let prompts = prompts();
-    let free = GenerationParams {
-        max_output_len: 20,
-        sampling: SamplingParams::greedy(),
-        end_ids: vec![],
-    };
-    let end = run(&target, &DecodeMode::Plain, &prompts[..1], &free)[0].output_ids[5];
-    let params = GenerationParams {
-        end_ids: vec![end],
-        ..free
-    };
+    let params = ending_the_first_after_six(&target, &prompts);
     let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
     let mode = DecodeMode::DraftTarget {
         draft: &draft,
