@@ -247,28 +247,19 @@ fn a_draft_model_catches_up_after_steps_off() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = support::tiny_config(1);
     let weights = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
-    let spec = |mode| EngineSpec {
-        mode,
-        max_batch_size: 5,
-        max_draft_len: 4,
-        ..EngineSpec::default()
+    // The same weights built as the target (verifying external drafts) and as the draft.
+    let engine = |name: &str, mode| {
+        let spec = EngineSpec {
+            mode,
+            max_batch_size: 5,
+            max_draft_len: 4,
+            ..EngineSpec::default()
+        };
+        let built = build(&dir.path().join(name), &cfg, &weights, None, &spec);
+        Engine::load(&built, &Device::Cpu).unwrap()
     };
-    let target_dir = build(
-        &dir.path().join("target"),
-        &cfg,
-        &weights,
-        None,
-        &spec(SpeculativeMode::DraftTokensExternal),
-    );
-    let draft_dir = build(
-        &dir.path().join("draft"),
-        &cfg,
-        &weights,
-        None,
-        &spec(SpeculativeMode::None),
-    );
-    let target = Engine::load(&target_dir, &Device::Cpu).unwrap();
-    let draft = Engine::load(&draft_dir, &Device::Cpu).unwrap();
+    let target = engine("target", SpeculativeMode::DraftTokensExternal);
+    let draft = engine("draft", SpeculativeMode::None);
     let prompts = prompts();
     let params = ending_the_first_after_six(&target, &prompts);
     let plain = run(&target, &DecodeMode::Plain, &prompts, &params);
