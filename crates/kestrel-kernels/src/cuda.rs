@@ -1065,6 +1065,43 @@ fn gemv_row_kernel(dev: &CudaDevice, n: usize) -> Result<&'static str> {
     })
 }
 
+/// Whether a gemv launch of `m` rows over `K = k` reads its weights evict-first from L2 (the
+/// `kestrel_gemv*_evict_*` instances: the same bits). A step of several rows reads the
+/// sequence's K/V rows once per query row; streaming weights at normal priority push them
+/// out between readers (session 28: Llama-2-7B verify:16 10% shorter with every multi-row
+/// load marked, SmolLM2 verify:8 4% longer). `KESTREL_GEMV_EVICT`: unset or `0` never,
+/// `wide` steps of several rows with K ≥ 2,048, `all` every step of several rows.
+fn evict_weights(m: usize, k: usize, elem_bytes: usize) -> bool {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Evict {
+        Never,
+        Wide,
+        All,
+    }
+    static MODE: std::sync::OnceLock<Evict> = std::sync::OnceLock::new();
+    let mode = *MODE.get_or_init(|| match std::env::var("KESTREL_GEMV_EVICT").as_deref() {
+        Ok("wide") => Evict::Wide,
+        Ok("all") => Evict::All,
+        _ => Evict::Never,
+    });
+    elem_bytes == 2
+        && m > 1
+        && match mode {
+            Evict::Never => false,
+            Evict::Wide => k >= 2048,
+            Evict::All => true,
+        }
+}
+
+/// The kernel `base` of a gemv launch, with `_evict` where [`evict_weights`] says so.
+fn gemv_kernel_name(base: &str, m: usize, k: usize, elem_bytes: usize, sfx: &str) -> String {
+    if evict_weights(m, k, elem_bytes) {
+        format!("{base}_evict_{sfx}")
+    } else {
+        format!("{base}_{sfx}")
+    }
+}
+
 /// Columns and rows of a `kestrel_gemv_tiled_*` block (`TILED_COLS`, `TILED_ROWS`).
 const TILED_COLS: usize = 128;
 const TILED_ROWS: usize = 64;
@@ -1156,7 +1193,10 @@ fn gemv_tiled<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     (m, n, k): (usize, usize, usize),
     sfx: &str,
 ) -> Result<()> {
-    let func = load_kernel(dev, &format!("kestrel_gemv_tiled_{sfx}"))?;
+    let func = load_kernel(
+        dev,
+        &gemv_kernel_name("kestrel_gemv_tiled", m, k, std::mem::size_of::<T>(), sfx),
+    )?;
     let tiles = m.div_ceil(TILED_ROWS) * n.div_ceil(TILED_COLS);
     let groups = gemv_tiled_groups(tiles);
     let cfg = gemv_tiled_launch(&func, m, n, groups, std::mem::size_of::<T>())?;
@@ -1244,7 +1284,10 @@ impl Gemv {
                     i32_arg(n, "columns")?,
                     i32_arg(k, "K")?,
                 );
-                let func = load_kernel(&dev, &format!("{kernel}_{sfx}"))?;
+                let func = load_kernel(
+                    &dev,
+                    &gemv_kernel_name(kernel, m, k, std::mem::size_of::<T>(), sfx),
+                )?;
                 let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
                 let mut b = func.builder();
                 b.arg(&xv);
@@ -1291,8 +1334,11 @@ impl GemvAddRmsNorm {
         // SAFETY: block 0 writes the M·K sums, the columns' warps write the M·N products.
         let out = unsafe { dev.alloc::<T>(sums + m * n)? };
         if m > 0 && n > 0 {
-            let func = load_kernel(&dev, &format!("kestrel_gemv_add_rmsnorm_{sfx}"))?;
             let size = std::mem::size_of::<T>();
+            let func = load_kernel(
+                &dev,
+                &gemv_kernel_name("kestrel_gemv_add_rmsnorm", m, k, size, sfx),
+            )?;
             let stage = crate::gemv_add_rms_norm_stage(m, k, size);
             let (cfg, split) = gemv_launch(n, k, size, stage);
             let (m_a, n_a, k_a) = (

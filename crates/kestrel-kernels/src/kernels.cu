@@ -547,6 +547,23 @@ template <typename T> struct GemvWarp {
 // its weights are already on their way.
 extern __shared__ __align__(16) unsigned char gemv_stage[];
 
+// An L2 cache policy that evicts what it loads first, for all of a load's lines.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// 16 bytes of read-only global memory under the L2 policy `policy`.
+template <typename T>
+__device__ __forceinline__ uint4 load_evict_first(const T *p, const unsigned long long policy) {
+    uint4 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(policy));
+    return v;
+}
+
 template <typename T> __device__ __forceinline__ void mma16816(float *d, const unsigned *a,
                                                                const unsigned *b);
 template <>
@@ -571,7 +588,12 @@ __device__ __forceinline__ void mma16816<__half>(float *d, const unsigned *a, co
 // past the 48 KiB a block may use.
 // DEPTH: blocks of K a warp has in flight (the ring); it changes no warp's order of blocks,
 // so no bits.
-template <typename T, int MT, bool STAGED, int DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN>
+// EVICT: the weights are read with an L2 evict-first policy (same bits), so that a step's
+// weights, each read once, do not push out of L2 what its kernels read several times (the
+// sequence's K/V rows, read once per query row). The host picks the instance per launch
+// (evict_weights in cuda.rs), so the loads carry no branch.
+template <typename T, int MT, bool STAGED, int DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN,
+          bool EVICT = false>
 struct GemvMma {
     static constexpr int CHUNK = 8 * MT; // rows a `finish` takes
     static constexpr int MMA_DEPTH = DEPTH;
@@ -582,13 +604,21 @@ struct GemvMma {
     const T *w_lo, *w_hi;
     int n0, g, t, warp, nkb;
     bool fresh; // `ring` holds the warp's first blocks (a later chunk of rows reloads them)
+    unsigned long long policy; // the L2 evict-first policy (EVICT only)
 
     __device__ __forceinline__ void load_w(const int kb, uint4 *v) const {
         const int k0 = kb * MMA_KB + 16 * t;
-        v[0] = *reinterpret_cast<const uint4 *>(w_lo + k0);
-        v[1] = *reinterpret_cast<const uint4 *>(w_lo + k0 + 8);
-        v[2] = *reinterpret_cast<const uint4 *>(w_hi + k0);
-        v[3] = *reinterpret_cast<const uint4 *>(w_hi + k0 + 8);
+        if constexpr (EVICT) {
+            v[0] = load_evict_first(w_lo + k0, policy);
+            v[1] = load_evict_first(w_lo + k0 + 8, policy);
+            v[2] = load_evict_first(w_hi + k0, policy);
+            v[3] = load_evict_first(w_hi + k0 + 8, policy);
+        } else {
+            v[0] = *reinterpret_cast<const uint4 *>(w_lo + k0);
+            v[1] = *reinterpret_cast<const uint4 *>(w_lo + k0 + 8);
+            v[2] = *reinterpret_cast<const uint4 *>(w_hi + k0);
+            v[3] = *reinterpret_cast<const uint4 *>(w_hi + k0 + 8);
+        }
     }
 
     __device__ __forceinline__ void prefetch(const T *__restrict__ w, const int N, const int K,
@@ -602,6 +632,7 @@ struct GemvMma {
         // Columns past N compute from row N − 1 and are never stored.
         w_lo = w + (size_t)min(n0 + g, N - 1) * K;
         w_hi = w + (size_t)min(n0 + g + 8, N - 1) * K;
+        if constexpr (EVICT) policy = evict_first_policy();
         load_ring();
     }
 
@@ -724,7 +755,15 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
-template <typename T>
+// cp_async16 under the L2 policy `policy` (evict_first_policy).
+__device__ __forceinline__ void cp_async16_hinted(void *smem, const void *gmem,
+                                                  const unsigned long long policy) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s),
+                 "l"(gmem), "l"(policy));
+}
+
+template <typename T, bool EVICT = false>
 __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                            float *__restrict__ parts, const int M, const int N, const int K,
                            const int groups) {
@@ -759,6 +798,8 @@ __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *
                          (unsigned)K +
                      c8;
         T *const dst = staged + r0 * TILED_LD + c8;
+        unsigned long long policy = 0;
+        if constexpr (EVICT) policy = evict_first_policy();
         // The next block of K to load: kb of chain lp (p0 ≤ lp < p1 while any is left).
         int lp = p0, lkb = p0;
         while (lp < p1 && lkb >= nkb) lkb = ++lp;
@@ -771,8 +812,14 @@ __device__ void gemv_tiled(const T *__restrict__ x, const T *__restrict__ w, T *
                 const int k = lkb * MMA_KB;
 #pragma unroll
                 for (int j = 0; j < TILED_COPIES; ++j)
-                    if (j < TILED_W_COPIES || r0 + 32 * (j - TILED_W_COPIES) < rows)
-                        cp_async16(s + 32 * j * TILED_LD, (j < TILED_W_COPIES ? w : x) + src[j] + k);
+                    if (j < TILED_W_COPIES) {
+                        if constexpr (EVICT)
+                            cp_async16_hinted(s + 32 * j * TILED_LD, w + src[j] + k, policy);
+                        else
+                            cp_async16(s + 32 * j * TILED_LD, w + src[j] + k);
+                    } else if (r0 + 32 * (j - TILED_W_COPIES) < rows) {
+                        cp_async16(s + 32 * j * TILED_LD, x + src[j] + k);
+                    }
                 lkb += TILED_CHAINS;
                 while (lp < p1 && lkb >= nkb) lkb = ++lp;
             }
@@ -871,11 +918,11 @@ __device__ void gemv_tiled_sum(const float *__restrict__ parts, T *__restrict__ 
 
 // Runs `run(engine)` with the engine the host picked through `split`: the tensor-core one
 // (MT tiles of 8 rows a pass; STAGED: the rows are in `gemv_stage`) or the FMA one.
-template <typename T, int MT, bool STAGED, typename F>
+template <typename T, int MT, bool STAGED, bool EVICT, typename F>
 __device__ __forceinline__ void with_engine(const int split, F &&run) {
     if constexpr (sizeof(T) == 2) {
         if (split == GEMV_MMA) {
-            run(GemvMma<T, MT, STAGED>{});
+            run(GemvMma<T, MT, STAGED, STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN, EVICT>{});
             return;
         }
     }
@@ -888,10 +935,10 @@ __device__ __forceinline__ void with_engine(const int split, F &&run) {
 // change), a quarter of the partial sums' shared memory to store and add. On Llama-2-7B's
 // projections at one row (H200, tools/gpu/gemv_probe.cu) it takes 0.4-1.6% less time than
 // the four-tile kernel, a decode step 0.8% less. Both instances in one kernel spilled.
-template <typename T, int MT>
+template <typename T, int MT, bool EVICT = false>
 __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                      const int M, const int N, const int K, const int split) {
-    with_engine<T, MT, false>(split, [&](auto g) {
+    with_engine<T, MT, false, EVICT>(split, [&](auto g) {
         constexpr int CHUNK = decltype(g)::CHUNK;
         g.prefetch(w, N, K, split);
         pdl_enter(); // the weights are on their way; x is the previous kernel's
@@ -1087,19 +1134,19 @@ __device__ void gemv_add_rmsnorm_with(G g, const T *__restrict__ x, const T *__r
 // The staged variants take chunks of GEMV_MAX_ROWS rows with either engine. Every block
 // stages all rows, so the host runs steps of more rows unfused (lib.rs), which gives the
 // same bits.
-template <typename T>
+template <typename T, bool EVICT = false>
 __device__ void gemv_swiglu(const T *__restrict__ gu, const T *__restrict__ w,
                             T *__restrict__ y, const int M, const int N, const int K,
                             const int split) {
-    with_engine<T, 1, true>(split, [&](auto g) { gemv_swiglu_with<T>(g, gu, w, y, M, N, K, split); });
+    with_engine<T, 1, true, EVICT>(split, [&](auto g) { gemv_swiglu_with<T>(g, gu, w, y, M, N, K, split); });
 }
 
-template <typename T>
+template <typename T, bool EVICT = false>
 __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
                                  const T *__restrict__ nw, const T *__restrict__ w,
                                  T *__restrict__ y, T *__restrict__ sum_out, const int M,
                                  const int N, const int K, const float eps, const int split) {
-    with_engine<T, 1, true>(split, [&](auto g) {
+    with_engine<T, 1, true, EVICT>(split, [&](auto g) {
         gemv_add_rmsnorm_with<T>(g, x, res, nw, w, y, sum_out, M, N, K, eps, split);
     });
 }
@@ -1379,6 +1426,36 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         swiglu<T>(gu, out, total, inter);                                                       \
     }
 
+// The gemv entry points of steps of several rows with the weights read evict-first
+// (GemvMma's EVICT); only the tensor-core engines, so 16-bit T only.
+#define KESTREL_EVICT_OPS(T, SUFFIX)                                                            \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_evict_##SUFFIX(                         \
+        const T *x, const T *w, T *y, const int M, const int N, const int K, const int split) {  \
+        gemv<T, MMA_PASS_TILES, true>(x, w, y, M, N, K, split);                                 \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_one_tile_evict_##SUFFIX(                \
+        const T *x, const T *w, T *y, const int M, const int N, const int K, const int split) {  \
+        gemv<T, 1, true>(x, w, y, M, N, K, split);                                              \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2)                          \
+        kestrel_gemv_tiled_evict_##SUFFIX(const T *x, const T *w, T *y, float *parts,           \
+                                          const int M, const int N, const int K,                \
+                                          const int groups) {                                   \
+        pdl_enter();                                                                            \
+        gemv_tiled<T, true>(x, w, y, parts, M, N, K, groups);                                   \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_swiglu_evict_##SUFFIX(            \
+        const T *gu, const T *w, T *y, const int M, const int N, const int K, const int split) { \
+        gemv_swiglu<T, true>(gu, w, y, M, N, K, split);                                         \
+    }                                                                                           \
+    extern "C" __global__ void GEMV_FUSED_BOUNDS kestrel_gemv_add_rmsnorm_evict_##SUFFIX(       \
+        const T *x, const T *res, const T *nw, const T *w, T *y, T *sum_out, const int M,       \
+        const int N, const int K, const float eps, const int split) {                           \
+        gemv_add_rmsnorm<T, true>(x, res, nw, w, y, sum_out, M, N, K, eps, split);              \
+    }
+
 KESTREL_OPS(float, f32)
 KESTREL_OPS(__half, f16)
 KESTREL_OPS(__nv_bfloat16, bf16)
+KESTREL_EVICT_OPS(__half, f16)
+KESTREL_EVICT_OPS(__nv_bfloat16, bf16)
