@@ -1066,11 +1066,13 @@ fn gemv_row_kernel(dev: &CudaDevice, n: usize) -> Result<&'static str> {
 }
 
 /// Whether a gemv launch of `m` rows over `K = k` reads its weights evict-first from L2 (the
-/// `kestrel_gemv*_evict_*` instances: the same bits). A step of several rows reads the
-/// sequence's K/V rows once per query row; streaming weights at normal priority push them
-/// out between readers (session 28: Llama-2-7B verify:16 10% shorter with every multi-row
-/// load marked, SmolLM2 verify:8 4% longer). `KESTREL_GEMV_EVICT`: unset or `0` never,
-/// `wide` steps of several rows with K ≥ 2,048, `all` every step of several rows.
+/// `kestrel_gemv*_evict_*` instances: the same bits). On the H200 (session 31, random weights,
+/// bf16, graphs) Llama-2-7B's verifications got shorter with it: 16 rows 5.61 → 5.04 ms, 8 rows
+/// 4.30 → 4.21, 64 rows 9.13 → 9.01, and 10-13% at 16 rows with the attention left out too, so
+/// the gain is in the gemvs' own L2 traffic; one-row steps keep plain loads (marking them cost
+/// decode 5% in session 27), and SmolLM2's narrow K gained nothing (session 28: verify:8 +4% with
+/// every multi-row load marked). `KESTREL_GEMV_EVICT` overrides the default `wide` (steps of
+/// several rows with K ≥ 2,048): `0` never, `all` every step of several rows.
 fn evict_weights(m: usize, k: usize, elem_bytes: usize) -> bool {
     #[derive(Clone, Copy, PartialEq)]
     enum Evict {
@@ -1080,18 +1082,21 @@ fn evict_weights(m: usize, k: usize, elem_bytes: usize) -> bool {
     }
     static MODE: std::sync::OnceLock<Evict> = std::sync::OnceLock::new();
     let mode = *MODE.get_or_init(|| match std::env::var("KESTREL_GEMV_EVICT").as_deref() {
-        Ok("wide") => Evict::Wide,
+        Ok("0") => Evict::Never,
         Ok("all") => Evict::All,
-        _ => Evict::Never,
+        _ => Evict::Wide,
     });
     elem_bytes == 2
         && m > 1
         && match mode {
             Evict::Never => false,
-            Evict::Wide => k >= 2048,
+            Evict::Wide => k >= EVICT_MIN_K,
             Evict::All => true,
         }
 }
+
+/// The narrowest K whose multi-row gemvs load weights evict-first by default.
+const EVICT_MIN_K: usize = 2048;
 
 /// The kernel `base` of a gemv launch, with `_evict` where [`evict_weights`] says so.
 fn gemv_kernel_name(base: &str, m: usize, k: usize, elem_bytes: usize, sfx: &str) -> String {

@@ -589,8 +589,9 @@ __device__ __forceinline__ void mma16816<__half>(float *d, const unsigned *a, co
 // DEPTH: blocks of K a warp has in flight (the ring); it changes no warp's order of blocks,
 // so no bits.
 // EVICT: the weights are read with an L2 evict-first policy (same bits), so that a step's
-// weights, each read once, do not push out of L2 what its kernels read several times (the
-// sequence's K/V rows, read once per query row). The host picks the instance per launch
+// weights, each read once, do not push out of L2 what its kernels read again (the step's input
+// rows, read by every block; the gain stays with the attention left out, so it is not the K/V
+// rows': docs/gpu-results.md, session 31). The host picks the instance per launch
 // (evict_weights in cuda.rs), so the loads carry no branch.
 template <typename T, int MT, bool STAGED, int DEPTH = STAGED ? MMA_DEPTH_FUSED : MMA_DEPTH_PLAIN,
           bool EVICT = false>
