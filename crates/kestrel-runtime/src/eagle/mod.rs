@@ -50,9 +50,30 @@ pub(crate) struct EagleDecoder<'e> {
 /// Committed (token, feature) pairs the head has not consumed yet.
 struct Pending {
     tokens: Vec<u32>,
-    features: Tensor,
+    /// The pairs' features in chunks of rows, joined when the head reads them: steps that do
+    /// not draft (`--speculative_disable_by_batch_size`) each add a chunk, and joining them
+    /// at every step would copy the whole backlog each time.
+    features: Vec<Tensor>,
     /// Head position of the first pair.
     start: usize,
+}
+
+impl Pending {
+    fn new(tokens: Vec<u32>, features: Tensor, start: usize) -> Self {
+        Pending {
+            tokens,
+            features: vec![features],
+            start,
+        }
+    }
+
+    /// Every pending pair's feature, one row a pair.
+    fn features(&self) -> Result<Tensor> {
+        Ok(match self.features.as_slice() {
+            [one] => one.clone(),
+            chunks => Tensor::cat(chunks, 0)?,
+        })
+    }
 }
 
 impl<'e> EagleDecoder<'e> {
@@ -123,21 +144,21 @@ impl<'e> EagleDecoder<'e> {
                 positions(p.start, p.tokens.len())
             })
             .collect();
-        let batch: Vec<EagleSeqInput> = live
+        let batch = live
             .iter()
             .zip(&pos)
             .map(|(&i, p)| {
                 let pend = pending[i].as_ref().expect("checked above");
-                EagleSeqInput {
+                Ok(EagleSeqInput {
                     seq: head_ids[i],
                     tokens: &pend.tokens,
-                    features: pend.features.clone(),
+                    features: pend.features()?,
                     positions: p,
                     mask: None,
                     output_rows: OutputRows::Last,
-                }
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let out = self
             .head
             .forward(&self.engine.model, &batch, &mut self.head_cache)?;
@@ -223,11 +244,11 @@ impl EagleDecoder<'_> {
             // Pairs r.. of (token p + 1, feature p); the head caches those before r.
             let mut tokens = s.tokens[r + 1..n].to_vec();
             tokens.push(t);
-            pending.push(Some(Pending {
+            pending.push(Some(Pending::new(
                 tokens,
-                features: hidden.narrow(0, offset, n - r)?,
-                start: r,
-            }));
+                hidden.narrow(0, offset, n - r)?,
+                r,
+            )));
             offset += n - r;
         }
         let head_start = Instant::now();
@@ -249,14 +270,15 @@ impl EagleDecoder<'_> {
             if read == 0 {
                 continue;
             }
+            let features = p.features()?;
             inputs.push((
                 seq,
                 p.tokens[..read].to_vec(),
-                p.features.narrow(0, 0, read)?,
+                features.narrow(0, 0, read)?,
                 p.start,
             ));
             p.tokens.drain(..read);
-            p.features = p.features.narrow(0, read, 1)?;
+            p.features = vec![features.narrow(0, read, 1)?];
             p.start += read;
         }
         if inputs.is_empty() {
@@ -452,8 +474,16 @@ impl Decoder for EagleDecoder<'_> {
                 kept_rows.extend(acc.accepted_nodes.iter().map(|&r| (offset + r) as u32));
                 offset += tree.tokens.len();
             }
-            let rows = Tensor::new(kept_rows.as_slice(), tapped.device())?;
-            let features = self.head.fuse_features(&gather_rows(&tapped, &rows)?)?;
+            // Where every row is kept (a step that drafted nothing) they need no gather.
+            let kept = if kept_rows.len() == offset {
+                tapped
+            } else {
+                gather_rows(
+                    &tapped,
+                    &Tensor::new(kept_rows.as_slice(), tapped.device())?,
+                )?
+            };
+            let features = self.head.fuse_features(&kept)?;
             let mut first_row = 0;
             for (((&i, tree), &base_len), acc) in live.iter().zip(&trees).zip(&bases).zip(accepted)
             {
@@ -470,15 +500,9 @@ impl Decoder for EagleDecoder<'_> {
                     Some(p) if !speculate => {
                         debug_assert_eq!(p.start + p.tokens.len(), base_len);
                         p.tokens.extend_from_slice(&acc.tokens);
-                        p.features = Tensor::cat(&[&p.features, &features], 0)?;
+                        p.features.push(features);
                     }
-                    slot => {
-                        *slot = Some(Pending {
-                            tokens: acc.tokens,
-                            features,
-                            start: base_len,
-                        })
-                    }
+                    slot => *slot = Some(Pending::new(acc.tokens, features, base_len)),
                 }
             }
             timings.update_s += update_start.elapsed().as_secs_f64();
