@@ -8,10 +8,12 @@ use crate::cpu_attn::{self, AttnShape};
 use crate::cuda_kernels::CudaKernels;
 use crate::error::Result;
 use crate::matvec::{MatMulNt, MAX_ROWS};
+use crate::matvec_q4::{Q4MatMul, Q4Weights};
 use crate::rope;
 use crate::weights::{linear_init, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::Init;
+use std::sync::Arc;
 
 /// `y = x · wᵀ (+ b)`, with `w: [out, in]`.
 #[derive(Debug, Clone)]
@@ -20,6 +22,9 @@ pub(crate) struct Linear {
     pub b: Option<Tensor>,
     /// On CUDA, steps of a few rows take Kestrel's `gemv` kernel (the plan's choice).
     pub gemv: bool,
+    /// A 4-bit copy of `w` that CPU steps read instead (a quantized draft,
+    /// [`crate::Llama::quantized_draft`]); `w` stays for nothing else to read.
+    pub q4: Option<Arc<Q4Weights>>,
 }
 
 impl Linear {
@@ -36,7 +41,12 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b, gemv: false })
+        Ok(Linear {
+            w,
+            b,
+            gemv: false,
+            q4: None,
+        })
     }
 
     /// A linear layer without bias over `w`.
@@ -45,6 +55,7 @@ impl Linear {
             w,
             b: None,
             gemv: false,
+            q4: None,
         }
     }
 
@@ -63,6 +74,10 @@ impl Linear {
     /// `fast`: a step's rows, which may take a few-rows kernel (the CPU matrix-vector
     /// kernel; on CUDA, `gemv` when the plan picked it).
     pub fn forward_with(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
+        if let (Some(q4), 2) = (&self.q4, x.rank()) {
+            let y = x.contiguous()?.apply_op1_no_bwd(&Q4MatMul(q4))?;
+            return self.add_bias(y);
+        }
         let y = if x.rank() == 2 {
             let m = x.dim(0)?;
             let cpu_same = x.device().is_cpu() && x.dtype() == self.w.dtype();

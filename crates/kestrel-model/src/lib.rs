@@ -26,6 +26,7 @@ mod layer;
 pub mod llama;
 pub mod matvec;
 mod matvec_bf16;
+pub mod matvec_q4;
 pub mod prefix_cache;
 mod rope;
 mod row_gemm;

@@ -145,7 +145,7 @@ impl WeightElem for bf16 {
 /// weight vectors and one input vector in the 16 AVX2 registers, so each weight row loaded
 /// from memory feeds two rows of `x` and each `x` vector feeds four weight rows.
 const TILE_M: usize = 2;
-const TILE_N: usize = 4;
+pub(crate) const TILE_N: usize = 4;
 /// f32 lanes of one accumulator (one AVX2 register).
 const VEC: usize = 8;
 

@@ -1,0 +1,539 @@
+//! 4-bit copies of a model's projections, for a draft that is the target itself at about a
+//! quarter of the weight bytes (`Llama::quantized_draft`).
+//!
+//! Why: on a CPU a decode step streams every weight once, so its time follows the weight
+//! bytes, and a draft computed from the target's own weights agrees with the target's greedy
+//! token far more often than a trained drafter of SmolLM2 does (an f32 copy drafting for the
+//! bf16 target makes 4.7 tokens a step at 4 drafts, against 1.4 for a distilled 4-layer
+//! draft). Its numbers need not match anything: the target verifies every draft, so the
+//! output stays the target's whatever the draft computes.
+//!
+//! Layout (GGUF's Q4_1: asymmetric blocks of [`BLOCK`] = 32 along a row, so SmolLM2's
+//! projections, Q4_1 in its GGUF, come back as they were): each block keeps a scale `d` and a
+//! minimum `m` (f16, 0.125 bytes a weight) and 32 codes `q` in 0..=15, the weight being `d·q + m`. Blocks go in
+//! pairs: byte `i` of a pair's 32 holds element `i` of the first block in its low nibble and
+//! element `i` of the second in its high one, so one 32-byte load split into nibbles gives
+//! the pair's 64 codes in order. The input rows are quantized per block too (`x ≈ dx·xq`,
+//! `xq` in -127..=127), so a block's products are integers: `Σ w·x ≈ d·dx·Σ q·xq + m·Σ x`,
+//! and `vpdpbusd` (AVX512-VNNI) takes a pair's 64 products `q·xq` in one instruction.
+
+use crate::matvec::{by_weight_tiles, TILE_N};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+/// Weights sharing one scale and minimum, along a row.
+pub const BLOCK: usize = 32;
+/// Two blocks: what one 32-byte load of codes holds, and what a row's length must divide by.
+const PAIR: usize = 2 * BLOCK;
+
+/// A `[n, k]` weight matrix at 4 bits (the layout above).
+#[derive(Debug)]
+pub struct Q4Weights {
+    n: usize,
+    k: usize,
+    /// `n · k / 2` bytes, row after row, pair of blocks after pair.
+    codes: Vec<u8>,
+    /// `[n, k / BLOCK]`.
+    scales: Vec<f16>,
+    mins: Vec<f16>,
+}
+
+/// An input row quantized per block: `x ≈ dx[b] · xq` over block `b`.
+struct QuantRow {
+    xq: Vec<i8>,
+    dx: Vec<f32>,
+    /// The exact sum of each block's inputs, for the weights' minimums.
+    sum: Vec<f32>,
+}
+
+/// One weight row's blocks.
+struct WeightRow<'a> {
+    codes: &'a [u8],
+    scales: &'a [f16],
+    mins: &'a [f16],
+}
+
+impl Q4Weights {
+    /// The 4-bit copy of `w: [n, k]` (any float dtype, on the CPU); `None` when `k` is not a
+    /// multiple of 64 (a pair of blocks).
+    pub fn quantize(w: &Tensor) -> candle_core::Result<Option<Self>> {
+        let (n, k) = w.dims2()?;
+        if !k.is_multiple_of(PAIR) {
+            return Ok(None);
+        }
+        let values = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let blocks = k / BLOCK;
+        let mut codes = vec![0u8; n * k / 2];
+        let mut scales = vec![f16::ZERO; n * blocks];
+        let mut mins = vec![f16::ZERO; n * blocks];
+        let per_pair = values
+            .chunks_exact(PAIR)
+            .zip(codes.chunks_exact_mut(PAIR / 2))
+            .zip(scales.chunks_exact_mut(2).zip(mins.chunks_exact_mut(2)));
+        for ((v, c), (d, m)) in per_pair {
+            let (first, second) = v.split_at(BLOCK);
+            let (lo, hi) = (block_codes(first), block_codes(second));
+            for (i, byte) in c.iter_mut().enumerate() {
+                *byte = lo.codes[i] | (hi.codes[i] << 4);
+            }
+            (d[0], m[0], d[1], m[1]) = (lo.scale, lo.min, hi.scale, hi.min);
+        }
+        Ok(Some(Q4Weights {
+            n,
+            k,
+            codes,
+            scales,
+            mins,
+        }))
+    }
+
+    /// Bytes held (codes, scales and minimums).
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 2 * (self.scales.len() + self.mins.len())
+    }
+
+    /// The weight `(j, t)` as the kernel sees it.
+    #[cfg(test)]
+    fn value(&self, j: usize, t: usize) -> f32 {
+        let at = j * self.k + t;
+        let byte = self.codes[at / PAIR * BLOCK + t % BLOCK];
+        let q = if t % PAIR < BLOCK {
+            byte & 15
+        } else {
+            byte >> 4
+        };
+        self.scales[at / BLOCK].to_f32() * q as f32 + self.mins[at / BLOCK].to_f32()
+    }
+
+    fn row(&self, j: usize) -> WeightRow<'_> {
+        let blocks = self.k / BLOCK;
+        WeightRow {
+            codes: &self.codes[j * self.k / 2..(j + 1) * self.k / 2],
+            scales: &self.scales[j * blocks..(j + 1) * blocks],
+            mins: &self.mins[j * blocks..(j + 1) * blocks],
+        }
+    }
+
+    /// `x [m, k] · wᵀ` → `[m, n]` in f32.
+    pub fn matmul_nt(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(
+            x.len(),
+            m * self.k,
+            "x has {} elements, not {m}x{}",
+            x.len(),
+            self.k
+        );
+        let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
+        let simd = vnni();
+        let blocks = self.k / BLOCK;
+        by_weight_tiles(m, self.n, TILE_N, |j0, nj, out| {
+            // The tile's rows lie back to back, read side by side: one stream ahead of them
+            // for the prefetchers (as `matvec::prefetch_ahead` explains).
+            #[cfg(target_arch = "x86_64")]
+            {
+                let codes = self.codes[j0 * self.k / 2..].as_ptr();
+                crate::matvec::prefetch_ahead(codes, 0, nj * self.k / 2);
+                let scales = self.scales[j0 * blocks..].as_ptr().cast();
+                crate::matvec::prefetch_ahead(scales, 0, 2 * nj * blocks);
+                let mins = self.mins[j0 * blocks..].as_ptr().cast();
+                crate::matvec::prefetch_ahead(mins, 0, 2 * nj * blocks);
+            }
+            let weights: [WeightRow; TILE_N] =
+                std::array::from_fn(|j| self.row(j0 + j.min(nj - 1)));
+            for i0 in (0..m).step_by(ROWS_AT_ONCE) {
+                let group = &rows[i0..(i0 + ROWS_AT_ONCE).min(m)];
+                let res = tile(&weights, group, simd);
+                out.put(i0, &res[..group.len()], nj);
+            }
+        })
+    }
+}
+
+/// Input rows one pass over a tile of weight rows serves (each pair of blocks unpacked once
+/// for all).
+const ROWS_AT_ONCE: usize = 4;
+
+/// The products of [`TILE_N`] weight rows (a short tile repeats its last row) with up to
+/// [`ROWS_AT_ONCE`] quantized rows: `res[i][j]`.
+fn tile(w: &[WeightRow; TILE_N], rows: &[QuantRow], simd: bool) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is `vnni()`, which checked the features the kernel is compiled for.
+        return unsafe {
+            match rows.len() {
+                1 => avx512::tile::<1>(w, rows),
+                2 => avx512::tile::<2>(w, rows),
+                3 => avx512::tile::<3>(w, rows),
+                _ => avx512::tile::<4>(w, rows),
+            }
+        };
+    }
+    let _ = simd;
+    let mut res = [[0f32; TILE_N]; ROWS_AT_ONCE];
+    for (r, row) in res.iter_mut().zip(rows) {
+        for (v, w) in r.iter_mut().zip(w) {
+            *v = portable_dot(w, row);
+        }
+    }
+    res
+}
+
+/// One block's codes (0..=15), scale and minimum.
+struct BlockCodes {
+    codes: [u8; BLOCK],
+    scale: f16,
+    min: f16,
+}
+
+/// The codes are taken against the scale and minimum as stored (rounded to f16), so that a
+/// block whose weights were `d·q + m` with f16 `d` and `m` (a GGUF's Q4_1) gets them back.
+fn block_codes(v: &[f32]) -> BlockCodes {
+    let lo = v.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let (scale, min) = (f16::from_f32((hi - lo) / 15.0), f16::from_f32(lo));
+    let (d, m) = (scale.to_f32(), min.to_f32());
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut codes = [0u8; BLOCK];
+    for (c, &x) in codes.iter_mut().zip(v) {
+        *c = round_small((x - m) * inv).clamp(0.0, 15.0) as u8;
+    }
+    BlockCodes { codes, scale, min }
+}
+
+/// `v` rounded to the nearest integer (ties to even) for `|v| < 2²²`: adding and taking
+/// away 1.5·2²³ leaves no fraction bits (`f32::round` is a library call without SSE4.1).
+fn round_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+fn quantize_row(x: &[f32]) -> QuantRow {
+    let blocks = x.len() / BLOCK;
+    let mut row = QuantRow {
+        xq: vec![0; x.len()],
+        dx: Vec::with_capacity(blocks),
+        sum: Vec::with_capacity(blocks),
+    };
+    for (v, q) in x.chunks_exact(BLOCK).zip(row.xq.chunks_exact_mut(BLOCK)) {
+        let amax = v.iter().fold(0f32, |a, &x| a.max(x.abs()));
+        let dx = amax / 127.0;
+        let inv = if dx > 0.0 { 1.0 / dx } else { 0.0 };
+        for (q, &x) in q.iter_mut().zip(v) {
+            *q = round_small(x * inv) as i8;
+        }
+        row.dx.push(dx);
+        row.sum.push(v.iter().sum());
+    }
+    row
+}
+
+fn portable_dot(w: &WeightRow, row: &QuantRow) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.scales.len() {
+        let (pair, high) = (b / 2, b % 2 == 1);
+        let codes = &w.codes[pair * BLOCK..(pair + 1) * BLOCK];
+        let xq = &row.xq[b * BLOCK..(b + 1) * BLOCK];
+        let mut s = 0i32;
+        for (&byte, &x) in codes.iter().zip(xq) {
+            let q = if high { byte >> 4 } else { byte & 15 };
+            s += q as i32 * x as i32;
+        }
+        acc += w.scales[b].to_f32() * row.dx[b] * s as f32 + w.mins[b].to_f32() * row.sum[b];
+    }
+    acc
+}
+
+/// Whether this CPU takes the AVX512-VNNI kernel.
+fn vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{QuantRow, WeightRow, BLOCK, ROWS_AT_ONCE, TILE_N};
+    use std::arch::x86_64::*;
+
+    /// Blocks whose scales are multiplied out at once (one register of them).
+    const GROUP: usize = 16;
+
+    /// As `portable_dot` for `MI` rows against a tile's weight rows: per pair of blocks,
+    /// each weight row's codes unpacked once, then for each input row its 64 integer
+    /// products in 16 lanes (`vpdpbusd`; lanes 0-7 the first block's, 8-15 the second's),
+    /// scaled by each block's `d·dx` into 16 float lanes, where the minimums' terms `m·Σx`
+    /// are added a group of blocks at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile<const MI: usize>(
+        w: &[WeightRow; TILE_N],
+        rows: &[QuantRow],
+    ) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
+        let blocks = w[0].scales.len();
+        assert!(blocks.is_multiple_of(2) && rows.len() >= MI);
+        for w in w {
+            assert!(w.codes.len() >= blocks * BLOCK / 2);
+            assert!(w.scales.len() >= blocks && w.mins.len() >= blocks);
+        }
+        for row in &rows[..MI] {
+            assert!(row.xq.len() >= blocks * BLOCK);
+            assert!(row.dx.len() >= blocks && row.sum.len() >= blocks);
+        }
+        let nibble = _mm256_set1_epi8(15);
+        let mut acc = [[_mm512_setzero_ps(); TILE_N]; MI];
+        for g in (0..blocks).step_by(GROUP) {
+            let nb = GROUP.min(blocks - g);
+            let mask = (((1u32 << nb) - 1) & 0xffff) as u16;
+            // SAFETY (all loads below): blocks g..g + nb of every weight row and input row
+            // are in bounds (asserted above); the masked loads touch only those, and nb is
+            // even (blocks and GROUP are), so every pair is inside.
+            unsafe {
+                let mut scales = [[[0f32; GROUP]; TILE_N]; MI];
+                for (j, w) in w.iter().enumerate() {
+                    let half = |v: &[half::f16]| {
+                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, v.as_ptr().add(g).cast()))
+                    };
+                    let (d, m) = (half(w.scales), half(w.mins));
+                    for i in 0..MI {
+                        let dx = _mm512_maskz_loadu_ps(mask, rows[i].dx.as_ptr().add(g));
+                        let sum = _mm512_maskz_loadu_ps(mask, rows[i].sum.as_ptr().add(g));
+                        _mm512_storeu_ps(scales[i][j].as_mut_ptr(), _mm512_mul_ps(d, dx));
+                        acc[i][j] = _mm512_fmadd_ps(m, sum, acc[i][j]);
+                    }
+                }
+                for t in (0..nb).step_by(2) {
+                    let b = g + t;
+                    let xq: [__m512i; MI] = std::array::from_fn(|i| {
+                        _mm512_loadu_si512(rows[i].xq.as_ptr().add(b * BLOCK).cast())
+                    });
+                    for (j, w) in w.iter().enumerate() {
+                        // The first block's codes in the low 256 bits, the second's above.
+                        let packed = _mm256_loadu_si256(w.codes.as_ptr().add(b * BLOCK / 2).cast());
+                        let q = _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(packed), nibble),
+                        );
+                        for i in 0..MI {
+                            let products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq[i]);
+                            // Lanes 0-7 take the first block's scale, 8-15 the second's.
+                            let scale = _mm512_mask_blend_ps(
+                                0xff00,
+                                _mm512_set1_ps(scales[i][j][t]),
+                                _mm512_set1_ps(scales[i][j][t + 1]),
+                            );
+                            acc[i][j] =
+                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scale, acc[i][j]);
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; TILE_N]; ROWS_AT_ONCE];
+        for i in 0..MI {
+            for j in 0..TILE_N {
+                out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+        out
+    }
+}
+
+/// `x · wᵀ` through a [`Q4Weights`] copy of `w`, for `x: [m, k]` of any float dtype on the
+/// CPU; the result in `x`'s dtype.
+pub(crate) struct Q4MatMul<'a>(pub &'a Q4Weights);
+
+impl CustomOp1 for Q4MatMul<'_> {
+    fn name(&self) -> &'static str {
+        "kestrel-matvec-q4"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        if k != self.0.k {
+            candle_core::bail!("matvec_q4: x is {m}x{k} but w is {}x{}", self.0.n, self.0.k);
+        }
+        let x: Vec<f32> = match s {
+            CpuStorage::F32(v) => crate::matvec::slice(v, l)?.to_vec(),
+            CpuStorage::BF16(v) => crate::matvec::slice(v, l)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            CpuStorage::F16(v) => crate::matvec::slice(v, l)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            _ => candle_core::bail!("matvec_q4: unsupported input dtype {:?}", s.dtype()),
+        };
+        let out = self.0.matmul_nt(&x, m);
+        let storage = match s.dtype() {
+            DType::BF16 => CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect()),
+            DType::F16 => CpuStorage::F16(out.iter().map(|&v| f16::from_f32(v)).collect()),
+            _ => CpuStorage::F32(out),
+        };
+        Ok((storage, Shape::from((m, self.0.n))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Value `i` of a fixed pseudo-random sequence, uniform in [-1, 1) (a hash, so that test
+    /// products do not cancel the way two periodic sequences can).
+    fn uniform(seed: u64, i: usize) -> f32 {
+        let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64 + 1);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn weights(n: usize, k: usize) -> Tensor {
+        let v: Vec<f32> = (0..n * k).map(|i| 0.1 * uniform(1, i)).collect();
+        Tensor::from_vec(v, (n, k), &Device::Cpu).unwrap()
+    }
+
+    fn inputs(m: usize, k: usize) -> Vec<f32> {
+        (0..m * k).map(|i| 3.0 * uniform(2, i)).collect()
+    }
+
+    /// Weights already on a 16-level grid per block of 32 that spans all 16 levels, as a
+    /// Q4_1 GGUF's are (its quantizer maps a block's minimum to code 0 and maximum to 15).
+    fn grid_weights(n: usize, k: usize) -> Tensor {
+        let v: Vec<f32> = (0..n * k)
+            .map(|i| {
+                // Steps and minimums exact in f16, as a GGUF's are.
+                let step = (1.0 + ((i / BLOCK) % 7) as f32 / 8.0) / 128.0;
+                let code = match i % BLOCK {
+                    0 => 0.0,
+                    1 => 15.0,
+                    _ => ((uniform(3, i) + 1.0) * 8.0).floor(),
+                };
+                step * (code - 7.5)
+            })
+            .collect();
+        Tensor::from_vec(v, (n, k), &Device::Cpu).unwrap()
+    }
+
+    /// Every weight comes back within half a step of its block's grid, and weights that were
+    /// on such a grid come back as they were.
+    #[test]
+    fn codes_reproduce_each_weight() {
+        let (n, k) = (5, 192);
+        for (w, exact) in [(weights(n, k), false), (grid_weights(n, k), true)] {
+            let q = Q4Weights::quantize(&w).unwrap().unwrap();
+            let v = w.to_vec2::<f32>().unwrap();
+            for (j, row) in v.iter().enumerate() {
+                for (t, &want) in row.iter().enumerate() {
+                    let d = q.scales[(j * k + t) / BLOCK].to_f32();
+                    let err = (q.value(j, t) - want).abs();
+                    let bound = if exact { 1e-6 } else { d / 2.0 + 1e-6 };
+                    assert!(err <= bound, "({j}, {t}): {} vs {want}", q.value(j, t));
+                }
+            }
+        }
+    }
+
+    /// The kernel's products equal the dequantized weights against the dequantized inputs
+    /// (the integer sums are exact; only the float additions round), on every path.
+    #[test]
+    fn products_match_the_dequantized_arithmetic() {
+        let (n, k) = (37, 576);
+        let q = Q4Weights::quantize(&weights(n, k)).unwrap().unwrap();
+        for m in [1, 3, 6] {
+            let x = inputs(m, k);
+            let got = q.matmul_nt(&x, m);
+            for i in 0..m {
+                let row = quantize_row(&x[i * k..(i + 1) * k]);
+                for j in 0..n {
+                    let mut want = 0f64;
+                    for t in 0..k {
+                        let xd = row.dx[t / BLOCK] as f64 * row.xq[t] as f64;
+                        let md = q.mins[(j * k + t) / BLOCK].to_f32() as f64;
+                        // d·q against the quantized input, the minimum against the exact one.
+                        want += (q.value(j, t) as f64 - md) * xd + md * x[i * k + t] as f64;
+                    }
+                    let tol = 1e-4 * (1.0 + want.abs());
+                    let g = got[i * n + j] as f64;
+                    assert!((g - want).abs() < tol, "{m} rows ({i}, {j}): {g} vs {want}");
+                    let portable = portable_dot(&q.row(j), &row) as f64;
+                    assert!(
+                        (portable - want).abs() < tol,
+                        "portable ({i}, {j}): {portable}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The relative error of the kernel's products against the f64 products of `w` with the
+    /// same inputs.
+    fn relative_error(w: &Tensor, m: usize) -> f64 {
+        let (n, k) = w.dims2().unwrap();
+        let q = Q4Weights::quantize(w).unwrap().unwrap();
+        let x = inputs(m, k);
+        let got = q.matmul_nt(&x, m);
+        let v = w.to_vec2::<f32>().unwrap();
+        let (mut err, mut norm) = (0f64, 0f64);
+        for i in 0..m {
+            for j in 0..n {
+                let exact: f64 = (0..k).map(|t| v[j][t] as f64 * x[i * k + t] as f64).sum();
+                err += (got[i * n + j] as f64 - exact).powi(2);
+                norm += exact.powi(2);
+            }
+        }
+        (err / norm).sqrt()
+    }
+
+    /// Weights that were 4-bit already lose nothing, so only the inputs' 8 bits remain;
+    /// arbitrary weights lose what 16 levels lose (a uniform block's rounding noise is 1/15
+    /// of its spread over √12, as the weights' own spread is).
+    #[test]
+    fn products_stay_close_to_full_precision() {
+        let on_grid = relative_error(&grid_weights(64, 1536), 2);
+        assert!(on_grid < 0.01, "4-bit weights: relative error {on_grid}");
+        let anywhere = relative_error(&weights(64, 1536), 2);
+        assert!(
+            anywhere < 0.08,
+            "arbitrary weights: relative error {anywhere}"
+        );
+    }
+
+    #[test]
+    fn rows_whose_length_is_not_a_multiple_of_64_stay_unquantized() {
+        assert!(Q4Weights::quantize(&weights(3, 96)).unwrap().is_none());
+    }
+
+    #[test]
+    fn the_op_keeps_the_input_dtype() {
+        let (m, n, k) = (2, 9, 128);
+        let q = Q4Weights::quantize(&weights(n, k)).unwrap().unwrap();
+        let x = Tensor::from_vec(inputs(m, k), (m, k), &Device::Cpu).unwrap();
+        let f = x.apply_op1_no_bwd(&Q4MatMul(&q)).unwrap();
+        let b = x
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .apply_op1_no_bwd(&Q4MatMul(&q))
+            .unwrap();
+        assert_eq!(b.dtype(), DType::BF16);
+        assert_eq!(f.dims(), &[m, n]);
+        let (f, b) = (
+            f.to_vec2::<f32>().unwrap(),
+            b.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+        );
+        for i in 0..m {
+            for j in 0..n {
+                assert!((f[i][j] - b[i][j]).abs() <= 0.02 * (1.0 + f[i][j].abs()));
+            }
+        }
+    }
+}
