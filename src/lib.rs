@@ -6,6 +6,7 @@ pub mod bench;
 pub mod cli;
 pub mod decoding;
 pub mod draft_config;
+pub mod draft_engine;
 pub mod kv_cache;
 pub mod prompts;
 pub mod report;

@@ -717,3 +717,16 @@ fn run_names_the_offending_eagle_choices_path() {
         "eagle_choices path [0] appears more than once"
     );
 }
+
+#[test]
+fn run_refuses_a_quantized_draft_without_a_draft_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    assert_eq!(
+        run_error(
+            &engine,
+            &["--input_text", "hi", "--draft_quantization", "q4"]
+        ),
+        "--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft)"
+    );
+}

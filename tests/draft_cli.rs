@@ -185,6 +185,25 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
         );
     }
 
+    // The target's own engine as its draft, its down projections (the only ones of 64
+    // inputs in this shape) read at 4 bits: still plain greedy's tokens.
+    let json = w.join("self-draft.json");
+    let spec = run(
+        &[
+            "--draft_engine_dir",
+            s(&engine),
+            "--draft_target_model_config",
+            "[4,[cpu],[cpu],False]",
+            "--draft_quantization",
+            "q4",
+        ],
+        &json,
+    );
+    assert_eq!(
+        spec, plain,
+        "the 4-bit self-draft differs from plain greedy"
+    );
+
     // The same self-distillation data as a prompt lookup corpus: its 16 sequences.
     let corpus = w.join("corpus.safetensors");
     let out = spec_train(&[

@@ -13,6 +13,7 @@ pub mod shapes;
 pub mod verify;
 
 use crate::decoding::{disable_by_batch_size, eagle_mode, EagleFlags, SamplingFlags};
+use crate::draft_engine::{load_draft, DraftQuantization};
 use crate::prompts::read_prompt_file;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -83,6 +84,11 @@ pub struct BenchArgs {
     /// Draft engine for draft_target:K modes (the target is --engine_dir).
     #[arg(long)]
     pub draft_engine_dir: Option<PathBuf>,
+    /// How the draft engine's projections are read (spec-run's flag): `none` or `q4` (4-bit
+    /// copies of its decoder projections made as it loads; CPU only; the target's own
+    /// engine may be the draft).
+    #[arg(long, value_enum, default_value_t)]
+    pub draft_quantization: DraftQuantization,
     /// The n-gram corpus of prompt_lookup:K:N:corpus modes (`spec-train ngram-corpus`).
     #[arg(long)]
     pub prompt_lookup_corpus: Option<PathBuf>,
@@ -804,9 +810,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     engine.set_cuda_graphs(!args.no_cuda_graphs);
     let draft = match &args.draft_engine_dir {
         Some(dir) => {
-            let mut draft = Engine::load(dir, &device)?;
+            let mut draft = load_draft(&engine, dir, &device, args.draft_quantization)?;
             draft.set_cuda_graphs(!args.no_cuda_graphs);
             Some(draft)
+        }
+        None if args.draft_quantization != DraftQuantization::None => {
+            bail!("--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft)")
         }
         None => None,
     };

@@ -144,6 +144,20 @@ impl Engine {
         })
     }
 
+    /// This engine's model as a draft for itself, its decoder projections read at 4 bits
+    /// ([`Llama::quantized_draft`]; CPU only), sharing every other weight with `self`: the
+    /// draft of draft-target decoding with no second model to train or load. Returns the
+    /// draft and the bytes its 4-bit weights add.
+    pub fn quantized_draft(&self) -> Result<(Engine, usize)> {
+        let (model, bytes) = self.model.quantized_draft()?;
+        let label = format!("{} (4-bit draft)", self.dir.display());
+        // A draft drafts nothing itself, whatever mode its target was built for.
+        let mut plan = self.plan.clone();
+        plan.speculative_mode = SpeculativeMode::None;
+        plan.eagle_head_config_json = None;
+        Ok((Engine::from_model(&label, plan, model)?, bytes))
+    }
+
     /// Total KV-cache blocks for the engine's limits: every sequence of a full batch at
     /// max_seq_len plus one verification step of max_draft_len + 1 tokens.
     pub fn kv_blocks(&self) -> usize {

@@ -726,3 +726,80 @@ fn prompt_lookup_with_a_corpus_drafts_from_it_and_keeps_plain_output() {
         accepted(&without)
     );
 }
+
+/// A shape whose projections are all 4-bit quantizable (rows of 64 and 128).
+fn quantizable_cfg(vocab: usize) -> ModelConfig {
+    model_cfg(vocab, 64, 2, 4, 2)
+}
+
+/// The target's own weights at 4 bits as its draft (`Engine::quantized_draft`): the output is
+/// plain greedy decoding's, the draft is really another model (its logits differ from the
+/// target's), and it agrees with the target far more often than chance.
+#[test]
+fn a_4_bit_copy_of_the_target_drafts_for_it() {
+    let root = tempfile::tempdir().unwrap();
+    let target = load(&build(
+        root.path(),
+        "target",
+        &quantizable_cfg(VOCAB),
+        3,
+        &target_spec(4),
+    ));
+    let (draft, bytes) = target.quantized_draft().unwrap();
+    // Per layer: q/k/v, o and gate/up of 64 inputs, down of 128: 64·(128 + 64 + 256) + 64·128
+    // weights at half a byte, plus two f16 per 32 weights.
+    let weights = 64 * (128 + 64 + 256) + 64 * 128;
+    assert_eq!(bytes, 2 * (weights / 2 + 4 * weights / 32));
+
+    let prompt = [5u32, 17, 9, 40];
+    let logits = |e: &Engine| {
+        let mut cache = e.model.new_cache(8, 16).unwrap();
+        let seq = cache.add_sequence();
+        let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+        let h = e
+            .model
+            .forward(
+                &[kestrel_model::SeqInput {
+                    seq,
+                    tokens: &prompt,
+                    positions: &positions,
+                    mask: None,
+                    output_rows: kestrel_model::OutputRows::Last,
+                }],
+                &mut cache,
+            )
+            .unwrap();
+        e.model
+            .logits(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let (full, quantized) = (logits(&target), logits(&draft));
+    assert_ne!(full, quantized, "the draft computes with other weights");
+
+    let params = greedy(40, vec![]);
+    let plain = run(&target, &DecodeMode::Plain, &prompts(), &params);
+    for draft_len in [1, 4] {
+        for use_logits in [false, true] {
+            let what = format!("4-bit draft, draft_len {draft_len}, use_logits {use_logits}");
+            let outs = run(
+                &target,
+                &dt(&draft, draft_len, use_logits),
+                &prompts(),
+                &params,
+            );
+            assert_eq!(ids(&outs), ids(&plain), "{what}");
+            check_stats(&outs, &what);
+            let (accepted, drafted) = outs.iter().fold((0, 0), |(a, d), o| {
+                (a + o.stats.accepted_draft_tokens, d + o.stats.draft_tokens)
+            });
+            assert!(
+                accepted * 2 > drafted,
+                "{what}: {accepted} of {drafted} drafts accepted"
+            );
+        }
+    }
+}
