@@ -233,6 +233,53 @@ fn the_draft_vocabulary_is_recorded_and_keeps_output() {
     );
 }
 
+/// The target's own engine at 4 bits drafts for it: plain output, and the report names the
+/// draft.
+#[test]
+fn a_self_draft_at_4_bits_is_recorded_and_keeps_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine_with(
+        tmp.path(),
+        false,
+        &[
+            "--max_input_len",
+            "16",
+            "--max_seq_len",
+            "64",
+            "--speculative_decoding_mode",
+            "draft_tokens_external",
+            "--max_draft_len",
+            "3",
+        ],
+    );
+    let prompts = prompts(tmp.path());
+    let json = tmp.path().join("bench.json");
+    let report = bench_ok(
+        &[
+            "--engine_dir",
+            s(&engine),
+            "--draft_engine_dir",
+            s(&engine),
+            "--draft_quantization",
+            "q4",
+            "--prompts",
+            s(&prompts),
+            "--max_output_len",
+            "8",
+            "--batch_sizes",
+            "1",
+            "--modes",
+            "plain,draft_target:3",
+        ],
+        &json,
+    );
+    assert_eq!(results(&report)[1]["same_output_as_plain"], true);
+    assert_eq!(
+        report["draft_source"],
+        format!("{} (4-bit draft)", engine.display())
+    );
+}
+
 /// `--in_flight` is recorded, and static batches give every mode the tokens in-flight ones do.
 #[test]
 fn in_flight_or_static_batches_give_the_same_output() {

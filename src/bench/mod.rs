@@ -478,6 +478,9 @@ fn memory_overhead(peak: Option<u64>, weight_bytes: u64, kv_in_use: u64) -> Opti
 pub struct BenchReport {
     /// The engine directory, or `random:<shape>`.
     pub source: String,
+    /// The draft engine of draft_target modes (its directory, marked when it was quantized
+    /// as it loaded).
+    pub draft_source: Option<String>,
     pub shape: Option<String>,
     pub device: String,
     pub device_name: String,
@@ -1164,6 +1167,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     }
     Ok(BenchReport {
         source,
+        draft_source: draft.as_ref().map(|d| d.dir.display().to_string()),
         shape: shape.map(str::to_string),
         device: args.device.clone(),
         device_name,

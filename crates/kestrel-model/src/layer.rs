@@ -22,8 +22,9 @@ pub(crate) struct Linear {
     pub b: Option<Tensor>,
     /// On CUDA, steps of a few rows take Kestrel's `gemv` kernel (the plan's choice).
     pub gemv: bool,
-    /// A 4-bit copy of `w` that CPU steps read instead (a quantized draft,
-    /// [`crate::Llama::quantized_draft`]); `w` stays for nothing else to read.
+    /// A 4-bit copy of `w` that CPU steps read instead
+    /// ([`crate::Llama::with_q4_projections`]); `w` stays, shared with the model it was
+    /// copied from, and is not read.
     pub q4: Option<Arc<Q4Weights>>,
 }
 

@@ -365,29 +365,29 @@ impl Llama {
         self.cuda_kernels
     }
 
-    /// This model as a draft for itself: its decoder layers' projections read 4-bit copies
-    /// of their weights (`matvec_q4.rs`: 0.31 of the bytes a bf16 step streams there),
-    /// everything else shared with `self`. The LM head keeps its precision: SmolLM2's comes
-    /// from an 8-bit tensor, and at 4 bits the draft's tokens agreed with the target's less
-    /// often (3.2 against 3.6 tokens a step at 3 drafts). CPU only; a projection whose rows
-    /// are not a multiple of 64 stays as it is. Returns the copy and the bytes its 4-bit
-    /// weights take.
-    pub fn quantized_draft(&self) -> Result<(Llama, usize)> {
+    /// A copy of this model whose decoder layers' projections read 4-bit copies of their
+    /// weights (`matvec_q4.rs`: 0.31 of the bytes bf16 weights take), everything else
+    /// shared with `self` (the runtime drafts with it: `Engine::quantized_draft`). The LM
+    /// head keeps its precision: SmolLM2's comes from an 8-bit tensor, and at 4 bits the
+    /// copy's greedy tokens agreed with the model's less often (3.2 against 3.6 tokens a
+    /// draft-target step at 3 drafts). CPU only; a projection whose rows are not a multiple
+    /// of 64 stays as it is. Returns the copy and the bytes its 4-bit weights take.
+    pub fn with_q4_projections(&self) -> Result<(Llama, usize)> {
         if !self.device.is_cpu() {
             return Err(invalid(
-                "a 4-bit draft runs on the CPU only (its kernel has no CUDA version yet)",
+                "4-bit projections run on the CPU only (their kernel has no CUDA version yet)",
             ));
         }
-        let mut draft = self.clone();
-        draft.graphs = StepGraphs::default();
+        let mut copy = self.clone();
+        copy.graphs = StepGraphs::default();
         let mut bytes = 0;
-        for lin in draft.layers.iter_mut().flat_map(|l| l.linears_mut()) {
+        for lin in copy.layers.iter_mut().flat_map(|l| l.linears_mut()) {
             if let Some(q4) = Q4Weights::quantize(&lin.w)? {
                 bytes += q4.bytes();
                 lin.q4 = Some(std::sync::Arc::new(q4));
             }
         }
-        Ok((draft, bytes))
+        Ok((copy, bytes))
     }
 
     /// Whether decode and tree steps on CUDA replay captured CUDA graphs (off by default).

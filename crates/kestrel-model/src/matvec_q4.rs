@@ -1,5 +1,6 @@
-//! 4-bit copies of a model's projections, for a draft that is the target itself at about a
-//! quarter of the weight bytes (`Llama::quantized_draft`).
+//! 4-bit copies of a model's projections (`Llama::with_q4_projections`), for a draft that is
+//! the target itself at about a third of its weight bytes (the runtime's
+//! `Engine::quantized_draft`).
 //!
 //! Why: on a CPU a decode step streams every weight once, so its time follows the weight
 //! bytes, and a draft computed from the target's own weights agrees with the target's greedy
@@ -126,19 +127,7 @@ impl Q4Weights {
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
         let simd = vnni();
-        let blocks = self.k / BLOCK;
         by_weight_tiles(m, self.n, TILE_N, |j0, nj, out| {
-            // The tile's rows lie back to back, read side by side: one stream ahead of them
-            // for the prefetchers (as `matvec::prefetch_ahead` explains).
-            #[cfg(target_arch = "x86_64")]
-            {
-                let codes = self.codes[j0 * self.k / 2..].as_ptr();
-                crate::matvec::prefetch_ahead(codes, 0, nj * self.k / 2);
-                let scales = self.scales[j0 * blocks..].as_ptr().cast();
-                crate::matvec::prefetch_ahead(scales, 0, 2 * nj * blocks);
-                let mins = self.mins[j0 * blocks..].as_ptr().cast();
-                crate::matvec::prefetch_ahead(mins, 0, 2 * nj * blocks);
-            }
             let weights: [WeightRow; TILE_N] =
                 std::array::from_fn(|j| self.row(j0 + j.min(nj - 1)));
             for i0 in (0..m).step_by(ROWS_AT_ONCE) {

@@ -145,11 +145,11 @@ impl Engine {
     }
 
     /// This engine's model as a draft for itself, its decoder projections read at 4 bits
-    /// ([`Llama::quantized_draft`]; CPU only), sharing every other weight with `self`: the
+    /// ([`Llama::with_q4_projections`]; CPU only), sharing every other weight with `self`: the
     /// draft of draft-target decoding with no second model to train or load. Returns the
     /// draft and the bytes its 4-bit weights add.
     pub fn quantized_draft(&self) -> Result<(Engine, usize)> {
-        let (model, bytes) = self.model.quantized_draft()?;
+        let (model, bytes) = self.model.with_q4_projections()?;
         let label = format!("{} (4-bit draft)", self.dir.display());
         // A draft drafts nothing itself, whatever mode its target was built for.
         let mut plan = self.plan.clone();

@@ -752,32 +752,12 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
     assert_eq!(bytes, 2 * (weights / 2 + 4 * weights / 32));
 
     let prompt = [5u32, 17, 9, 40];
-    let logits = |e: &Engine| {
-        let mut cache = e.model.new_cache(8, 16).unwrap();
-        let seq = cache.add_sequence();
-        let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-        let h = e
-            .model
-            .forward(
-                &[kestrel_model::SeqInput {
-                    seq,
-                    tokens: &prompt,
-                    positions: &positions,
-                    mask: None,
-                    output_rows: kestrel_model::OutputRows::Last,
-                }],
-                &mut cache,
-            )
-            .unwrap();
-        e.model
-            .logits(&h)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
+    let unwarped = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
     };
-    let (full, quantized) = (logits(&target), logits(&draft));
+    let probs = |e: &Engine| support::next_probs(e, &prompt, &unwarped);
+    let (full, quantized) = (probs(&target), probs(&draft));
     assert_ne!(full, quantized, "the draft computes with other weights");
 
     let params = greedy(40, vec![]);
