@@ -26,10 +26,8 @@ pub fn load_draft(
     device: &Device,
     quantization: DraftQuantization,
 ) -> Result<Engine> {
-    let load = || {
-        Engine::load(dir, device)
-            .with_context(|| format!("loading the draft engine {}", dir.display()))
-    };
+    // The engine's own errors name its directory.
+    let load = || Engine::load(dir, device).map_err(anyhow::Error::from);
     match quantization {
         DraftQuantization::None => load(),
         DraftQuantization::Q4 => {
