@@ -4,7 +4,8 @@
 //! precision. Decode: one token (forward + logits) at batch 1 over a 100-token context, rolled
 //! back after each step so the context stays fixed. Prefill: a 128-token prompt into an empty
 //! sequence (forward + logits of the last row). Verify: 3 or 8 chained tokens after the same
-//! context with every row's logits, the cost of a tree verification step.
+//! context with every row's logits, the cost of a tree verification step. q4_draft: the 4-bit
+//! self-draft's step over the same context, one row or two.
 
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -90,6 +91,34 @@ fn bench(c: &mut Criterion) {
                     )
                     .expect("verify");
                 let logits = model.logits(&h).expect("logits");
+                cache.truncate(seq, 100).expect("rollback");
+                black_box(logits)
+            })
+        });
+    }
+
+    // The 4-bit self-draft's steps (`Llama::with_q4_projections`, as `--draft_quantization q4`
+    // drafts): one row as a draft step, two as the catch-up after a full acceptance (last
+    // draft and bonus token), over the same context in the same cache.
+    let (draft, _) = model.with_q4_projections().expect("4-bit copy");
+    for t in [1usize, 2] {
+        let tokens: Vec<u32> = (0..t as u32).map(|i| 42 + i).collect();
+        let positions: Vec<u32> = (100..100 + t as u32).collect();
+        group.bench_function(format!("q4_draft_{t}_ctx100"), |b| {
+            b.iter(|| {
+                let h = draft
+                    .forward(
+                        &[SeqInput {
+                            seq,
+                            tokens: &tokens,
+                            positions: &positions,
+                            mask: None,
+                            output_rows: OutputRows::Last,
+                        }],
+                        &mut cache,
+                    )
+                    .expect("draft step");
+                let logits = draft.logits(&h).expect("logits");
                 cache.truncate(seq, 100).expect("rollback");
                 black_box(logits)
             })

@@ -128,11 +128,11 @@ impl Q4Weights {
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
         let simd = vnni();
         by_weight_tiles(m, self.n, TILE_N, |j0, nj, out| {
-            let weights: [WeightRow; TILE_N] =
-                std::array::from_fn(|j| self.row(j0 + j.min(nj - 1)));
+            // The tile's rows, a short tile repeating its last.
+            let tile_rows: [usize; TILE_N] = std::array::from_fn(|j| j0 + j.min(nj - 1));
             for i0 in (0..m).step_by(ROWS_AT_ONCE) {
                 let group = &rows[i0..(i0 + ROWS_AT_ONCE).min(m)];
-                let res = tile(&weights, group, simd);
+                let res = self.tile(&tile_rows, group, simd);
                 out.put(i0, &res[..group.len()], nj);
             }
         })
@@ -143,29 +143,37 @@ impl Q4Weights {
 /// for all).
 const ROWS_AT_ONCE: usize = 4;
 
-/// The products of [`TILE_N`] weight rows (a short tile repeats its last row) with up to
-/// [`ROWS_AT_ONCE`] quantized rows: `res[i][j]`.
-fn tile(w: &[WeightRow; TILE_N], rows: &[QuantRow], simd: bool) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is `vnni()`, which checked the features the kernel is compiled for.
-        return unsafe {
-            match rows.len() {
-                1 => avx512::tile::<1>(w, rows),
-                2 => avx512::tile::<2>(w, rows),
-                3 => avx512::tile::<3>(w, rows),
-                _ => avx512::tile::<4>(w, rows),
-            }
-        };
-    }
-    let _ = simd;
-    let mut res = [[0f32; TILE_N]; ROWS_AT_ONCE];
-    for (r, row) in res.iter_mut().zip(rows) {
-        for (v, w) in r.iter_mut().zip(w) {
-            *v = portable_dot(w, row);
+impl Q4Weights {
+    /// The products of the weight rows `rows_j` with up to [`ROWS_AT_ONCE`] quantized rows:
+    /// `res[i][j]`.
+    fn tile(
+        &self,
+        rows_j: &[usize; TILE_N],
+        rows: &[QuantRow],
+        simd: bool,
+    ) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` is `vnni()`, which checked the features the kernel is compiled
+            // for.
+            return unsafe {
+                match rows.len() {
+                    1 => avx512::tile::<1>(self, rows_j, rows),
+                    2 => avx512::tile::<2>(self, rows_j, rows),
+                    3 => avx512::tile::<3>(self, rows_j, rows),
+                    _ => avx512::tile::<4>(self, rows_j, rows),
+                }
+            };
         }
+        let _ = simd;
+        let mut res = [[0f32; TILE_N]; ROWS_AT_ONCE];
+        for (r, row) in res.iter_mut().zip(rows) {
+            for (v, &j) in r.iter_mut().zip(rows_j) {
+                *v = portable_dot(&self.row(j), row);
+            }
+        }
+        res
     }
-    res
 }
 
 /// One block's codes (0..=15), scale and minimum.
@@ -251,33 +259,49 @@ fn vnni() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{QuantRow, WeightRow, BLOCK, ROWS_AT_ONCE, TILE_N};
+    use super::{Q4Weights, QuantRow, BLOCK, ROWS_AT_ONCE, TILE_N};
     use std::arch::x86_64::*;
 
     /// Blocks whose scales are multiplied out at once (one register of them).
     const GROUP: usize = 16;
 
     /// As `portable_dot` for `MI` rows against a tile's weight rows: per pair of blocks,
-    /// each weight row's codes unpacked once, then for each input row its 64 integer
+    /// each weight row's codes unpacked once (the 32 bytes in both halves of a register,
+    /// the upper half shifted down a nibble), then for each input row its 64 integer
     /// products in 16 lanes (`vpdpbusd`; lanes 0-7 the first block's, 8-15 the second's),
-    /// scaled by each block's `d·dx` into 16 float lanes, where the minimums' terms `m·Σx`
-    /// are added a group of blocks at a time.
+    /// scaled by each block's `d·dx` into 16 float lanes. The scales of a group of blocks
+    /// stay in a register, the pair's two picked out by one permute (broadcasting them
+    /// from a stack copy cost as much as the products), and the minimums' terms `m·Σx` are
+    /// added a group of blocks at a time.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn tile<const MI: usize>(
-        w: &[WeightRow; TILE_N],
+        weights: &Q4Weights,
+        rows_j: &[usize; TILE_N],
         rows: &[QuantRow],
     ) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
-        let blocks = w[0].scales.len();
+        let blocks = weights.k / BLOCK;
         assert!(blocks.is_multiple_of(2) && rows.len() >= MI);
-        for w in w {
-            assert!(w.codes.len() >= blocks * BLOCK / 2);
-            assert!(w.scales.len() >= blocks && w.mins.len() >= blocks);
-        }
+        assert!(rows_j.iter().all(|&j| j < weights.n));
+        // Each weight row's codes, scales and minimums by pointer: slices built per tile
+        // went through the stack and cost a fifth of the kernel's time in stalled loads.
+        // SAFETY: row j < n has k / 2 code bytes and `blocks` scales and minimums from
+        // these offsets (the layout `Q4Weights::quantize` writes).
+        let (codes, scales_f16, mins): ([*const u8; TILE_N], [*const half::f16; TILE_N], _) = unsafe {
+            (
+                rows_j.map(|j| weights.codes.as_ptr().add(j * weights.k / 2)),
+                rows_j.map(|j| weights.scales.as_ptr().add(j * blocks)),
+                rows_j.map(|j| weights.mins.as_ptr().add(j * blocks)),
+            )
+        };
         for row in &rows[..MI] {
             assert!(row.xq.len() >= blocks * BLOCK);
             assert!(row.dx.len() >= blocks && row.sum.len() >= blocks);
         }
-        let nibble = _mm256_set1_epi8(15);
+        let nibble = _mm512_set1_epi8(15);
+        // Bits each 16-bit lane shifts right: none in the low half, a nibble in the high one.
+        let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        // Which of a pair's two scales each lane takes, for the pair at blocks 0 and 1.
+        let first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let mut acc = [[_mm512_setzero_ps(); TILE_N]; MI];
         for g in (0..blocks).step_by(GROUP) {
             let nb = GROUP.min(blocks - g);
@@ -286,39 +310,38 @@ mod avx512 {
             // are in bounds (asserted above); the masked loads touch only those, and nb is
             // even (blocks and GROUP are), so every pair is inside.
             unsafe {
-                let mut scales = [[[0f32; GROUP]; TILE_N]; MI];
-                for (j, w) in w.iter().enumerate() {
-                    let half = |v: &[half::f16]| {
-                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, v.as_ptr().add(g).cast()))
+                let dx: [__m512; MI] = std::array::from_fn(|i| {
+                    _mm512_maskz_loadu_ps(mask, rows[i].dx.as_ptr().add(g))
+                });
+                let sum: [__m512; MI] = std::array::from_fn(|i| {
+                    _mm512_maskz_loadu_ps(mask, rows[i].sum.as_ptr().add(g))
+                });
+                let mut scales = [[_mm512_setzero_ps(); TILE_N]; MI];
+                for j in 0..TILE_N {
+                    let half = |v: *const half::f16| {
+                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, v.add(g).cast()))
                     };
-                    let (d, m) = (half(w.scales), half(w.mins));
+                    let (d, m) = (half(scales_f16[j]), half(mins[j]));
                     for i in 0..MI {
-                        let dx = _mm512_maskz_loadu_ps(mask, rows[i].dx.as_ptr().add(g));
-                        let sum = _mm512_maskz_loadu_ps(mask, rows[i].sum.as_ptr().add(g));
-                        _mm512_storeu_ps(scales[i][j].as_mut_ptr(), _mm512_mul_ps(d, dx));
-                        acc[i][j] = _mm512_fmadd_ps(m, sum, acc[i][j]);
+                        scales[i][j] = _mm512_mul_ps(d, dx[i]);
+                        acc[i][j] = _mm512_fmadd_ps(m, sum[i], acc[i][j]);
                     }
                 }
                 for t in (0..nb).step_by(2) {
                     let b = g + t;
+                    let pick = _mm512_add_epi32(first_pair, _mm512_set1_epi32(t as i32));
                     let xq: [__m512i; MI] = std::array::from_fn(|i| {
                         _mm512_loadu_si512(rows[i].xq.as_ptr().add(b * BLOCK).cast())
                     });
-                    for (j, w) in w.iter().enumerate() {
+                    for j in 0..TILE_N {
                         // The first block's codes in the low 256 bits, the second's above.
-                        let packed = _mm256_loadu_si256(w.codes.as_ptr().add(b * BLOCK / 2).cast());
-                        let q = _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(packed), nibble),
-                        );
+                        let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            codes[j].add(b * BLOCK / 2).cast(),
+                        ));
+                        let q = _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), nibble);
                         for i in 0..MI {
                             let products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq[i]);
-                            // Lanes 0-7 take the first block's scale, 8-15 the second's.
-                            let scale = _mm512_mask_blend_ps(
-                                0xff00,
-                                _mm512_set1_ps(scales[i][j][t]),
-                                _mm512_set1_ps(scales[i][j][t + 1]),
-                            );
+                            let scale = _mm512_permutexvar_ps(pick, scales[i][j]);
                             acc[i][j] =
                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scale, acc[i][j]);
                         }
