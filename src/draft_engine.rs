@@ -1,5 +1,6 @@
 //! The draft engine of draft-target decoding, as spec-run and spec-bench load it: from its
-//! directory, or re-quantized to 4 bits (`--draft_quantization q4`), in which case the
+//! directory, or re-quantized (`--draft_quantization q4`: projections at 4 bits, LM head at
+//! 8), in which case the
 //! target's own engine can be its draft without a second copy of its weights.
 
 use anyhow::{Context, Result};
@@ -13,8 +14,8 @@ pub enum DraftQuantization {
     /// As built.
     #[default]
     None,
-    /// 4-bit copies of the decoder layers' projections, made when the draft loads (CPU
-    /// only).
+    /// 4-bit copies of the decoder layers' projections and an 8-bit copy of the LM head,
+    /// made when the draft loads (CPU only).
     Q4,
 }
 

@@ -84,9 +84,9 @@ pub struct BenchArgs {
     /// Draft engine for draft_target:K modes (the target is --engine_dir).
     #[arg(long)]
     pub draft_engine_dir: Option<PathBuf>,
-    /// How the draft engine's projections are read (spec-run's flag): `none` or `q4` (4-bit
-    /// copies of its decoder projections made as it loads; CPU only; the target's own
-    /// engine may be the draft).
+    /// How the draft engine's weights are read (spec-run's flag): `none` or `q4` (4-bit
+    /// copies of its decoder projections and an 8-bit LM head, made as it loads; CPU only;
+    /// the target's own engine may be the draft).
     #[arg(long, value_enum, default_value_t)]
     pub draft_quantization: DraftQuantization,
     /// The n-gram corpus of prompt_lookup:K:N:corpus modes (`spec-train ngram-corpus`).

@@ -126,8 +126,8 @@ struct Args {
     /// --draft_quantization q4 it may be the target's own).
     #[arg(long)]
     draft_engine_dir: Option<PathBuf>,
-    /// How the draft engine's projections are read: `none` (as built) or `q4` (4-bit copies
-    /// of its decoder projections made as it loads; CPU only).
+    /// How the draft engine's weights are read: `none` (as built) or `q4` (4-bit copies of its
+    /// decoder projections and an 8-bit LM head, made as it loads; CPU only).
     #[arg(long, value_enum, default_value_t)]
     draft_quantization: DraftQuantization,
     /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".

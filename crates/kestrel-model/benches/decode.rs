@@ -97,10 +97,10 @@ fn bench(c: &mut Criterion) {
         });
     }
 
-    // The 4-bit self-draft's steps (`Llama::with_q4_projections`, as `--draft_quantization q4`
+    // The 4-bit self-draft's steps (`Llama::with_quantized_draft_weights`, as `--draft_quantization q4`
     // drafts): one row as a draft step, two as the catch-up after a full acceptance (last
     // draft and bonus token), over the same context in the same cache.
-    let (draft, _) = model.with_q4_projections().expect("4-bit copy");
+    let (draft, _) = model.with_quantized_draft_weights().expect("4-bit copy");
     for t in [1usize, 2] {
         let tokens: Vec<u32> = (0..t as u32).map(|i| 42 + i).collect();
         let positions: Vec<u32> = (100..100 + t as u32).collect();

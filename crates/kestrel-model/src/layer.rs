@@ -8,7 +8,7 @@ use crate::cpu_attn::{self, AttnShape};
 use crate::cuda_kernels::CudaKernels;
 use crate::error::Result;
 use crate::matvec::{MatMulNt, MAX_ROWS};
-use crate::matvec_q4::{Q4MatMul, Q4Weights};
+use crate::matvec_quant::{QuantMatMul, QuantWeights};
 use crate::rope;
 use crate::weights::{linear_init, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
@@ -22,10 +22,10 @@ pub(crate) struct Linear {
     pub b: Option<Tensor>,
     /// On CUDA, steps of a few rows take Kestrel's `gemv` kernel (the plan's choice).
     pub gemv: bool,
-    /// A 4-bit copy of `w` that CPU steps read instead
-    /// ([`crate::Llama::with_q4_projections`]); `w` stays, shared with the model it was
-    /// copied from, and is not read.
-    pub q4: Option<Arc<Q4Weights>>,
+    /// A 4- or 8-bit copy of `w` that CPU steps read instead
+    /// ([`crate::Llama::with_quantized_draft_weights`]); `w` stays, shared with the model it
+    /// was copied from, and is not read.
+    pub quant: Option<Arc<QuantWeights>>,
 }
 
 impl Linear {
@@ -46,7 +46,7 @@ impl Linear {
             w,
             b,
             gemv: false,
-            q4: None,
+            quant: None,
         })
     }
 
@@ -56,7 +56,7 @@ impl Linear {
             w,
             b: None,
             gemv: false,
-            q4: None,
+            quant: None,
         }
     }
 
@@ -75,8 +75,8 @@ impl Linear {
     /// `fast`: a step's rows, which may take a few-rows kernel (the CPU matrix-vector
     /// kernel; on CUDA, `gemv` when the plan picked it).
     pub fn forward_with(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
-        if let (Some(q4), 2) = (&self.q4, x.rank()) {
-            let y = x.contiguous()?.apply_op1_no_bwd(&Q4MatMul(q4))?;
+        if let (Some(quant), 2) = (&self.quant, x.rank()) {
+            let y = x.contiguous()?.apply_op1_no_bwd(&QuantMatMul(quant))?;
             return self.add_bias(y);
         }
         let y = if x.rank() == 2 {

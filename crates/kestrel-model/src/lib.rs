@@ -26,7 +26,7 @@ mod layer;
 pub mod llama;
 pub mod matvec;
 mod matvec_bf16;
-pub mod matvec_q4;
+pub mod matvec_quant;
 pub mod prefix_cache;
 mod rope;
 mod row_gemm;

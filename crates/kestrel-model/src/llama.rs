@@ -6,7 +6,7 @@ use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
 use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
-use crate::matvec_q4::Q4Weights;
+use crate::matvec_quant::{Bits, QuantWeights};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
@@ -366,25 +366,28 @@ impl Llama {
     }
 
     /// A copy of this model whose decoder layers' projections read 4-bit copies of their
-    /// weights (`matvec_q4.rs`: 0.31 of the bytes bf16 weights take), everything else
-    /// shared with `self` (the runtime drafts with it: `Engine::quantized_draft`). The LM
-    /// head keeps its precision: SmolLM2's comes from an 8-bit tensor, and at 4 bits the
-    /// copy's greedy tokens agreed with the model's less often (3.2 against 3.6 tokens a
-    /// draft-target step at 3 drafts). CPU only; a projection whose rows are not a multiple
-    /// of 64 stays as it is. Returns the copy and the bytes its 4-bit weights take.
-    pub fn with_q4_projections(&self) -> Result<(Llama, usize)> {
+    /// weights and whose LM head reads an 8-bit copy (`matvec_quant.rs`: 0.31 and 0.56 of
+    /// the bytes bf16 weights take), everything else shared with `self` (the runtime drafts
+    /// with it: `Engine::quantized_draft`). Why 8 bits for the head: SmolLM2's comes from an
+    /// 8-bit tensor, and at 4 bits the copy's greedy tokens agreed with the model's less
+    /// often (3.2 against 3.6 tokens a draft-target step at 3 drafts). CPU only; a matrix
+    /// whose rows are not a multiple of 64 stays as it is. Returns the copy and the bytes
+    /// its quantized weights take.
+    pub fn with_quantized_draft_weights(&self) -> Result<(Llama, usize)> {
         if !self.device.is_cpu() {
             return Err(invalid(
-                "4-bit projections run on the CPU only (their kernel has no CUDA version yet)",
+                "quantized weights run on the CPU only (their kernel has no CUDA version yet)",
             ));
         }
         let mut copy = self.clone();
         copy.graphs = StepGraphs::default();
         let mut bytes = 0;
-        for lin in copy.layers.iter_mut().flat_map(|l| l.linears_mut()) {
-            if let Some(q4) = Q4Weights::quantize(&lin.w)? {
-                bytes += q4.bytes();
-                lin.q4 = Some(std::sync::Arc::new(q4));
+        let projections = copy.layers.iter_mut().flat_map(|l| l.linears_mut());
+        let layers = projections.map(|lin| (lin, Bits::Four));
+        for (lin, bits) in layers.chain([(&mut copy.lm_head, Bits::Eight)]) {
+            if let Some(quant) = QuantWeights::quantize(&lin.w, bits)? {
+                bytes += quant.bytes();
+                lin.quant = Some(std::sync::Arc::new(quant));
             }
         }
         Ok((copy, bytes))
@@ -692,7 +695,7 @@ impl Llama {
                 .map(|b| gather_rows(b, &index))
                 .transpose()?,
             gemv: head.gemv,
-            q4: None,
+            quant: None,
         }))
     }
 

@@ -144,12 +144,12 @@ impl Engine {
         })
     }
 
-    /// This engine's model as a draft for itself, its decoder projections read at 4 bits
-    /// ([`Llama::with_q4_projections`]; CPU only), sharing every other weight with `self`: the
-    /// draft of draft-target decoding with no second model to train or load. Returns the
-    /// draft and the bytes its 4-bit weights add.
+    /// This engine's model as a draft for itself, its decoder projections read at 4 bits and
+    /// its LM head at 8 ([`Llama::with_quantized_draft_weights`]; CPU only), sharing every
+    /// other weight with `self`: the draft of draft-target decoding with no second model to
+    /// train or load. Returns the draft and the bytes its quantized weights add.
     pub fn quantized_draft(&self) -> Result<(Engine, usize)> {
-        let (model, bytes) = self.model.with_q4_projections()?;
+        let (model, bytes) = self.model.with_quantized_draft_weights()?;
         let label = format!("{} (4-bit draft)", self.dir.display());
         // A draft drafts nothing itself, whatever mode its target was built for.
         let mut plan = self.plan.clone();

@@ -732,7 +732,8 @@ fn quantizable_cfg(vocab: usize) -> ModelConfig {
     model_cfg(vocab, 64, 2, 4, 2)
 }
 
-/// The target's own weights at 4 bits as its draft (`Engine::quantized_draft`): the output is
+/// The target's own weights at 4 bits (its LM head at 8) as its draft
+/// (`Engine::quantized_draft`): the output is
 /// plain greedy decoding's, the draft is really another model (its logits differ from the
 /// target's), and it agrees with the target far more often than chance.
 #[test]
@@ -747,9 +748,13 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
     ));
     let (draft, bytes) = target.quantized_draft().unwrap();
     // Per layer: q/k/v, o and gate/up of 64 inputs, down of 128: 64·(128 + 64 + 256) + 64·128
-    // weights at half a byte, plus two f16 per 32 weights.
+    // weights at half a byte; the LM head's VOCAB·64 at a byte; two f16 per 32 weights.
     let weights = 64 * (128 + 64 + 256) + 64 * 128;
-    assert_eq!(bytes, 2 * (weights / 2 + 4 * weights / 32));
+    let head = VOCAB * 64;
+    assert_eq!(
+        bytes,
+        2 * (weights / 2 + 4 * weights / 32) + head + 4 * head / 32
+    );
 
     let prompt = [5u32, 17, 9, 40];
     let unwarped = SamplingParams {

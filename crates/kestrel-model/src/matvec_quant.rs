@@ -1,5 +1,5 @@
-//! 4-bit copies of a model's projections (`Llama::with_q4_projections`), for a draft that is
-//! the target itself at about a third of its weight bytes (the runtime's
+//! 4- and 8-bit copies of a model's weights (`Llama::with_quantized_draft_weights`), for a
+//! draft that is the target itself at about a third of its weight bytes (the runtime's
 //! `Engine::quantized_draft`).
 //!
 //! Why: on a CPU a decode step streams every weight once, so its time follows the weight
@@ -9,14 +9,16 @@
 //! draft). Its numbers need not match anything: the target verifies every draft, so the
 //! output stays the target's whatever the draft computes.
 //!
-//! Layout (GGUF's Q4_1: asymmetric blocks of [`BLOCK`] = 32 along a row, so SmolLM2's
-//! projections, Q4_1 in its GGUF, come back as they were): each block keeps a scale `d` and a
-//! minimum `m` (f16, 0.125 bytes a weight) and 32 codes `q` in 0..=15, the weight being `d·q + m`. Blocks go in
-//! pairs: byte `i` of a pair's 32 holds element `i` of the first block in its low nibble and
-//! element `i` of the second in its high one, so one 32-byte load split into nibbles gives
-//! the pair's 64 codes in order. The input rows are quantized per block too (`x ≈ dx·xq`,
-//! `xq` in -127..=127), so a block's products are integers: `Σ w·x ≈ d·dx·Σ q·xq + m·Σ x`,
-//! and `vpdpbusd` (AVX512-VNNI) takes a pair's 64 products `q·xq` in one instruction.
+//! Layout (GGUF's Q4_1, and its 8-bit analogue: asymmetric blocks of [`BLOCK`] = 32 along a
+//! row, so SmolLM2's projections, Q4_1 in its GGUF, come back as they were): each block keeps
+//! a scale `d` and a minimum `m` (f16, 0.125 bytes a weight) and 32 codes `q` in
+//! 0..=15 (or 0..=255), the weight being `d·q + m`. Blocks go in pairs: at 4 bits byte `i` of a
+//! pair's 32 holds element `i` of the first block in its low nibble and element `i` of the
+//! second in its high one, so one 32-byte load split into nibbles gives the pair's 64 codes
+//! in order; at 8 bits a pair is its 64 codes in order. The input rows are quantized per
+//! block too (`x ≈ dx·xq`, `xq` in -127..=127), so a block's products are integers:
+//! `Σ w·x ≈ d·dx·Σ q·xq + m·Σ x`, and `vpdpbusd` (AVX512-VNNI) takes a pair's 64 products
+//! `q·xq` in one instruction.
 
 use crate::matvec::{by_weight_tiles, TILE_N};
 use candle_core::backend::BackendStorage;
@@ -25,15 +27,41 @@ use half::{bf16, f16};
 
 /// Weights sharing one scale and minimum, along a row.
 pub const BLOCK: usize = 32;
-/// Two blocks: what one 32-byte load of codes holds, and what a row's length must divide by.
+/// Two blocks: what one load of codes holds, and what a row's length must divide by.
 const PAIR: usize = 2 * BLOCK;
 
-/// A `[n, k]` weight matrix at 4 bits (the layout above).
+/// Bits a weight's code takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bits {
+    Four,
+    Eight,
+}
+
+impl Bits {
+    /// The largest code.
+    fn top(self) -> f32 {
+        match self {
+            Bits::Four => 15.0,
+            Bits::Eight => 255.0,
+        }
+    }
+
+    /// Code bytes of `k` weights.
+    fn bytes(self, k: usize) -> usize {
+        match self {
+            Bits::Four => k / 2,
+            Bits::Eight => k,
+        }
+    }
+}
+
+/// A `[n, k]` weight matrix at 4 or 8 bits (the layout above).
 #[derive(Debug)]
-pub struct Q4Weights {
+pub struct QuantWeights {
+    bits: Bits,
     n: usize,
     k: usize,
-    /// `n · k / 2` bytes, row after row, pair of blocks after pair.
+    /// `bits.bytes(k)` bytes a row, row after row, pair of blocks after pair.
     codes: Vec<u8>,
     /// `[n, k / BLOCK]`.
     scales: Vec<f16>,
@@ -50,37 +78,65 @@ struct QuantRow {
 
 /// One weight row's blocks.
 struct WeightRow<'a> {
+    bits: Bits,
     codes: &'a [u8],
     scales: &'a [f16],
     mins: &'a [f16],
 }
 
-impl Q4Weights {
-    /// The 4-bit copy of `w: [n, k]` (any float dtype, on the CPU); `None` when `k` is not a
-    /// multiple of 64 (a pair of blocks).
-    pub fn quantize(w: &Tensor) -> candle_core::Result<Option<Self>> {
+impl WeightRow<'_> {
+    /// The code of element `t`.
+    fn code(&self, t: usize) -> u8 {
+        match self.bits {
+            Bits::Eight => self.codes[t],
+            Bits::Four => {
+                let byte = self.codes[t / PAIR * BLOCK + t % BLOCK];
+                if t % PAIR < BLOCK {
+                    byte & 15
+                } else {
+                    byte >> 4
+                }
+            }
+        }
+    }
+}
+
+impl QuantWeights {
+    /// The `bits`-bit copy of `w: [n, k]` (any float dtype, on the CPU); `None` when `k` is
+    /// not a multiple of 64 (a pair of blocks).
+    pub fn quantize(w: &Tensor, bits: Bits) -> candle_core::Result<Option<Self>> {
         let (n, k) = w.dims2()?;
         if !k.is_multiple_of(PAIR) {
             return Ok(None);
         }
         let values = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let blocks = k / BLOCK;
-        let mut codes = vec![0u8; n * k / 2];
+        let mut codes = vec![0u8; n * bits.bytes(k)];
         let mut scales = vec![f16::ZERO; n * blocks];
         let mut mins = vec![f16::ZERO; n * blocks];
         let per_pair = values
             .chunks_exact(PAIR)
-            .zip(codes.chunks_exact_mut(PAIR / 2))
+            .zip(codes.chunks_exact_mut(bits.bytes(PAIR)))
             .zip(scales.chunks_exact_mut(2).zip(mins.chunks_exact_mut(2)));
         for ((v, c), (d, m)) in per_pair {
             let (first, second) = v.split_at(BLOCK);
-            let (lo, hi) = (block_codes(first), block_codes(second));
-            for (i, byte) in c.iter_mut().enumerate() {
-                *byte = lo.codes[i] | (hi.codes[i] << 4);
+            let (lo, hi) = (block_codes(first, bits), block_codes(second, bits));
+            match bits {
+                Bits::Four => {
+                    for (i, byte) in c.iter_mut().enumerate() {
+                        *byte = lo.codes[i] | (hi.codes[i] << 4);
+                    }
+                }
+                Bits::Eight => {
+                    let (a, b) = c.split_at_mut(BLOCK);
+                    a.copy_from_slice(&lo.codes);
+                    b.copy_from_slice(&hi.codes);
+                }
             }
             (d[0], m[0], d[1], m[1]) = (lo.scale, lo.min, hi.scale, hi.min);
         }
-        Ok(Some(Q4Weights {
+        Ok(Some(QuantWeights {
+            bits,
             n,
             k,
             codes,
@@ -98,19 +154,15 @@ impl Q4Weights {
     #[cfg(test)]
     fn value(&self, j: usize, t: usize) -> f32 {
         let at = j * self.k + t;
-        let byte = self.codes[at / PAIR * BLOCK + t % BLOCK];
-        let q = if t % PAIR < BLOCK {
-            byte & 15
-        } else {
-            byte >> 4
-        };
+        let q = self.row(j).code(t);
         self.scales[at / BLOCK].to_f32() * q as f32 + self.mins[at / BLOCK].to_f32()
     }
 
     fn row(&self, j: usize) -> WeightRow<'_> {
-        let blocks = self.k / BLOCK;
+        let (blocks, bytes) = (self.k / BLOCK, self.bits.bytes(self.k));
         WeightRow {
-            codes: &self.codes[j * self.k / 2..(j + 1) * self.k / 2],
+            bits: self.bits,
+            codes: &self.codes[j * bytes..(j + 1) * bytes],
             scales: &self.scales[j * blocks..(j + 1) * blocks],
             mins: &self.mins[j * blocks..(j + 1) * blocks],
         }
@@ -132,7 +184,7 @@ impl Q4Weights {
             let tile_rows: [usize; TILE_N] = std::array::from_fn(|j| j0 + j.min(nj - 1));
             for i0 in (0..m).step_by(ROWS_AT_ONCE) {
                 let group = &rows[i0..(i0 + ROWS_AT_ONCE).min(m)];
-                let res = self.tile(&tile_rows, group, simd);
+                let res = self.tile(&tile_rows, group, simd && i0 == 0, simd);
                 out.put(i0, &res[..group.len()], nj);
             }
         })
@@ -143,13 +195,17 @@ impl Q4Weights {
 /// for all).
 const ROWS_AT_ONCE: usize = 4;
 
-impl Q4Weights {
+impl QuantWeights {
     /// The products of the weight rows `rows_j` with up to [`ROWS_AT_ONCE`] quantized rows:
     /// `res[i][j]`.
+    /// `prefetch`: the first pass over these weight rows, which asks for the lines ahead of
+    /// them (as `matvec_bf16.rs` does: 8-bit rows read side by side streamed at half the
+    /// memory's rate without it).
     fn tile(
         &self,
         rows_j: &[usize; TILE_N],
         rows: &[QuantRow],
+        prefetch: bool,
         simd: bool,
     ) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
         #[cfg(target_arch = "x86_64")]
@@ -157,15 +213,19 @@ impl Q4Weights {
             // SAFETY: `simd` is `vnni()`, which checked the features the kernel is compiled
             // for.
             return unsafe {
-                match rows.len() {
-                    1 => avx512::tile::<1>(self, rows_j, rows),
-                    2 => avx512::tile::<2>(self, rows_j, rows),
-                    3 => avx512::tile::<3>(self, rows_j, rows),
-                    _ => avx512::tile::<4>(self, rows_j, rows),
+                match (self.bits, rows.len()) {
+                    (Bits::Four, 1) => avx512::tile::<1, false>(self, rows_j, rows, prefetch),
+                    (Bits::Four, 2) => avx512::tile::<2, false>(self, rows_j, rows, prefetch),
+                    (Bits::Four, 3) => avx512::tile::<3, false>(self, rows_j, rows, prefetch),
+                    (Bits::Four, _) => avx512::tile::<4, false>(self, rows_j, rows, prefetch),
+                    (Bits::Eight, 1) => avx512::tile::<1, true>(self, rows_j, rows, prefetch),
+                    (Bits::Eight, 2) => avx512::tile::<2, true>(self, rows_j, rows, prefetch),
+                    (Bits::Eight, 3) => avx512::tile::<3, true>(self, rows_j, rows, prefetch),
+                    (Bits::Eight, _) => avx512::tile::<4, true>(self, rows_j, rows, prefetch),
                 }
             };
         }
-        let _ = simd;
+        let _ = (simd, prefetch);
         let mut res = [[0f32; TILE_N]; ROWS_AT_ONCE];
         for (r, row) in res.iter_mut().zip(rows) {
             for (v, &j) in r.iter_mut().zip(rows_j) {
@@ -176,7 +236,7 @@ impl Q4Weights {
     }
 }
 
-/// One block's codes (0..=15), scale and minimum.
+/// One block's codes (0..=15 or 0..=255), scale and minimum.
 struct BlockCodes {
     codes: [u8; BLOCK],
     scale: f16,
@@ -185,15 +245,16 @@ struct BlockCodes {
 
 /// The codes are taken against the scale and minimum as stored (rounded to f16), so that a
 /// block whose weights were `d·q + m` with f16 `d` and `m` (a GGUF's Q4_1) gets them back.
-fn block_codes(v: &[f32]) -> BlockCodes {
+fn block_codes(v: &[f32], bits: Bits) -> BlockCodes {
     let lo = v.iter().copied().fold(f32::INFINITY, f32::min);
     let hi = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let (scale, min) = (f16::from_f32((hi - lo) / 15.0), f16::from_f32(lo));
+    let top = bits.top();
+    let (scale, min) = (f16::from_f32((hi - lo) / top), f16::from_f32(lo));
     let (d, m) = (scale.to_f32(), min.to_f32());
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     let mut codes = [0u8; BLOCK];
     for (c, &x) in codes.iter_mut().zip(v) {
-        *c = round_small((x - m) * inv).clamp(0.0, 15.0) as u8;
+        *c = round_small((x - m) * inv).clamp(0.0, top) as u8;
     }
     BlockCodes { codes, scale, min }
 }
@@ -228,13 +289,10 @@ fn quantize_row(x: &[f32]) -> QuantRow {
 fn portable_dot(w: &WeightRow, row: &QuantRow) -> f32 {
     let mut acc = 0f32;
     for b in 0..w.scales.len() {
-        let (pair, high) = (b / 2, b % 2 == 1);
-        let codes = &w.codes[pair * BLOCK..(pair + 1) * BLOCK];
         let xq = &row.xq[b * BLOCK..(b + 1) * BLOCK];
         let mut s = 0i32;
-        for (&byte, &x) in codes.iter().zip(xq) {
-            let q = if high { byte >> 4 } else { byte & 15 };
-            s += q as i32 * x as i32;
+        for (t, &x) in (b * BLOCK..).zip(xq) {
+            s += w.code(t) as i32 * x as i32;
         }
         acc += w.scales[b].to_f32() * row.dx[b] * s as f32 + w.mins[b].to_f32() * row.sum[b];
     }
@@ -259,36 +317,40 @@ fn vnni() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Q4Weights, QuantRow, BLOCK, ROWS_AT_ONCE, TILE_N};
+    use super::{QuantRow, QuantWeights, BLOCK, ROWS_AT_ONCE, TILE_N};
     use std::arch::x86_64::*;
 
     /// Blocks whose scales are multiplied out at once (one register of them).
     const GROUP: usize = 16;
 
-    /// As `portable_dot` for `MI` rows against a tile's weight rows: per pair of blocks,
-    /// each weight row's codes unpacked once (the 32 bytes in both halves of a register,
-    /// the upper half shifted down a nibble), then for each input row its 64 integer
+    /// As `portable_dot` for `MI` rows against a tile's weight rows (8-bit codes when
+    /// `EIGHT`): per pair of blocks, each weight row's codes loaded once (at 4 bits the 32
+    /// bytes in both halves of a register, the upper half shifted down a nibble), then for each input row its 64 integer
     /// products in 16 lanes (`vpdpbusd`; lanes 0-7 the first block's, 8-15 the second's),
     /// scaled by each block's `d·dx` into 16 float lanes. The scales of a group of blocks
     /// stay in a register, the pair's two picked out by one permute (broadcasting them
     /// from a stack copy cost as much as the products), and the minimums' terms `m·Σx` are
     /// added a group of blocks at a time.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn tile<const MI: usize>(
-        weights: &Q4Weights,
+    pub(super) unsafe fn tile<const MI: usize, const EIGHT: bool>(
+        weights: &QuantWeights,
         rows_j: &[usize; TILE_N],
         rows: &[QuantRow],
+        prefetch: bool,
     ) -> [[f32; TILE_N]; ROWS_AT_ONCE] {
         let blocks = weights.k / BLOCK;
         assert!(blocks.is_multiple_of(2) && rows.len() >= MI);
         assert!(rows_j.iter().all(|&j| j < weights.n));
         // Each weight row's codes, scales and minimums by pointer: slices built per tile
         // went through the stack and cost a fifth of the kernel's time in stalled loads.
-        // SAFETY: row j < n has k / 2 code bytes and `blocks` scales and minimums from
-        // these offsets (the layout `Q4Weights::quantize` writes).
+        assert_eq!(EIGHT, weights.bits == super::Bits::Eight);
+        let row_bytes = weights.bits.bytes(weights.k);
+        let pair_bytes = weights.bits.bytes(2 * BLOCK);
+        // SAFETY: row j < n has `row_bytes` code bytes and `blocks` scales and minimums from
+        // these offsets (the layout `QuantWeights::quantize` writes).
         let (codes, scales_f16, mins): ([*const u8; TILE_N], [*const half::f16; TILE_N], _) = unsafe {
             (
-                rows_j.map(|j| weights.codes.as_ptr().add(j * weights.k / 2)),
+                rows_j.map(|j| weights.codes.as_ptr().add(j * row_bytes)),
                 rows_j.map(|j| weights.scales.as_ptr().add(j * blocks)),
                 rows_j.map(|j| weights.mins.as_ptr().add(j * blocks)),
             )
@@ -329,16 +391,27 @@ mod avx512 {
                 }
                 for t in (0..nb).step_by(2) {
                     let b = g + t;
+                    if prefetch {
+                        // The tile's rows lie side by side: walk their bytes in address
+                        // order, a pair's share of them each pair.
+                        let per_pair = TILE_N * pair_bytes;
+                        let done = b / 2 * per_pair;
+                        crate::matvec::prefetch_ahead(codes[0], done, done + per_pair);
+                    }
                     let pick = _mm512_add_epi32(first_pair, _mm512_set1_epi32(t as i32));
                     let xq: [__m512i; MI] = std::array::from_fn(|i| {
                         _mm512_loadu_si512(rows[i].xq.as_ptr().add(b * BLOCK).cast())
                     });
                     for j in 0..TILE_N {
                         // The first block's codes in the low 256 bits, the second's above.
-                        let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            codes[j].add(b * BLOCK / 2).cast(),
-                        ));
-                        let q = _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), nibble);
+                        let q = if EIGHT {
+                            _mm512_loadu_si512(codes[j].add(b * BLOCK).cast())
+                        } else {
+                            let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                codes[j].add(b * BLOCK / 2).cast(),
+                            ));
+                            _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), nibble)
+                        };
                         for i in 0..MI {
                             let products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq[i]);
                             let scale = _mm512_permutexvar_ps(pick, scales[i][j]);
@@ -359,19 +432,23 @@ mod avx512 {
     }
 }
 
-/// `x · wᵀ` through a [`Q4Weights`] copy of `w`, for `x: [m, k]` of any float dtype on the
+/// `x · wᵀ` through a [`QuantWeights`] copy of `w`, for `x: [m, k]` of any float dtype on the
 /// CPU; the result in `x`'s dtype.
-pub(crate) struct Q4MatMul<'a>(pub &'a Q4Weights);
+pub(crate) struct QuantMatMul<'a>(pub &'a QuantWeights);
 
-impl CustomOp1 for Q4MatMul<'_> {
+impl CustomOp1 for QuantMatMul<'_> {
     fn name(&self) -> &'static str {
-        "kestrel-matvec-q4"
+        "kestrel-matvec-quant"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, k) = l.shape().dims2()?;
         if k != self.0.k {
-            candle_core::bail!("matvec_q4: x is {m}x{k} but w is {}x{}", self.0.n, self.0.k);
+            candle_core::bail!(
+                "matvec_quant: x is {m}x{k} but w is {}x{}",
+                self.0.n,
+                self.0.k
+            );
         }
         let x: Vec<f32> = match s {
             CpuStorage::F32(v) => crate::matvec::slice(v, l)?.to_vec(),
@@ -383,7 +460,7 @@ impl CustomOp1 for Q4MatMul<'_> {
                 .iter()
                 .map(|v| v.to_f32())
                 .collect(),
-            _ => candle_core::bail!("matvec_q4: unsupported input dtype {:?}", s.dtype()),
+            _ => candle_core::bail!("matvec_quant: unsupported input dtype {:?}", s.dtype()),
         };
         let out = self.0.matmul_nt(&x, m);
         let storage = match s.dtype() {
@@ -437,19 +514,26 @@ mod tests {
     }
 
     /// Every weight comes back within half a step of its block's grid, and weights that were
-    /// on such a grid come back as they were.
+    /// on a 4-bit grid come back as they were at 4 bits.
     #[test]
     fn codes_reproduce_each_weight() {
         let (n, k) = (5, 192);
-        for (w, exact) in [(weights(n, k), false), (grid_weights(n, k), true)] {
-            let q = Q4Weights::quantize(&w).unwrap().unwrap();
-            let v = w.to_vec2::<f32>().unwrap();
-            for (j, row) in v.iter().enumerate() {
-                for (t, &want) in row.iter().enumerate() {
-                    let d = q.scales[(j * k + t) / BLOCK].to_f32();
-                    let err = (q.value(j, t) - want).abs();
-                    let bound = if exact { 1e-6 } else { d / 2.0 + 1e-6 };
-                    assert!(err <= bound, "({j}, {t}): {} vs {want}", q.value(j, t));
+        for bits in [Bits::Four, Bits::Eight] {
+            for (w, on_grid) in [(weights(n, k), false), (grid_weights(n, k), true)] {
+                let exact = on_grid && bits == Bits::Four;
+                let q = QuantWeights::quantize(&w, bits).unwrap().unwrap();
+                let v = w.to_vec2::<f32>().unwrap();
+                for (j, row) in v.iter().enumerate() {
+                    for (t, &want) in row.iter().enumerate() {
+                        let d = q.scales[(j * k + t) / BLOCK].to_f32();
+                        let err = (q.value(j, t) - want).abs();
+                        let bound = if exact { 1e-6 } else { d / 2.0 + 1e-6 };
+                        assert!(
+                            err <= bound,
+                            "{bits:?} ({j}, {t}): {} vs {want}",
+                            q.value(j, t)
+                        );
+                    }
                 }
             }
         }
@@ -460,28 +544,36 @@ mod tests {
     #[test]
     fn products_match_the_dequantized_arithmetic() {
         let (n, k) = (37, 576);
-        let q = Q4Weights::quantize(&weights(n, k)).unwrap().unwrap();
-        for m in [1, 3, 6] {
-            let x = inputs(m, k);
-            let got = q.matmul_nt(&x, m);
-            for i in 0..m {
-                let row = quantize_row(&x[i * k..(i + 1) * k]);
-                for j in 0..n {
-                    let mut want = 0f64;
-                    for t in 0..k {
-                        let xd = row.dx[t / BLOCK] as f64 * row.xq[t] as f64;
-                        let md = q.mins[(j * k + t) / BLOCK].to_f32() as f64;
-                        // d·q against the quantized input, the minimum against the exact one.
-                        want += (q.value(j, t) as f64 - md) * xd + md * x[i * k + t] as f64;
+        for bits in [Bits::Four, Bits::Eight] {
+            let q = QuantWeights::quantize(&weights(n, k), bits)
+                .unwrap()
+                .unwrap();
+            for m in [1, 3, 6] {
+                let x = inputs(m, k);
+                let got = q.matmul_nt(&x, m);
+                for i in 0..m {
+                    let row = quantize_row(&x[i * k..(i + 1) * k]);
+                    for j in 0..n {
+                        let mut want = 0f64;
+                        for t in 0..k {
+                            let xd = row.dx[t / BLOCK] as f64 * row.xq[t] as f64;
+                            let md = q.mins[(j * k + t) / BLOCK].to_f32() as f64;
+                            // d·q against the quantized input, the minimum against the exact
+                            // one.
+                            want += (q.value(j, t) as f64 - md) * xd + md * x[i * k + t] as f64;
+                        }
+                        let tol = 1e-4 * (1.0 + want.abs());
+                        let g = got[i * n + j] as f64;
+                        assert!(
+                            (g - want).abs() < tol,
+                            "{bits:?}, {m} rows ({i}, {j}): {g} vs {want}"
+                        );
+                        let portable = portable_dot(&q.row(j), &row) as f64;
+                        assert!(
+                            (portable - want).abs() < tol,
+                            "{bits:?}, portable ({i}, {j}): {portable}"
+                        );
                     }
-                    let tol = 1e-4 * (1.0 + want.abs());
-                    let g = got[i * n + j] as f64;
-                    assert!((g - want).abs() < tol, "{m} rows ({i}, {j}): {g} vs {want}");
-                    let portable = portable_dot(&q.row(j), &row) as f64;
-                    assert!(
-                        (portable - want).abs() < tol,
-                        "portable ({i}, {j}): {portable}"
-                    );
                 }
             }
         }
@@ -489,9 +581,9 @@ mod tests {
 
     /// The relative error of the kernel's products against the f64 products of `w` with the
     /// same inputs.
-    fn relative_error(w: &Tensor, m: usize) -> f64 {
+    fn relative_error(w: &Tensor, bits: Bits, m: usize) -> f64 {
         let (n, k) = w.dims2().unwrap();
-        let q = Q4Weights::quantize(w).unwrap().unwrap();
+        let q = QuantWeights::quantize(w, bits).unwrap().unwrap();
         let x = inputs(m, k);
         let got = q.matmul_nt(&x, m);
         let v = w.to_vec2::<f32>().unwrap();
@@ -508,33 +600,45 @@ mod tests {
 
     /// Weights that were 4-bit already lose nothing, so only the inputs' 8 bits remain;
     /// arbitrary weights lose what 16 levels lose (a uniform block's rounding noise is 1/15
-    /// of its spread over √12, as the weights' own spread is).
+    /// of its spread over √12, as the weights' own spread is), or what 256 levels and the
+    /// inputs' 8 bits lose.
     #[test]
     fn products_stay_close_to_full_precision() {
-        let on_grid = relative_error(&grid_weights(64, 1536), 2);
+        let on_grid = relative_error(&grid_weights(64, 1536), Bits::Four, 2);
         assert!(on_grid < 0.01, "4-bit weights: relative error {on_grid}");
-        let anywhere = relative_error(&weights(64, 1536), 2);
+        let four = relative_error(&weights(64, 1536), Bits::Four, 2);
         assert!(
-            anywhere < 0.08,
-            "arbitrary weights: relative error {anywhere}"
+            four < 0.08,
+            "arbitrary weights at 4 bits: relative error {four}"
+        );
+        let eight = relative_error(&weights(64, 1536), Bits::Eight, 2);
+        assert!(
+            eight < 0.01,
+            "arbitrary weights at 8 bits: relative error {eight}"
         );
     }
 
     #[test]
     fn rows_whose_length_is_not_a_multiple_of_64_stay_unquantized() {
-        assert!(Q4Weights::quantize(&weights(3, 96)).unwrap().is_none());
+        for bits in [Bits::Four, Bits::Eight] {
+            assert!(QuantWeights::quantize(&weights(3, 96), bits)
+                .unwrap()
+                .is_none());
+        }
     }
 
     #[test]
     fn the_op_keeps_the_input_dtype() {
         let (m, n, k) = (2, 9, 128);
-        let q = Q4Weights::quantize(&weights(n, k)).unwrap().unwrap();
+        let q = QuantWeights::quantize(&weights(n, k), Bits::Four)
+            .unwrap()
+            .unwrap();
         let x = Tensor::from_vec(inputs(m, k), (m, k), &Device::Cpu).unwrap();
-        let f = x.apply_op1_no_bwd(&Q4MatMul(&q)).unwrap();
+        let f = x.apply_op1_no_bwd(&QuantMatMul(&q)).unwrap();
         let b = x
             .to_dtype(DType::BF16)
             .unwrap()
-            .apply_op1_no_bwd(&Q4MatMul(&q))
+            .apply_op1_no_bwd(&QuantMatMul(&q))
             .unwrap();
         assert_eq!(b.dtype(), DType::BF16);
         assert_eq!(f.dims(), &[m, n]);
