@@ -70,9 +70,12 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("matvec-bf16-16384x576-in-l3");
     group.sample_size(20);
     group.throughput(Throughput::Bytes((SMALL * K * 2) as u64));
-    group.bench_function("bf16_rows_1_rows", |b| {
-        b.iter(|| black_box(matmul_nt_bf16(&xb, ws, 1, K, SMALL)))
-    });
+    for m in [1usize, 2, 3] {
+        let xm: Vec<bf16> = xb.iter().copied().cycle().take(m * K).collect();
+        group.bench_function(format!("bf16_rows_{m}_rows"), |b| {
+            b.iter(|| black_box(matmul_nt_bf16(&xm, ws, m, K, SMALL)))
+        });
+    }
     group.bench_function("q4_rows_1_rows", |b| {
         b.iter(|| black_box(q4s.matmul_nt(&xf, 1)))
     });
