@@ -4,6 +4,9 @@
 # work/smollm2-bfloat16-engine from tools/demo.sh), MT-bench 1-5 with the chat template, 64 tokens, batch 1, plain
 # decoding, EAGLE-1 with tree_cpu, prompt lookup backed by the shipped corpus, and both grafted.
 # Usage: bash tools/cpu_ab.sh BASE_SPEC_BENCH NEW_SPEC_BENCH [OUT_DIR]
+# MODES replaces the modes, EXTRA adds flags (e.g. the 4-bit self-draft:
+#   ENGINE=E EXTRA="--draft_engine_dir E --draft_quantization q4" MODES=plain,draft_target:2
+# with E built --speculative_decoding_mode draft_tokens_external --max_draft_len 8).
 # (a BASE or NEW may be a wrapper script, e.g. one that sets KESTREL_CPU_AMX=0 and execs the binary)
 # e.g. (base from a worktree of the previous commit; copy each binary out after its build):
 #   git worktree add /tmp/base HEAD~1 && (cd /tmp/base && cargo build --release --bin spec-bench)
@@ -20,7 +23,7 @@ for round in 1 2; do
     "$bin" --engine_dir "$ENGINE" --prompts ../shared/data/mt_bench/question.jsonl \
       --num_prompts 5 --chat --max_output_len 64 --batch_sizes 1 --eagle_draft_vocab 4096 \
       --prompt_lookup_corpus heads/smollm2-ngram/corpus.safetensors --modes "$MODES" \
-      --output_json "$OUT/${round}_$build.json" > "$OUT/${round}_$build.log" 2>&1
+      --output_json "$OUT/${round}_$build.json" ${EXTRA:-} > "$OUT/${round}_$build.log" 2>&1
   done
 done
 python3 - "$OUT" <<'PY'
