@@ -10,7 +10,7 @@
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kestrel_core::{DType, ModelConfig};
-use kestrel_model::{Llama, OutputRows, SeqInput};
+use kestrel_model::{Llama, OutputRows, PagedKvCache, SeqId, SeqInput};
 use std::hint::black_box;
 
 fn smollm2_cfg() -> ModelConfig {
@@ -21,6 +21,33 @@ fn smollm2_cfg() -> ModelConfig {
             "max_position_embeddings": 8192}"#,
     )
     .expect("valid config")
+}
+
+/// `model`'s logits for `tokens` at `positions` after the first 100 tokens of `seq` (every
+/// row's or the last's), the cache rolled back to those 100 afterwards.
+fn step_after_context(
+    model: &Llama,
+    cache: &mut PagedKvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    positions: &[u32],
+    output_rows: OutputRows,
+) -> candle_core::Tensor {
+    let h = model
+        .forward(
+            &[SeqInput {
+                seq,
+                tokens,
+                positions,
+                mask: None,
+                output_rows,
+            }],
+            cache,
+        )
+        .expect("step");
+    let logits = model.logits(&h).expect("logits");
+    cache.truncate(seq, 100).expect("rollback");
+    logits
 }
 
 fn bench(c: &mut Criterion) {
@@ -53,21 +80,14 @@ fn bench(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     group.bench_function("decode_b1_ctx100", |b| {
         b.iter(|| {
-            let h = model
-                .forward(
-                    &[SeqInput {
-                        seq,
-                        tokens: &[42],
-                        positions: &[100],
-                        mask: None,
-                        output_rows: OutputRows::Last,
-                    }],
-                    &mut cache,
-                )
-                .expect("decode");
-            let logits = model.logits(&h).expect("logits");
-            cache.truncate(seq, 100).expect("rollback");
-            black_box(logits)
+            black_box(step_after_context(
+                &model,
+                &mut cache,
+                seq,
+                &[42],
+                &[100],
+                OutputRows::Last,
+            ))
         })
     });
 
@@ -78,49 +98,37 @@ fn bench(c: &mut Criterion) {
         let positions: Vec<u32> = (100..100 + t as u32).collect();
         group.bench_function(format!("verify_{t}_ctx100"), |b| {
             b.iter(|| {
-                let h = model
-                    .forward(
-                        &[SeqInput {
-                            seq,
-                            tokens: &tokens,
-                            positions: &positions,
-                            mask: None,
-                            output_rows: OutputRows::All,
-                        }],
-                        &mut cache,
-                    )
-                    .expect("verify");
-                let logits = model.logits(&h).expect("logits");
-                cache.truncate(seq, 100).expect("rollback");
-                black_box(logits)
+                black_box(step_after_context(
+                    &model,
+                    &mut cache,
+                    seq,
+                    &tokens,
+                    &positions,
+                    OutputRows::All,
+                ))
             })
         });
     }
 
-    // The 4-bit self-draft's steps (`Llama::with_quantized_draft_weights`, as `--draft_quantization q4`
-    // drafts): one row as a draft step, two as the catch-up after a full acceptance (last
-    // draft and bonus token), over the same context in the same cache.
-    let (draft, _) = model.with_quantized_draft_weights().expect("4-bit copy");
+    // The 4-bit self-draft's steps (`Llama::with_quantized_draft_weights`, as
+    // `--draft_quantization q4` drafts): one row as a draft step, two as the catch-up after a
+    // full acceptance (last draft and bonus token), over the same context in the same cache.
+    let (draft, _) = model
+        .with_quantized_draft_weights()
+        .expect("quantized copy");
     for t in [1usize, 2] {
         let tokens: Vec<u32> = (0..t as u32).map(|i| 42 + i).collect();
         let positions: Vec<u32> = (100..100 + t as u32).collect();
         group.bench_function(format!("q4_draft_{t}_ctx100"), |b| {
             b.iter(|| {
-                let h = draft
-                    .forward(
-                        &[SeqInput {
-                            seq,
-                            tokens: &tokens,
-                            positions: &positions,
-                            mask: None,
-                            output_rows: OutputRows::Last,
-                        }],
-                        &mut cache,
-                    )
-                    .expect("draft step");
-                let logits = draft.logits(&h).expect("logits");
-                cache.truncate(seq, 100).expect("rollback");
-                black_box(logits)
+                black_box(step_after_context(
+                    &draft,
+                    &mut cache,
+                    seq,
+                    &tokens,
+                    &positions,
+                    OutputRows::Last,
+                ))
             })
         });
     }
