@@ -15,7 +15,7 @@ pub enum DraftQuantization {
     #[default]
     None,
     /// 4-bit copies of the decoder layers' projections and an 8-bit copy of the LM head,
-    /// made when the draft loads (CPU only).
+    /// made when the draft loads (on the CPU or on CUDA).
     Q4,
 }
 

@@ -498,6 +498,49 @@ fn random_weights_of_a_real_shape_run_plain_and_verify() {
     assert_eq!(rs[1]["verify"]["tree_tokens"], 4);
 }
 
+/// Random weights draft for themselves through their own 4-bit copy (how a large shape's
+/// self-draft is timed without its weights): plain decoding's output; without that flag
+/// draft_target is refused.
+#[test]
+fn random_weights_draft_for_themselves_at_4_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("self_draft.json");
+    let report = bench_ok(
+        &[
+            "--random_weights",
+            "tiny",
+            "--prompt_len",
+            "6",
+            "--max_output_len",
+            "12",
+            "--num_prompts",
+            "2",
+            "--batch_sizes",
+            "1,2",
+            "--draft_quantization",
+            "q4",
+            "--modes",
+            "plain,draft_target:3",
+        ],
+        &json,
+    );
+    check_common(&report);
+    assert_eq!(report["draft_source"], "random:tiny (4-bit draft)");
+    let rs = results(&report);
+    assert_eq!(rs.len(), 4);
+    for r in &rs[..] {
+        if r["mode"] == "draft_target:3" {
+            assert_eq!(r["same_output_as_plain"], true, "{r}");
+            // Each step commits at least the target's own token.
+            assert!(r["mean_accepted_len"].as_f64().unwrap() >= 1.0, "{r}");
+        }
+    }
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--modes", "plain,draft_target:3"]),
+        "--modes draft_target:3: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)"
+    );
+}
+
 #[test]
 fn random_weights_sweep_batch_sizes_in_bfloat16() {
     let tmp = tempfile::tempdir().unwrap();
@@ -560,7 +603,7 @@ fn bench_refuses_bad_input_in_one_line() {
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "plain,eagle2:4"]),
-        "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T"
+        "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "verify:x"]),

@@ -1,4 +1,5 @@
-//! Compiles `src/kernels.cu` (which includes `src/logit_rows.cuh` and `src/rows.cuh`) to PTX
+//! Compiles `src/kernels.cu` (which includes `src/logit_rows.cuh`, `src/rows.cuh` and
+//! `src/gemv_quant.cuh`) to PTX
 //! with nvcc, only when the `cuda` feature is on, so the default (CPU) build never needs a
 //! CUDA toolkit.
 //!
@@ -16,6 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/kernels.cu");
     println!("cargo:rerun-if-changed=src/logit_rows.cuh");
     println!("cargo:rerun-if-changed=src/rows.cuh");
+    println!("cargo:rerun-if-changed=src/gemv_quant.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -72,7 +72,8 @@ pub struct BenchArgs {
     /// eagle2:N[:T[:L[:P]]] (top-k N, at most T draft nodes and L layers, nodes of draft
     /// probability P or more: spec-run's --eagle_dynamic_tree_max_draft_len,
     /// --eagle_dynamic_tree_num_layers and --eagle_dynamic_tree_min_prob),
-    /// draft_target:K[:logits] (needs --draft_engine_dir; `logits`: speculative sampling,
+    /// draft_target:K[:logits] (needs --draft_engine_dir, or with --random_weights
+    /// --draft_quantization q4; `logits`: speculative sampling,
     /// else token matching), prompt_lookup:K[:N[:corpus]] (up to K drafts after the latest
     /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
     /// --prompt_lookup_corpus; any engine), verify:T (T-token verification step vs a
@@ -85,8 +86,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub draft_engine_dir: Option<PathBuf>,
     /// How the draft engine's weights are read (spec-run's flag): `none` or `q4` (4-bit
-    /// copies of its decoder projections and an 8-bit LM head, made as it loads; CPU only;
-    /// the target's own engine may be the draft).
+    /// copies of its decoder projections and an 8-bit LM head, made as it loads, on the CPU
+    /// or CUDA; the target's own engine may be the draft, and with --random_weights the
+    /// random model's copy is).
     #[arg(long, value_enum, default_value_t)]
     pub draft_quantization: DraftQuantization,
     /// The n-gram corpus of prompt_lookup:K:N:corpus modes (`spec-train ngram-corpus`).
@@ -725,19 +727,22 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     }
     let explicit_modes = args.modes.as_deref().map(parse_modes).transpose()?;
     if let Some(modes) = &explicit_modes {
+        // Random weights draft only as their own quantized copy.
+        let self_draft = shape.is_some() && args.draft_quantization != DraftQuantization::None;
         if shape.is_some() {
-            if let Some((spec, _)) = modes
-                .iter()
-                .find(|(_, m)| !matches!(m, ModeSpec::Plain | ModeSpec::Verify(_)))
-            {
-                bail!("--modes {spec}: random weights have no draft head or draft model; with --random_weights run plain and verify:T");
+            if let Some((spec, _)) = modes.iter().find(|(_, m)| match m {
+                ModeSpec::Plain | ModeSpec::Verify(_) => false,
+                ModeSpec::DraftTarget { .. } => !self_draft,
+                _ => true,
+            }) {
+                bail!("--modes {spec}: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)");
             }
         }
         if let Some((spec, _)) = modes
             .iter()
             .find(|(_, m)| matches!(m, ModeSpec::DraftTarget { .. }))
         {
-            if args.draft_engine_dir.is_none() {
+            if args.draft_engine_dir.is_none() && !self_draft {
                 bail!("--modes {spec} needs --draft_engine_dir");
             }
         }
@@ -784,6 +789,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 .flatten()
                 .filter_map(|(_, m)| match m {
                     ModeSpec::Verify(t) => Some(*t),
+                    ModeSpec::DraftTarget { k, .. } => Some(*k),
                     _ => None,
                 })
                 .max()
@@ -817,8 +823,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
             draft.set_cuda_graphs(!args.no_cuda_graphs);
             Some(draft)
         }
+        None if args.draft_quantization != DraftQuantization::None && shape.is_some() => {
+            let (mut draft, _) = engine.quantized_draft()?;
+            draft.set_cuda_graphs(!args.no_cuda_graphs);
+            Some(draft)
+        }
         None if args.draft_quantization != DraftQuantization::None => {
-            bail!("--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft)")
+            bail!("--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft) or --random_weights")
         }
         None => None,
     };

@@ -15,7 +15,7 @@ use candle_core::{
 use half::{bf16, f16};
 
 /// `t`'s elements as a device view, which must be contiguous (possibly at an offset).
-fn view<'a, T: CudaDType>(
+pub(crate) fn view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
     what: &str,
@@ -50,6 +50,7 @@ macro_rules! by_dtype {
         }
     };
 }
+pub(crate) use by_dtype;
 
 /// `t`'s CUDA storage, for an op that reads (or, for the KV pools, writes) more tensors than
 /// candle's custom ops pass in.

@@ -6,6 +6,8 @@
 //! - [`kv_move`]: compaction after a verification, every layer's pools in one launch.
 //! - [`gemv`]: the projections of a step of a few rows, each weight read once;
 //!   [`gemv_add_rms_norm`] and [`gemv_swiglu`] fold the kernel before a projection into it.
+//! - [`QuantGemvWeights`]: a matrix at 4 or 8 bits and its gemv, for a self-draft that reads
+//!   the target's weights at a third of their bytes.
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
 //! - [`swiglu`]: `silu(gate) · up` on the fused gate_up projection.
 //! - [`qkv_rope_append`]: the fused QKV projection split, RoPE applied to q and k, K and V
@@ -37,12 +39,14 @@ use candle_core::{DType, Device, Result, Tensor};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod gemv_quant;
 mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
 mod rows;
 mod stack;
 
+pub use gemv_quant::{QuantGemvWeights, QUANT_GEMV_BLOCK, QUANT_GEMV_ROWS};
 pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
 pub use rows::{gather_rows, scatter_rows};
 pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_BYTES};

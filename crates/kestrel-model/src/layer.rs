@@ -8,7 +8,7 @@ use crate::cpu_attn::{self, AttnShape};
 use crate::cuda_kernels::CudaKernels;
 use crate::error::Result;
 use crate::matvec::{MatMulNt, MAX_ROWS};
-use crate::matvec_quant::{QuantMatMul, QuantWeights};
+use crate::matvec_quant::QuantCopy;
 use crate::rope;
 use crate::weights::{linear_init, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
@@ -22,10 +22,10 @@ pub(crate) struct Linear {
     pub b: Option<Tensor>,
     /// On CUDA, steps of a few rows take Kestrel's `gemv` kernel (the plan's choice).
     pub gemv: bool,
-    /// A 4- or 8-bit copy of `w` that CPU steps read instead
+    /// A 4- or 8-bit copy of `w` that every product reads instead, on the CPU or on CUDA
     /// ([`crate::Llama::with_quantized_draft_weights`]); `w` stays, shared with the model it
     /// was copied from, and is not read.
-    pub quant: Option<Arc<QuantWeights>>,
+    pub quant: Option<Arc<QuantCopy>>,
 }
 
 impl Linear {
@@ -76,8 +76,7 @@ impl Linear {
     /// kernel; on CUDA, `gemv` when the plan picked it).
     pub fn forward_with(&self, x: &Tensor, fast: bool) -> Result<Tensor> {
         if let (Some(quant), 2) = (&self.quant, x.rank()) {
-            let y = x.contiguous()?.apply_op1_no_bwd(&QuantMatMul(quant))?;
-            return self.add_bias(y);
+            return self.add_bias(quant.matmul(x)?);
         }
         let y = if x.rank() == 2 {
             let m = x.dim(0)?;
@@ -91,7 +90,7 @@ impl Linear {
                     .apply_op2_no_bwd(&self.w, &crate::amx::MatMulTiles)?
             } else if cpu_same && ((fast && m <= MAX_ROWS) || half) {
                 x.contiguous()?.apply_op2_no_bwd(&self.w, &MatMulNt)?
-            } else if fast && self.gemv && kestrel_kernels::gemv_applies(x, &self.w) {
+            } else if fast && self.takes_gemv() && kestrel_kernels::gemv_applies(x, &self.w) {
                 kestrel_kernels::gemv(x, &self.w)?
             } else {
                 // Batch-invariant rows on CPU: a prompt's K/V must not depend on what else
@@ -102,6 +101,12 @@ impl Linear {
             x.broadcast_matmul(&self.w.t()?)?
         };
         self.add_bias(y)
+    }
+
+    /// Whether a step's rows take Kestrel's `gemv` kernels over `w` (and their fused
+    /// variants): the plan picked them and no quantized copy stands in for `w`.
+    fn takes_gemv(&self) -> bool {
+        self.gemv && self.quant.is_none()
     }
 
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
@@ -121,7 +126,7 @@ impl Linear {
         norm: &RmsNorm,
         fast: bool,
     ) -> Result<(Tensor, Tensor)> {
-        if fast && self.gemv && kestrel_kernels::gemv_add_rms_norm_applies(x, &self.w) {
+        if fast && self.takes_gemv() && kestrel_kernels::gemv_add_rms_norm_applies(x, &self.w) {
             let eps = norm.eps as f32;
             let (sum, y) = kestrel_kernels::gemv_add_rms_norm(x, res, &norm.w, eps, &self.w)?;
             return Ok((sum, self.add_bias(y)?));
@@ -718,7 +723,8 @@ impl Mlp {
 
     /// The down projection of `swiglu(gu)`: one launch when it takes the `gemv` kernel.
     fn down_swiglu(&self, gu: &Tensor, fast: bool) -> Result<Tensor> {
-        if fast && self.down.gemv && kestrel_kernels::gemv_swiglu_applies(gu, &self.down.w) {
+        if fast && self.down.takes_gemv() && kestrel_kernels::gemv_swiglu_applies(gu, &self.down.w)
+        {
             let y = kestrel_kernels::gemv_swiglu(gu, &self.down.w)?;
             return self.down.add_bias(y);
         }

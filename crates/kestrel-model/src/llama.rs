@@ -6,7 +6,7 @@ use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
 use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
-use crate::matvec_quant::{Bits, QuantWeights};
+use crate::matvec_quant::{Bits, QuantCopy};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
@@ -370,22 +370,18 @@ impl Llama {
     /// the bytes bf16 weights take), everything else shared with `self` (the runtime drafts
     /// with it: `Engine::quantized_draft`). Why 8 bits for the head: SmolLM2's comes from an
     /// 8-bit tensor, and at 4 bits the copy's greedy tokens agreed with the model's less
-    /// often (3.2 against 3.6 tokens a draft-target step at 3 drafts). CPU only; a matrix
-    /// whose rows are not a multiple of 64 stays as it is. Returns the copy and the bytes
-    /// its quantized weights take.
+    /// often (3.2 against 3.6 tokens a draft-target step at 3 drafts). On the CPU or on CUDA
+    /// (each with its own kernel, on the same quantized numbers); a matrix whose rows the
+    /// kernel does not take stays as it is. Returns the copy and the bytes its quantized
+    /// weights take.
     pub fn with_quantized_draft_weights(&self) -> Result<(Llama, usize)> {
-        if !self.device.is_cpu() {
-            return Err(invalid(
-                "quantized weights run on the CPU only (their kernel has no CUDA version yet)",
-            ));
-        }
         let mut copy = self.clone();
         copy.graphs = StepGraphs::default();
         let mut bytes = 0;
         let projections = copy.layers.iter_mut().flat_map(|l| l.linears_mut());
         let layers = projections.map(|lin| (lin, Bits::Four));
         for (lin, bits) in layers.chain([(&mut copy.lm_head, Bits::Eight)]) {
-            if let Some(quant) = QuantWeights::quantize(&lin.w, bits)? {
+            if let Some(quant) = QuantCopy::of(&lin.w, bits)? {
                 bytes += quant.bytes();
                 lin.quant = Some(std::sync::Arc::new(quant));
             }

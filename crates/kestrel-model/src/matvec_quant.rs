@@ -24,6 +24,8 @@ use crate::matvec::{by_weight_tiles, TILE_N};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
+use kestrel_kernels::QuantGemvWeights;
+use rayon::prelude::*;
 
 /// Weights sharing one scale and minimum, along a row.
 pub const BLOCK: usize = 32;
@@ -102,8 +104,8 @@ impl WeightRow<'_> {
 }
 
 impl QuantWeights {
-    /// The `bits`-bit copy of `w: [n, k]` (any float dtype, on the CPU); `None` when `k` is
-    /// not a multiple of 64 (a pair of blocks).
+    /// The `bits`-bit copy of `w: [n, k]` (any float dtype, on any device), on the host;
+    /// `None` when `k` is not a multiple of 64 (a pair of blocks).
     pub fn quantize(w: &Tensor, bits: Bits) -> candle_core::Result<Option<Self>> {
         let (n, k) = w.dims2()?;
         if !k.is_multiple_of(PAIR) {
@@ -114,11 +116,16 @@ impl QuantWeights {
         let mut codes = vec![0u8; n * bits.bytes(k)];
         let mut scales = vec![f16::ZERO; n * blocks];
         let mut mins = vec![f16::ZERO; n * blocks];
+        // In parallel: a 7B model's copy is billions of weights (its load on a GPU host).
         let per_pair = values
-            .chunks_exact(PAIR)
-            .zip(codes.chunks_exact_mut(bits.bytes(PAIR)))
-            .zip(scales.chunks_exact_mut(2).zip(mins.chunks_exact_mut(2)));
-        for ((v, c), (d, m)) in per_pair {
+            .par_chunks_exact(PAIR)
+            .zip(codes.par_chunks_exact_mut(bits.bytes(PAIR)))
+            .zip(
+                scales
+                    .par_chunks_exact_mut(2)
+                    .zip(mins.par_chunks_exact_mut(2)),
+            );
+        per_pair.for_each(|((v, c), (d, m))| {
             let (first, second) = v.split_at(BLOCK);
             let (lo, hi) = (block_codes(first, bits), block_codes(second, bits));
             match bits {
@@ -134,7 +141,7 @@ impl QuantWeights {
                 }
             }
             (d[0], m[0], d[1], m[1]) = (lo.scale, lo.min, hi.scale, hi.min);
-        }
+        });
         Ok(Some(QuantWeights {
             bits,
             n,
@@ -143,6 +150,23 @@ impl QuantWeights {
             scales,
             mins,
         }))
+    }
+
+    /// This matrix uploaded to the CUDA `device` for its kernel (rows of up to 19,648
+    /// weights: `QuantGemvWeights::takes_rows_of`).
+    pub fn to_cuda(&self, device: &candle_core::Device) -> candle_core::Result<QuantGemvWeights> {
+        let bits = match self.bits {
+            Bits::Four => 4,
+            Bits::Eight => 8,
+        };
+        QuantGemvWeights::new(
+            bits,
+            (self.n, self.k),
+            &self.codes,
+            &self.scales,
+            &self.mins,
+            device,
+        )
     }
 
     /// Bytes held (codes, scales and minimums).
@@ -469,6 +493,50 @@ impl CustomOp1 for QuantMatMul<'_> {
             _ => CpuStorage::F32(out),
         };
         Ok((storage, Shape::from((m, self.0.n))))
+    }
+}
+
+/// A linear layer's quantized copy where its steps read it: the host layout for the CPU
+/// kernel, or its upload for the CUDA one (`kestrel_kernels::QuantGemvWeights`, the same
+/// layout with each block's scale and minimum side by side).
+#[derive(Debug)]
+pub(crate) enum QuantCopy {
+    Cpu(QuantWeights),
+    Cuda(QuantGemvWeights),
+}
+
+impl QuantCopy {
+    /// The `bits`-bit copy of `w: [n, k]` on `w`'s device; `None` where the kernel there
+    /// does not take rows of `k` (not a multiple of 64; on CUDA, also past its limit).
+    pub fn of(w: &Tensor, bits: Bits) -> candle_core::Result<Option<Self>> {
+        let cuda = w.device().is_cuda();
+        let k = w.dims2()?.1;
+        if cuda && !QuantGemvWeights::takes_rows_of(k) {
+            return Ok(None);
+        }
+        let Some(q) = QuantWeights::quantize(w, bits)? else {
+            return Ok(None);
+        };
+        if !cuda {
+            return Ok(Some(QuantCopy::Cpu(q)));
+        }
+        Ok(Some(QuantCopy::Cuda(q.to_cuda(w.device())?)))
+    }
+
+    /// Bytes held (codes, scales and minimums).
+    pub fn bytes(&self) -> usize {
+        match self {
+            QuantCopy::Cpu(q) => q.bytes(),
+            QuantCopy::Cuda(q) => q.bytes(),
+        }
+    }
+
+    /// `x [m, k] · wᵀ` → `[m, n]` in `x`'s dtype.
+    pub fn matmul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            QuantCopy::Cpu(q) => x.contiguous()?.apply_op1_no_bwd(&QuantMatMul(q)),
+            QuantCopy::Cuda(q) => q.matmul(x),
+        }
     }
 }
 

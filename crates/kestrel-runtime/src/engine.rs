@@ -145,7 +145,7 @@ impl Engine {
     }
 
     /// This engine's model as a draft for itself, its decoder projections read at 4 bits and
-    /// its LM head at 8 ([`Llama::with_quantized_draft_weights`]; CPU only), sharing every
+    /// its LM head at 8 ([`Llama::with_quantized_draft_weights`]; CPU or CUDA), sharing every
     /// other weight with `self`: the draft of draft-target decoding with no second model to
     /// train or load. Returns the draft and the bytes its quantized weights add.
     pub fn quantized_draft(&self) -> Result<(Engine, usize)> {

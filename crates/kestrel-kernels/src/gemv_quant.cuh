@@ -1,0 +1,160 @@
+// The gemv of a self-draft that reads the target's weights at 4 or 8 bits (kestrel-model's
+// matvec_quant.rs has the layout and the why): y [M, N] = x [M, K] · wᵀ, each weight row in
+// blocks of 32 along K, a block a scale d and a minimum m (f16, interleaved here: dm[row][b]
+// = (d, m)) and 32 codes q, the weight being d·q + m. At 4 bits a pair of blocks is 32 bytes,
+// byte i holding element i of the first block in its low nibble and element i of the second
+// in its high one; at 8 bits a pair is its 64 codes in order.
+//
+// As on the CPU, each input row is quantized per block of 32 (dx = max|x| / 127, xq =
+// round(x / dx) in -127..127, and the block's sum sx for the minimums), so that a block's
+// products are integers `dp4a` takes four at a time: Σ w·x ≈ d·dx·Σ q·xq + m·sx. The draft's
+// numbers need not match anything (the target verifies every draft); the same quantized
+// inputs keep the CUDA and CPU copies within f32 rounding of each other.
+//
+// Work: a block's warps first quantize its QG_ROWS input rows into shared memory; then each
+// warp takes output columns in turn, its lanes reading the weight row 16 bytes at a time with
+// QG_LOADS loads in flight. blockIdx.x is the row group and blockIdx.y the column group, so
+// the blocks that read the same weights for other rows are scheduled side by side and share
+// them through L2: a step of many rows still reads its weights from memory about once.
+
+#define QG_WARPS 8
+#define QG_ROWS 2
+#define QG_LOADS 4
+#define QG_BLOCK 32
+
+extern __shared__ __align__(16) unsigned char qg_stage[];
+
+// Σ of four u8 × s8 products plus c (the 8-bit codes are unsigned, the inputs signed).
+__device__ __forceinline__ int dp4a_us(const unsigned a, const int b, const int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// A row group's inputs, quantized per block of 32 into `qg_stage`: xq [QG_ROWS][K] (i8), then
+// dx and sx [QG_ROWS][K / 32] (f32). One warp a block of 32, a lane an element.
+template <typename T>
+__device__ void gemv_quant_stage_rows(const T *__restrict__ x, const int rows, const int K) {
+    const int nb = K / QG_BLOCK, lane = threadIdx.x % WARP;
+    signed char *xq = reinterpret_cast<signed char *>(qg_stage);
+    float *dx = reinterpret_cast<float *>(qg_stage + QG_ROWS * K);
+    float *sx = dx + QG_ROWS * nb;
+    for (int i = threadIdx.x / WARP; i < rows * nb; i += QG_WARPS) {
+        const int r = i / nb, b = i % nb;
+        const float v = to_f(x[(size_t)r * K + b * QG_BLOCK + lane]);
+        const float d = warp_max(fabsf(v)) / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        xq[r * K + b * QG_BLOCK + lane] = (signed char)__float2int_rn(v * inv);
+        const float s = warp_sum(v);
+        if (lane == 0) {
+            dx[r * nb + b] = d;
+            sx[r * nb + b] = s;
+        }
+    }
+}
+
+// One lane's share of a 16-byte piece `c` of a weight row (its codes `q`) against the staged
+// rows, added to acc[r]. `dm` is the row's (d, m) pairs.
+template <int BITS>
+__device__ __forceinline__ void gemv_quant_piece(const uint4 q, const int c,
+                                                 const __half2 *__restrict__ dm, const int rows,
+                                                 const int K, float *acc) {
+    const int nb = K / QG_BLOCK;
+    const int4 *xq = reinterpret_cast<const int4 *>(qg_stage);
+    const float *dx = reinterpret_cast<const float *>(qg_stage + QG_ROWS * K);
+    const float *sx = dx + QG_ROWS * nb;
+    const unsigned w[4] = {q.x, q.y, q.z, q.w};
+    if (BITS == 4) {
+        // Piece c is half h of pair p: elements 16h … 16h + 15 of blocks 2p (low nibbles)
+        // and 2p + 1 (high nibbles).
+        const int p = c >> 1, h = c & 1, ba = 2 * p, bb = 2 * p + 1;
+        const uint2 dm_raw = *reinterpret_cast<const uint2 *>(dm + ba);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.y));
+#pragma unroll
+        for (int r = 0; r < QG_ROWS; ++r) {
+            if (r >= rows) break;
+            // Elements 16h… of block ba start at 16-byte vector (r·K + 32·ba + 16h) / 16.
+            const int4 xa = xq[(r * K + QG_BLOCK * ba) / 16 + h];
+            const int4 xb = xq[(r * K + QG_BLOCK * bb) / 16 + h];
+            const int xa_w[4] = {xa.x, xa.y, xa.z, xa.w}, xb_w[4] = {xb.x, xb.y, xb.z, xb.w};
+            int sa = 0, sb = 0;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                sa = __dp4a((int)(w[t] & 0x0F0F0F0Fu), xa_w[t], sa);
+                sb = __dp4a((int)((w[t] >> 4) & 0x0F0F0F0Fu), xb_w[t], sb);
+            }
+            float part = a.x * dx[r * nb + ba] * (float)sa + b.x * dx[r * nb + bb] * (float)sb;
+            if (h == 0) part += a.y * sx[r * nb + ba] + b.y * sx[r * nb + bb];
+            acc[r] += part;
+        }
+    } else {
+        // Piece c is elements 16c … 16c + 15 of the row: half c % 2 of block c / 2.
+        const int blk = c >> 1;
+        const float2 a = __half22float2(dm[blk]);
+#pragma unroll
+        for (int r = 0; r < QG_ROWS; ++r) {
+            if (r >= rows) break;
+            const int4 xv = xq[(r * K) / 16 + c];
+            const int xw[4] = {xv.x, xv.y, xv.z, xv.w};
+            int s = 0;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) s = dp4a_us(w[t], xw[t], s);
+            float part = a.x * dx[r * nb + blk] * (float)s;
+            if ((c & 1) == 0) part += a.y * sx[r * nb + blk];
+            acc[r] += part;
+        }
+    }
+}
+
+template <typename T, int BITS>
+__device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restrict__ codes,
+                           const __half2 *__restrict__ dm, T *__restrict__ y, const int M,
+                           const int N, const int K) {
+    const int r0 = blockIdx.x * QG_ROWS, rows = min(QG_ROWS, M - r0);
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    pdl_enter();
+    gemv_quant_stage_rows<T>(x + (size_t)r0 * K, rows, K);
+    __syncthreads();
+    const int row_bytes = K * BITS / 8, pieces = row_bytes / 16, nb = K / QG_BLOCK;
+    for (int j = blockIdx.y * QG_WARPS + warp; j < N; j += gridDim.y * QG_WARPS) {
+        const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
+        const __half2 *dm_row = dm + (size_t)j * nb;
+        float acc[QG_ROWS] = {};
+        for (int c0 = lane; c0 < pieces; c0 += QG_LOADS * WARP) {
+            uint4 q[QG_LOADS];
+#pragma unroll
+            for (int u = 0; u < QG_LOADS; ++u) {
+                const int c = c0 + u * WARP;
+                if (c < pieces) q[u] = __ldg(wrow + c);
+            }
+#pragma unroll
+            for (int u = 0; u < QG_LOADS; ++u) {
+                const int c = c0 + u * WARP;
+                if (c < pieces) gemv_quant_piece<BITS>(q[u], c, dm_row, rows, K, acc);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < QG_ROWS; ++r) {
+            if (r >= rows) break;
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) y[(size_t)(r0 + r) * N + j] = from_f<T>(s);
+        }
+    }
+}
+
+#define KESTREL_QUANT_OPS(T, SUFFIX)                                                            \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * WARP) kestrel_gemv_q4_##SUFFIX(     \
+        const T *x, const unsigned char *codes, const __half2 *dm, T *y, const int M,           \
+        const int N, const int K) {                                                             \
+        gemv_quant<T, 4>(x, codes, dm, y, M, N, K);                                             \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * WARP) kestrel_gemv_q8_##SUFFIX(     \
+        const T *x, const unsigned char *codes, const __half2 *dm, T *y, const int M,           \
+        const int N, const int K) {                                                             \
+        gemv_quant<T, 8>(x, codes, dm, y, M, N, K);                                             \
+    }
+
+KESTREL_QUANT_OPS(float, f32)
+KESTREL_QUANT_OPS(__half, f16)
+KESTREL_QUANT_OPS(__nv_bfloat16, bf16)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The target's own weights at 4 bits drafting for it on the H200 (`--draft_quantization q4`:
+# the decoder projections at 4 bits, the LM head at 8, through kestrel-kernels'
+# gemv_quant.cuh), greedy, batch 1, bf16, graphs:
+#   test   the quantized-gemv GPU tests (model-cuda, filtered by "quantized")
+#   tests  every GPU test (kernels-gpu and model-cuda)
+#   7b     random Llama-2-7B, 128-token prompts: plain, draft_target:K (the random model's
+#          own copy drafts: its steps are timed; random weights' τ says little), and the
+#          verify:T steps those take, ROUNDS times (default 2)
+#   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
+#          draft_target:1-4 with the engine drafting for itself
+# Staging (three back-to-back calls, see tools/gpu/pack.sh and stage.sh):
+#   BINS="spec-bench model-cuda convert-checkpoint kernels-gpu spec-build" TRAIN_DATA=0 tools/gpu/pack.sh
+#   (model-cuda and kernels-gpu copied from target-cuda/release/deps/{cuda,gpu}-* first);
+#   call a: stage.sh a, then `test 7b`; b: stage.sh b, `tests`; c: stage.sh c, `smol`.
+# Results: $OUT/self_draft/*.json, summary in $OUT/self_draft.txt.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/session-env.sh"
+R=$OUT/self_draft; mkdir -p $R
+T=$OUT/self_draft.txt
+for what in ${@:-test 7b}; do
+  case $what in
+  test) $B/model-cuda --test-threads 1 quantized 2>&1 | grep -E "^test |test result|panicked" | tee -a $T ;;
+  tests) run_gpu_tests | grep -v " ok$" | tee -a $T ;;
+  7b)
+    for r in $(seq 1 ${ROUNDS:-2}); do
+      $B/spec-bench --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+        --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
+        --modes ${MODES_7B:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,draft_target:6,verify:2,verify:3,verify:4,verify:5,verify:7,plain} \
+        --output_json $R/7b_$r.json > $R/7b_$r.log 2>&1 || tail -5 $R/7b_$r.log | tee -a $T
+    done
+    ;;
+  smol)
+    [ -d /tmp/smol_dt ] || { $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/smol_dt.ckpt \
+        --dtype bfloat16 --workers 16 > /dev/null &&
+      $B/spec-build --checkpoint_dir /tmp/smol_dt.ckpt --output_dir /tmp/smol_dt --target_device cuda:sm_90 \
+        --speculative_decoding_mode draft_tokens_external --max_draft_len 8 --max_batch_size 1 \
+        --max_input_len 1024 --max_seq_len 2048 > /dev/null; } || { echo "SmolLM2 engine failed" | tee -a $T; exit 1; }
+    $B/spec-bench --engine_dir /tmp/smol_dt --draft_engine_dir /tmp/smol_dt --draft_quantization q4 \
+      --device cuda:0 --prompts $here/mt_bench_first20.jsonl --max_output_len 128 --batch_sizes 1 \
+      --modes plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,plain \
+      --output_json $R/smol.json > $R/smol.log 2>&1 || tail -5 $R/smol.log | tee -a $T
+    ;;
+  esac
+done
+python3 - "$R" <<'PY' | tee -a $T
+import glob, json, os, sys
+d = sys.argv[1]
+print(f"{'run':8s} {'mode':16s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'step ms':>8s} {'draft ms':>8s} {'verify':>6s} {'same':>5s} {'load s':>6s}")
+for path in sorted(glob.glob(os.path.join(d, "*.json"))):
+    rep = json.load(open(path))
+    for r in rep["results"]:
+        v = (r.get("verify") or {}).get("ratio") or 0
+        steps = r.get("steps") or 0
+        draft_ms = 1000 * r.get("draft_s", 0) / steps if steps else 0
+        print(f"{os.path.basename(path)[:-5]:8s} {r['mode']:16s} {r.get('tokens_per_s') or 0:7.0f}"
+              f" {r.get('speedup_vs_plain') or 0:8.2f} {r.get('mean_accepted_len') or 0:5.2f}"
+              f" {r['step_latency_ms']:8.3f} {draft_ms:8.3f} {v:6.2f} {str(r.get('same_output_as_plain')):>5s}"
+              f" {rep.get('load_s', 0):6.1f}")
+PY
