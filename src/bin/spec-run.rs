@@ -127,7 +127,7 @@ struct Args {
     #[arg(long)]
     draft_engine_dir: Option<PathBuf>,
     /// How the draft engine's weights are read: `none` (as built) or `q4` (4-bit copies of its
-    /// decoder projections and an 8-bit LM head, made as it loads; CPU only).
+    /// decoder projections and an 8-bit LM head, made as it loads, on the CPU or CUDA).
     #[arg(long, value_enum, default_value_t)]
     draft_quantization: DraftQuantization,
     /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".
