@@ -531,8 +531,8 @@ fn random_weights_draft_for_themselves_at_4_bits() {
     for r in &rs[..] {
         if r["mode"] == "draft_target:3" {
             assert_eq!(r["same_output_as_plain"], true, "{r}");
-            // Each step commits at least the target's own token.
-            assert!(r["mean_accepted_len"].as_f64().unwrap() >= 1.0, "{r}");
+            // The copy agrees with its model most of the time (3.3 tokens a step here).
+            assert!(r["mean_accepted_len"].as_f64().unwrap() > 2.0, "{r}");
         }
     }
     assert_eq!(

@@ -28,10 +28,9 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// Greedy decoding of a batch: prompts through `forward_prompt`, then `steps` one-token
-/// steps of every sequence together. Returns the generated tokens and the last step's hidden
-/// states.
-fn greedy(m: &Llama, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+/// The prompts prefilled together in a fresh cache: the cache, their sequences and each
+/// prompt's last hidden state.
+fn prefill(m: &Llama, prompts: &[Vec<u32>]) -> (PagedKvCache, Vec<SeqId>, candle_core::Tensor) {
     let mut cache = m.new_cache(64, 4).unwrap();
     let seqs: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
     let pos: Vec<Vec<u32>> = prompts
@@ -50,6 +49,14 @@ fn greedy(m: &Llama, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<u32>>, Vec<
         })
         .collect();
     let h = m.forward_prompt(&batch, &mut cache).unwrap();
+    (cache, seqs, h)
+}
+
+/// Greedy decoding of a batch: prompts through `forward_prompt`, then `steps` one-token
+/// steps of every sequence together. Returns the generated tokens and the last step's hidden
+/// states.
+fn greedy(m: &Llama, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let (mut cache, seqs, h) = prefill(m, prompts);
     let mut next: Vec<u32> = rows(&m.logits(&h).unwrap())
         .iter()
         .map(|r| argmax(r))
@@ -814,27 +821,12 @@ fn quantized_gemv_on_cuda_matches_the_cpu_kernel() {
                         .unwrap()
                         .to_dtype(dtype)
                         .unwrap();
-                    let x_used = xt
-                        .to_dtype(candle_core::DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap();
                     let want = if dtype == candle_core::DType::F32 {
                         want.clone()
                     } else {
-                        q.matmul_nt(&x_used, m)
+                        q.matmul_nt(&to_vec(&xt), m)
                     };
-                    let got = g
-                        .matmul(&xt.to_device(&dev).unwrap())
-                        .unwrap()
-                        .to_dtype(candle_core::DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap();
+                    let got = to_vec(&g.matmul(&xt.to_device(&dev).unwrap()).unwrap());
                     assert_eq!(got.len(), m * n);
                     // f32 outputs: f32 rounding of the sums; bf16 outputs: their own rounding.
                     let tol = if dtype == candle_core::DType::F32 {
@@ -854,31 +846,8 @@ fn quantized_gemv_on_cuda_matches_the_cpu_kernel() {
     }
 }
 
-/// The last prompt row's hidden state of each prompt, prefilled together (no token feedback,
-/// so two paths that round differently still compare row for row).
-fn prefill_hidden(m: &Llama, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let mut cache = m.new_cache(64, 4).unwrap();
-    let seqs: Vec<SeqId> = prompts.iter().map(|_| cache.add_sequence()).collect();
-    let pos: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| (0..p.len() as u32).collect())
-        .collect();
-    let batch: Vec<SeqInput> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| SeqInput {
-            seq: seqs[i],
-            tokens: p,
-            positions: &pos[i],
-            mask: None,
-            output_rows: OutputRows::Last,
-        })
-        .collect();
-    rows(&m.forward_prompt(&batch, &mut cache).unwrap())
-}
-
 /// A model's quantized draft copy computes on CUDA what it does on the CPU (prompt rows
-/// within f32 rounding in f32 and close in bf16; f32 greedy decoding gives the same tokens),
+/// prefilled together, no token fed back: within f32 rounding in f32 and close in bf16; f32 greedy decoding gives the same tokens),
 /// and it is the copy that runs: its states are not the full weights'.
 #[test]
 fn quantized_draft_copies_decode_on_cuda_as_on_the_cpu() {
@@ -888,9 +857,9 @@ fn quantized_draft_copies_decode_on_cuda_as_on_the_cpu() {
         let (cpu_q, cpu_bytes) = cpu.with_quantized_draft_weights().unwrap();
         let (gpu_q, gpu_bytes) = gpu_m.with_quantized_draft_weights().unwrap();
         assert_eq!(gpu_bytes, cpu_bytes);
-        let want = prefill_hidden(&cpu_q, &prompts());
-        let got = prefill_hidden(&gpu_q, &prompts());
-        let full = prefill_hidden(&gpu_m, &prompts());
+        let want = rows(&prefill(&cpu_q, &prompts()).2);
+        let got = rows(&prefill(&gpu_q, &prompts()).2);
+        let full = rows(&prefill(&gpu_m, &prompts()).2);
         let (tol, apart) = if dtype == DType::F32 {
             (1e-3, 1e-2)
         } else {
