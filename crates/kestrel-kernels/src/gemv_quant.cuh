@@ -32,33 +32,75 @@ __device__ __forceinline__ int dp4a_us(const unsigned a, const int b, const int 
 }
 
 // A row group's inputs, quantized per block of 32 into `qg_stage`: xq [QG_ROWS][K] (i8), then
-// dx and sx [QG_ROWS][K / 32] (f32). One warp a block of 32, a lane an element.
+// dx and sx [QG_ROWS][K / 32] (f32). Each thread takes 16-byte vectors of the rows (the rows
+// are contiguous, so the group is one run of rows·K inputs), QG_STAGE_LOADS loads in flight
+// before any arithmetic: a block of 32 inputs is 32 / VEC consecutive threads, which share its
+// maximum and sum by shuffles. (One warp a block, a load at a time, cost the draft step more
+// than its weights: a round trip to memory for every 32 inputs.)
+#define QG_STAGE_LOADS 8
 template <typename T>
 __device__ void gemv_quant_stage_rows(const T *__restrict__ x, const int rows, const int K) {
-    const int nb = K / QG_BLOCK, lane = threadIdx.x % WARP;
+    constexpr int VEC = 16 / sizeof(T), TPB = QG_BLOCK / VEC;
+    const int nvec = rows * K / VEC;
     signed char *xq = reinterpret_cast<signed char *>(qg_stage);
     float *dx = reinterpret_cast<float *>(qg_stage + QG_ROWS * K);
-    float *sx = dx + QG_ROWS * nb;
-    for (int i = threadIdx.x / WARP; i < rows * nb; i += QG_WARPS) {
-        const int r = i / nb, b = i % nb;
-        const float v = to_f(x[(size_t)r * K + b * QG_BLOCK + lane]);
-        const float d = warp_max(fabsf(v)) / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        xq[r * K + b * QG_BLOCK + lane] = (signed char)__float2int_rn(v * inv);
-        const float s = warp_sum(v);
-        if (lane == 0) {
-            dx[r * nb + b] = d;
-            sx[r * nb + b] = s;
+    float *sx = dx + QG_ROWS * (K / QG_BLOCK);
+    for (int base = 0; base < nvec; base += QG_STAGE_LOADS * blockDim.x) {
+        uint4 raw[QG_STAGE_LOADS];
+#pragma unroll
+        for (int u = 0; u < QG_STAGE_LOADS; ++u) {
+            const int v = base + u * blockDim.x + threadIdx.x;
+            raw[u] = v < nvec ? *reinterpret_cast<const uint4 *>(x + (size_t)v * VEC)
+                              : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < QG_STAGE_LOADS; ++u) {
+            const int v = base + u * blockDim.x + threadIdx.x;
+            float f[VEC];
+            unpack16<T>(raw[u], f);
+            float amax = 0.f, sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                amax = fmaxf(amax, fabsf(f[e]));
+                sum += f[e];
+            }
+#pragma unroll
+            for (int o = 1; o < TPB; o <<= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+                sum += __shfl_xor_sync(FULL_MASK, sum, o);
+            }
+            const float d = amax / 127.f;
+            const float inv = d > 0.f ? 1.f / d : 0.f;
+            if (v < nvec) {
+                unsigned packed[VEC / 4];
+#pragma unroll
+                for (int w = 0; w < VEC / 4; ++w) {
+                    unsigned word = 0;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        word |= (unsigned)(unsigned char)(signed char)__float2int_rn(f[4 * w + e] * inv)
+                                << (8 * e);
+                    packed[w] = word;
+                }
+                if (VEC == 8)
+                    *reinterpret_cast<uint2 *>(xq + (size_t)v * VEC) = make_uint2(packed[0], packed[VEC / 8]);
+                else
+                    *reinterpret_cast<unsigned *>(xq + (size_t)v * VEC) = packed[0];
+                if (threadIdx.x % TPB == 0) {
+                    dx[v / TPB] = d;
+                    sx[v / TPB] = sum;
+                }
+            }
         }
     }
 }
 
-// One lane's share of a 16-byte piece `c` of a weight row (its codes `q`) against the staged
-// rows, added to acc[r]. `dm` is the row's (d, m) pairs.
+// One lane's share of a 16-byte piece `c` of a weight row (its codes `q`, and the (d, m)
+// pairs of its blocks in `dm_raw`: both at 4 bits, the one in .x at 8) against the staged
+// rows, added to acc[r].
 template <int BITS>
-__device__ __forceinline__ void gemv_quant_piece(const uint4 q, const int c,
-                                                 const __half2 *__restrict__ dm, const int rows,
-                                                 const int K, float *acc) {
+__device__ __forceinline__ void gemv_quant_piece(const uint4 q, const uint2 dm_raw, const int c,
+                                                 const int rows, const int K, float *acc) {
     const int nb = K / QG_BLOCK;
     const int4 *xq = reinterpret_cast<const int4 *>(qg_stage);
     const float *dx = reinterpret_cast<const float *>(qg_stage + QG_ROWS * K);
@@ -68,7 +110,6 @@ __device__ __forceinline__ void gemv_quant_piece(const uint4 q, const int c,
         // Piece c is half h of pair p: elements 16h … 16h + 15 of blocks 2p (low nibbles)
         // and 2p + 1 (high nibbles).
         const int p = c >> 1, h = c & 1, ba = 2 * p, bb = 2 * p + 1;
-        const uint2 dm_raw = *reinterpret_cast<const uint2 *>(dm + ba);
         const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.x));
         const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.y));
 #pragma unroll
@@ -91,7 +132,7 @@ __device__ __forceinline__ void gemv_quant_piece(const uint4 q, const int c,
     } else {
         // Piece c is elements 16c … 16c + 15 of the row: half c % 2 of block c / 2.
         const int blk = c >> 1;
-        const float2 a = __half22float2(dm[blk]);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.x));
 #pragma unroll
         for (int r = 0; r < QG_ROWS; ++r) {
             if (r >= rows) break;
@@ -122,16 +163,23 @@ __device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restr
         const __half2 *dm_row = dm + (size_t)j * nb;
         float acc[QG_ROWS] = {};
         for (int c0 = lane; c0 < pieces; c0 += QG_LOADS * WARP) {
+            // The codes and their blocks' (d, m) all requested before any arithmetic.
             uint4 q[QG_LOADS];
+            uint2 dmv[QG_LOADS];
 #pragma unroll
             for (int u = 0; u < QG_LOADS; ++u) {
                 const int c = c0 + u * WARP;
-                if (c < pieces) q[u] = __ldg(wrow + c);
+                if (c < pieces) {
+                    q[u] = __ldg(wrow + c);
+                    dmv[u] = BITS == 4
+                        ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
+                        : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
+                }
             }
 #pragma unroll
             for (int u = 0; u < QG_LOADS; ++u) {
                 const int c = c0 + u * WARP;
-                if (c < pieces) gemv_quant_piece<BITS>(q[u], c, dm_row, rows, K, acc);
+                if (c < pieces) gemv_quant_piece<BITS>(q[u], dmv[u], c, rows, K, acc);
             }
         }
 #pragma unroll

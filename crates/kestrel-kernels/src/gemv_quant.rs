@@ -117,7 +117,15 @@ impl QuantGemvWeights {
         }
         #[cfg(feature = "cuda")]
         {
-            x.contiguous()?.apply_op3_no_bwd(
+            // The kernel reads the rows as 16-byte vectors from their start.
+            let x = x.contiguous()?;
+            let size = x.dtype().size_in_bytes();
+            let aligned = x
+                .layout()
+                .contiguous_offsets()
+                .is_some_and(|(start, _)| (start * size).is_multiple_of(16));
+            let x = if aligned { x } else { x.copy()? };
+            x.apply_op3_no_bwd(
                 &self.codes,
                 &self.dm,
                 &cuda::GemvQuant {
