@@ -11,10 +11,11 @@
 #      --test gpu --test cuda`, renamed) + gguf.part.0
 #   b: convert-checkpoint.xz spec-build.xz + gguf.part.1
 #   c: gguf.part.2 + gguf.sha256
-# then three calls back to back (the machine keeps /tmp for 30 s after a call):
+# then four calls back to back (the machine keeps /tmp for 30 s after a call):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a && bash tools/gpu/dependent_launch_h200.sh tests random
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/dependent_launch_h200.sh real
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/dependent_launch_h200.sh real
 # Results: $OUT (summary.txt and the spec-bench JSON files).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -8,7 +8,8 @@
 # BINS="kernels-gpu model-cuda spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a && bash tools/gpu/draft_on_device_h200.sh tests
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/draft_on_device_h200.sh run
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/draft_on_device_h200.sh run
 # Results: $OUT/draft_on_device.txt, the JSON reports in $OUT/draft_on_device.tar.gz.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -8,7 +8,8 @@
 # Staging (TRAIN_DATA=0 tools/gpu/pack.sh with BINS="spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/eagle_lookup_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/eagle_lookup_h200.sh
 # Results: $OUT/eagle_lookup.txt, the JSON reports in $OUT/eagle_lookup.tar.gz.
 # `eagle_lookup_h200.sh sampled` instead samples (temperature 0.8, top_p 0.9, seed 3, EAGLE's
 # token matching) the same modes at batch 1 and 4, twice ($OUT/eagle_lookup_sampled.txt);

@@ -10,7 +10,8 @@
 # Staging (TRAIN_DATA=0 BINS="spec-bench convert-checkpoint spec-build" tools/gpu/pack.sh):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/eagle_phases_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/eagle_phases_h200.sh
 # Results: $OUT/eagle_phases.txt and the JSON reports in $OUT/eagle_phases.tar.gz.
 # A/B: SPEC_BENCH=/tmp/bin/other TAG=new runs another build into its own folder of results.
 # BATCH=4 (default 1) runs that batch size instead (in-flight batching, as spec-bench runs it).

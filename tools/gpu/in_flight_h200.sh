@@ -7,7 +7,8 @@
 # Staging (TRAIN_DATA=0 tools/gpu/pack.sh with BINS="spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/in_flight_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/in_flight_h200.sh
 # Results: $OUT/in_flight.txt, the JSON reports in $OUT/in_flight.tar.gz.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -7,7 +7,8 @@
 # then python3 tools/corpus_prompts.py ../shared/data .device/gpu/c/corpus_prompts.jsonl):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/ngram_corpus_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/ngram_corpus_h200.sh
 # Result: $OUT/corpus.safetensors (copy it to heads/smollm2-ngram/).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

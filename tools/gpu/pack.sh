@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Packs the CUDA binaries and the SmolLM2 GGUF into three carry folders (.device/gpu/{a,b,c},
-# git-ignored), each well under the device tool's 64 MiB per call with the working tree:
-# a third of the GGUF plus some of the xz-compressed binaries in each. tools/gpu/stage.sh
-# unpacks them on the machine.
+# Packs the CUDA binaries and the SmolLM2 GGUF into four carry folders (.device/gpu/{a,b,c,d},
+# git-ignored), each well under the device tool's 64 MiB per call with the working tree
+# (~20 MB tracked): a quarter of the GGUF and some of the xz-compressed binaries in each.
+# tools/gpu/stage.sh unpacks them on the machine.
 #   CARGO_TARGET_DIR=/work/target-cuda (default) holds release/{spec-run,spec-train,...}
-#   BINS="spec-run spec-bench ..." packs only those (slots a, b, c, a, b in turn)
+#   BINS="spec-run spec-bench ..." packs only those (slots a, b, c, d, a, ... in turn)
 set -euo pipefail
 T=${CARGO_TARGET_DIR:-/work/target-cuda}/release
 G=${GGUF:-/work/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 D=.device/gpu
 read -r -a BINS <<< "${BINS:-spec-run spec-train convert-checkpoint spec-build spec-bench}"
-rm -rf "$D"; mkdir -p "$D/a" "$D/b" "$D/c"
-split -n 3 -d -a 1 "$G" "$D/gguf.part."
-mv "$D/gguf.part.0" "$D/a/"; mv "$D/gguf.part.1" "$D/b/"; mv "$D/gguf.part.2" "$D/c/"
-sha256sum "$G" | cut -d' ' -f1 > "$D/c/gguf.sha256"
-slots=(a b c a b)
+slots=(a b c d)
+rm -rf "$D"; mkdir -p "${slots[@]/#/$D/}"
+split -n ${#slots[@]} -d -a 1 "$G" "$D/gguf.part."
+for i in "${!slots[@]}"; do mv "$D/gguf.part.$i" "$D/${slots[$i]}/"; done
+sha256sum "$G" | cut -d' ' -f1 > "$D/d/gguf.sha256"
 for i in "${!BINS[@]}"; do
-  xz -${XZ_LEVEL:-9} -T2 -c "$T/${BINS[$i]}" > "$D/${slots[$i % 5]}/${BINS[$i]}.xz" &
+  xz -${XZ_LEVEL:-9} -T2 -c "$T/${BINS[$i]}" > "$D/${slots[$i % ${#slots[@]}]}/${BINS[$i]}.xz" &
 done
 wait
 # Prompt sets for self-distillation (the device machine has no ../shared); TRAIN_DATA=0
@@ -25,4 +25,4 @@ if [ "${TRAIN_DATA:-1}" != 0 ]; then
   cp "${SHARED:-../shared}"/data/sharegpt/{ShareGPT_V3_filtered_1000.json,sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json} \
     "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/c/"
 fi
-for s in a b c; do echo "$s: $(du -cb "$D/$s"/* | tail -1)"; done
+for s in "${slots[@]}"; do echo "$s: $(du -cb "$D/$s"/* | tail -1)"; done

@@ -10,7 +10,8 @@
 # BINS="kernels-gpu model-cuda spec-bench convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b && source tools/gpu/session-env.sh && run_gpu_tests
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/rows_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/rows_h200.sh
 # Results: $OUT/memory.txt, $OUT/rows.txt, the JSON reports in $OUT/{memory,rows}.tar.gz.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -9,7 +9,8 @@
 # spec-run.xz and $BASE.xz beside gguf.part.0:
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a && bash tools/gpu/sampling_h200.sh tests
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/sampling_h200.sh run
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/sampling_h200.sh run
 # (slot c also carries the CPU reference files.) Results: $OUT/summary.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

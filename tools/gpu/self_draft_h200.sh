@@ -9,10 +9,12 @@
 #          verify:T steps those take, ROUNDS times (default 2)
 #   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
 #          draft_target:1-4 with the engine drafting for itself
-# Staging (three back-to-back calls, see tools/gpu/pack.sh and stage.sh):
-#   BINS="spec-bench model-cuda convert-checkpoint kernels-gpu spec-build" TRAIN_DATA=0 tools/gpu/pack.sh
-#   (model-cuda and kernels-gpu copied from target-cuda/release/deps/{cuda,gpu}-* first);
-#   call a: stage.sh a, then `test 7b`; b: stage.sh b, `tests`; c: stage.sh c, `smol`.
+# Staging (tools/gpu/pack.sh and stage.sh; model-cuda and kernels-gpu copied from
+# target-cuda/release/deps/{cuda,gpu}-* first):
+#   BINS="spec-bench kernels-gpu convert-checkpoint spec-build model-cuda" TRAIN_DATA=0 tools/gpu/pack.sh
+# puts spec-bench and model-cuda in slot a, kernels-gpu in b. Back-to-back calls: a
+# (stage.sh a, then `test 7b`), b (stage.sh b, `tests`), c (stage.sh c), d (stage.sh d, `smol`:
+# the GGUF's four parts are joined then).
 # Results: $OUT/self_draft/*.json, summary in $OUT/self_draft.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

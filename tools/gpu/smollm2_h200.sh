@@ -3,11 +3,12 @@
 # engines, time plain greedy decoding at batch 1 and save output ids for the CPU comparison.
 #
 # The GGUF (98 MB) and the binaries do not fit in one device call (64 MiB, the working tree
-# included): pack them here with tools/gpu/pack.sh, then make three back-to-back calls (the
+# included): pack them here with tools/gpu/pack.sh, then make four back-to-back calls (the
 # machine keeps /tmp for 30 s after a call):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/smollm2_h200.sh
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/smollm2_h200.sh
 # Results land in $OUT.
 set -uo pipefail
 STAGE=/tmp/stage

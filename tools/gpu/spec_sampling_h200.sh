@@ -7,7 +7,8 @@
 # BINS="kernels-gpu model-cuda spec-bench spec-train convert-checkpoint spec-build"):
 #   carry [".device/gpu/a"]: bash tools/gpu/stage.sh a && bash tools/gpu/spec_sampling_h200.sh tests
 #   carry [".device/gpu/b"]: bash tools/gpu/stage.sh b
-#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c && bash tools/gpu/spec_sampling_h200.sh run
+#   carry [".device/gpu/c"]: bash tools/gpu/stage.sh c
+#   carry [".device/gpu/d"]: bash tools/gpu/stage.sh d && bash tools/gpu/spec_sampling_h200.sh run
 #   ... && bash tools/gpu/spec_sampling_h200.sh tree   # EAGLE's exact and typical acceptance
 # Slot c also carries cpu_sampled.json (and for `tree`, cpu_exact.json and cpu_typical.json):
 # `spec-bench` on the CPU with the f32 commands below (the engines built here from the same

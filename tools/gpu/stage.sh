@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine: copies one carried folder (.device/gpu/<a|b|c>, from tools/gpu/pack.sh)
+# On the GPU machine: copies one carried folder (.device/gpu/<a|b|c|d>, from tools/gpu/pack.sh)
 # into /tmp/stage, which survives between back-to-back calls, and unpacks the binaries it
-# brought (*.xz) into /tmp/bin. Once all three are there it joins the GGUF into
-# /tmp/stage/smol.gguf (sha256-checked). Usage: bash tools/gpu/stage.sh a|b|c
+# brought (*.xz) into /tmp/bin. Once all four GGUF parts are there it joins them into
+# /tmp/stage/smol.gguf (sha256-checked). Usage: bash tools/gpu/stage.sh a|b|c|d
 set -euo pipefail
 STAGE=/tmp/stage
 mkdir -p "$STAGE" /tmp/bin
@@ -15,7 +15,8 @@ for x in ".device/gpu/$1"/*.xz; do
   chmod +x "/tmp/bin/$b"
 done
 ls -la /tmp/bin
-if [ -f "$STAGE/gguf.part.0" ] && [ -f "$STAGE/gguf.part.1" ] && [ -f "$STAGE/gguf.part.2" ]; then
-  cat "$STAGE"/gguf.part.0 "$STAGE"/gguf.part.1 "$STAGE"/gguf.part.2 > "$STAGE/smol.gguf"
+parts=("$STAGE"/gguf.part.{0..3})
+if ls "${parts[@]}" > /dev/null 2>&1 && [ -f "$STAGE/gguf.sha256" ]; then
+  cat "${parts[@]}" > "$STAGE/smol.gguf"
   echo "$(cat "$STAGE/gguf.sha256")  $STAGE/smol.gguf" | sha256sum -c -
 fi
