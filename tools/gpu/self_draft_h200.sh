@@ -7,6 +7,8 @@
 #   7b     random Llama-2-7B, 128-token prompts: plain, draft_target:K (the random model's
 #          own copy drafts: its steps are timed; random weights' τ says little), and the
 #          verify:T steps those take, ROUNDS times (default 2)
+#   smolr  random SmolLM2 weights, as 7b: what a draft step of SmolLM2's shape costs (its
+#          one-row steps are launch-bound, not byte-bound)
 #   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
 #          draft_target:1-4 with the engine drafting for itself
 # Staging (tools/gpu/pack.sh and stage.sh; model-cuda and kernels-gpu copied from
@@ -32,6 +34,12 @@ for what in ${@:-test 7b}; do
         --modes ${MODES_7B:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,draft_target:6,verify:2,verify:3,verify:4,verify:5,verify:7,plain} \
         --output_json $R/7b_$r.json > $R/7b_$r.log 2>&1 || tail -5 $R/7b_$r.log | tee -a $T
     done
+    ;;
+  smolr)
+    $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+      --max_output_len 128 --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
+      --modes plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,verify:2,verify:3,verify:4,verify:5,plain \
+      --output_json $R/smolr.json > $R/smolr.log 2>&1 || tail -5 $R/smolr.log | tee -a $T
     ;;
   smol)
     [ -d /tmp/smol_dt ] || { $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/smol_dt.ckpt \
