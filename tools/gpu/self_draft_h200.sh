@@ -7,6 +7,9 @@
 #   7b     random Llama-2-7B, 128-token prompts: plain, draft_target:K (the random model's
 #          own copy drafts: its steps are timed; random weights' τ says little), and the
 #          verify:T steps those take, ROUNDS times (default 2)
+#   ab     spec-bench against spec-bench-b (another build: e.g. the branch
+#          gemv-quant-pipelined built into another CARGO_TARGET_DIR, its spec-bench renamed
+#          spec-bench-b and packed with BINS), random Llama-2-7B, ROUNDS times alternated
 #   smolr  random SmolLM2 weights, as 7b: what a draft step of SmolLM2's shape costs (its
 #          one-row steps are launch-bound, not byte-bound)
 #   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
@@ -33,6 +36,18 @@ for what in ${@:-test 7b}; do
         --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
         --modes ${MODES_7B:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,draft_target:6,verify:2,verify:3,verify:4,verify:5,verify:7,plain} \
         --output_json $R/7b_$r.json > $R/7b_$r.log 2>&1 || tail -5 $R/7b_$r.log | tee -a $T
+    done
+    ;;
+  ab)
+    # Two builds of spec-bench against each other, alternated (staged as /tmp/bin/spec-bench
+    # and /tmp/bin/spec-bench-b): random Llama-2-7B, plain and a few draft lengths.
+    for r in $(seq 1 ${ROUNDS:-2}); do
+      for b in spec-bench spec-bench-b; do
+        $B/$b --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+          --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
+          --modes ${MODES_AB:-plain,draft_target:1,draft_target:3,plain} \
+          --output_json $R/ab_${r}_$b.json > $R/ab_${r}_$b.log 2>&1 || tail -5 $R/ab_${r}_$b.log | tee -a $T
+      done
     done
     ;;
   smolr)
