@@ -26,16 +26,21 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/session-env.sh"
 R=$OUT/self_draft; mkdir -p $R
 T=$OUT/self_draft.txt
+# random_self_draft BIN SHAPE MODES NAME: BIN (a staged spec-bench) on SHAPE's random weights,
+# each model's own 4-bit copy drafting, 4 prompts of 128 tokens; results in $R/NAME.json.
+random_self_draft() {
+  $B/$1 --random_weights $2 --dtype bfloat16 --device cuda:0 --prompt_len 128 \
+    --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
+    --modes $3 --output_json $R/$4.json > $R/$4.log 2>&1 || tail -5 $R/$4.log | tee -a $T
+}
 for what in ${@:-test 7b}; do
   case $what in
   test) $B/model-cuda --test-threads 1 quantized 2>&1 | grep -E "^test |test result|panicked" | tee -a $T ;;
   tests) run_gpu_tests | grep -v " ok$" | tee -a $T ;;
   7b)
     for r in $(seq 1 ${ROUNDS:-2}); do
-      $B/spec-bench --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128 \
-        --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
-        --modes ${MODES_7B:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,draft_target:6,verify:2,verify:3,verify:4,verify:5,verify:7,plain} \
-        --output_json $R/7b_$r.json > $R/7b_$r.log 2>&1 || tail -5 $R/7b_$r.log | tee -a $T
+      random_self_draft spec-bench llama2-7b \
+        ${MODES_7B:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,draft_target:6,verify:2,verify:3,verify:4,verify:5,verify:7,plain} 7b_$r
     done
     ;;
   ab)
@@ -43,18 +48,13 @@ for what in ${@:-test 7b}; do
     # and /tmp/bin/spec-bench-b): random Llama-2-7B, plain and a few draft lengths.
     for r in $(seq 1 ${ROUNDS:-2}); do
       for b in spec-bench spec-bench-b; do
-        $B/$b --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128 \
-          --max_output_len ${TOKENS:-128} --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
-          --modes ${MODES_AB:-plain,draft_target:1,draft_target:3,plain} \
-          --output_json $R/ab_${r}_$b.json > $R/ab_${r}_$b.log 2>&1 || tail -5 $R/ab_${r}_$b.log | tee -a $T
+        random_self_draft $b llama2-7b ${MODES_AB:-plain,draft_target:1,draft_target:3,plain} ab_${r}_$b
       done
     done
     ;;
   smolr)
-    $B/spec-bench --random_weights smollm2-135m --dtype bfloat16 --device cuda:0 --prompt_len 128 \
-      --max_output_len 128 --num_prompts 4 --batch_sizes 1 --draft_quantization q4 \
-      --modes plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,verify:2,verify:3,verify:4,verify:5,plain \
-      --output_json $R/smolr.json > $R/smolr.log 2>&1 || tail -5 $R/smolr.log | tee -a $T
+    random_self_draft spec-bench smollm2-135m \
+      plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,verify:2,verify:3,verify:4,verify:5,plain smolr
     ;;
   smol)
     [ -d /tmp/smol_dt ] || { $B/convert-checkpoint --gguf $S/smol.gguf --output_dir /tmp/smol_dt.ckpt \
