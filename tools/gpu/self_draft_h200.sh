@@ -7,9 +7,9 @@
 #   7b     random Llama-2-7B, 128-token prompts: plain, draft_target:K (the random model's
 #          own copy drafts: its steps are timed; random weights' τ says little), and the
 #          verify:T steps those take, ROUNDS times (default 2)
-#   ab     spec-bench against spec-bench-b (another build: e.g. the branch
-#          gemv-quant-pipelined built into another CARGO_TARGET_DIR, its spec-bench renamed
-#          spec-bench-b and packed with BINS), random Llama-2-7B, ROUNDS times alternated
+#   ab     spec-bench against spec-bench-b (and spec-bench-c where staged: other builds, e.g.
+#          the branch gemv-quant-pipelined's commits, each spec-bench renamed and packed),
+#          random Llama-2-7B, ROUNDS times alternated
 #   smolr  random SmolLM2 weights, as 7b: what a draft step of SmolLM2's shape costs (its
 #          one-row steps are launch-bound, not byte-bound)
 #   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
@@ -44,10 +44,11 @@ for what in ${@:-test 7b}; do
     done
     ;;
   ab)
-    # Two builds of spec-bench against each other, alternated (staged as /tmp/bin/spec-bench
-    # and /tmp/bin/spec-bench-b): random Llama-2-7B, plain and a few draft lengths.
+    # Builds of spec-bench against each other, alternated (staged as /tmp/bin/spec-bench,
+    # spec-bench-b and optionally spec-bench-c): random Llama-2-7B, plain and a few draft lengths.
     for r in $(seq 1 ${ROUNDS:-2}); do
-      for b in spec-bench spec-bench-b; do
+      for b in spec-bench spec-bench-b spec-bench-c; do
+        [ -x $B/$b ] || continue
         random_self_draft $b llama2-7b ${MODES_AB:-plain,draft_target:1,draft_target:3,plain} ab_${r}_$b
       done
     done
