@@ -12,8 +12,9 @@
 // inputs keep the CUDA and CPU copies within f32 rounding of each other.
 //
 // Work: a block's warps first quantize its QG_ROWS input rows into shared memory; then each
-// warp takes output columns in turn, its lanes reading the weight row 16 bytes at a time with
-// QG_LOADS loads in flight. blockIdx.x is the row group and blockIdx.y the column group, so
+// warp takes output columns in turn, its lanes reading the weight row 16 bytes at a time,
+// QG_LOADS loads a pass, the next pass requested before the current one's arithmetic.
+// blockIdx.x is the row group and blockIdx.y the column group, so
 // the blocks that read the same weights for other rows are scheduled side by side and share
 // them through L2: a step of many rows still reads its weights from memory about once.
 
@@ -148,46 +149,78 @@ __device__ __forceinline__ void gemv_quant_piece(const uint4 q, const uint2 dm_r
     }
 }
 
+// A warp's pass over weight row j: its lanes' QG_LOADS 16-byte pieces from piece `base`, and
+// their blocks' (d, m) pairs.
+template <int BITS>
+__device__ __forceinline__ void gemv_quant_load(const unsigned char *__restrict__ codes,
+                                                const __half2 *__restrict__ dm, const int j,
+                                                const int base, const int K, uint4 (&q)[QG_LOADS],
+                                                uint2 (&dmv)[QG_LOADS]) {
+    const int row_bytes = K * BITS / 8, pieces = row_bytes / 16, nb = K / QG_BLOCK;
+    const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
+    const __half2 *dm_row = dm + (size_t)j * nb;
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int u = 0; u < QG_LOADS; ++u) {
+        const int c = base + u * WARP + lane;
+        if (c < pieces) {
+            q[u] = __ldg(wrow + c);
+            dmv[u] = BITS == 4 ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
+                               : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
+        }
+    }
+}
+
 template <typename T, int BITS>
 __device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restrict__ codes,
                            const __half2 *__restrict__ dm, T *__restrict__ y, const int M,
                            const int N, const int K) {
     const int r0 = blockIdx.x * QG_ROWS, rows = min(QG_ROWS, M - r0);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int pieces = K * BITS / 8 / 16, stride = gridDim.y * QG_WARPS;
+    // The pass in registers: column j, pieces base + lane, base + lane + 32, …
+    int j = blockIdx.y * QG_WARPS + warp, base = 0;
+    uint4 q[QG_LOADS];
+    uint2 dmv[QG_LOADS];
+    // The weights do not depend on the kernel that writes x: the first pass is requested
+    // before waiting for it, and before the staging, so its round trip overlaps both.
+    if (j < N) gemv_quant_load<BITS>(codes, dm, j, base, K, q, dmv);
     pdl_enter();
     gemv_quant_stage_rows<T>(x + (size_t)r0 * K, rows, K);
     __syncthreads();
-    const int row_bytes = K * BITS / 8, pieces = row_bytes / 16, nb = K / QG_BLOCK;
-    for (int j = blockIdx.y * QG_WARPS + warp; j < N; j += gridDim.y * QG_WARPS) {
-        const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
-        const __half2 *dm_row = dm + (size_t)j * nb;
-        float acc[QG_ROWS] = {};
-        for (int c0 = lane; c0 < pieces; c0 += QG_LOADS * WARP) {
-            // The codes and their blocks' (d, m) all requested before any arithmetic.
-            uint4 q[QG_LOADS];
-            uint2 dmv[QG_LOADS];
+    float acc[QG_ROWS] = {};
+    while (j < N) {
+        // The next pass (the rest of this row, or the warp's next column) is requested
+        // before this one's arithmetic, so a warp always has loads in flight.
+        uint4 cq[QG_LOADS];
+        uint2 cdm[QG_LOADS];
 #pragma unroll
-            for (int u = 0; u < QG_LOADS; ++u) {
-                const int c = c0 + u * WARP;
-                if (c < pieces) {
-                    q[u] = __ldg(wrow + c);
-                    dmv[u] = BITS == 4
-                        ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
-                        : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
-                }
-            }
+        for (int u = 0; u < QG_LOADS; ++u) {
+            cq[u] = q[u];
+            cdm[u] = dmv[u];
+        }
+        int next_j = j, next_base = base + QG_LOADS * WARP;
+        if (next_base >= pieces) {
+            next_j = j + stride;
+            next_base = 0;
+        }
+        if (next_j < N) gemv_quant_load<BITS>(codes, dm, next_j, next_base, K, q, dmv);
 #pragma unroll
-            for (int u = 0; u < QG_LOADS; ++u) {
-                const int c = c0 + u * WARP;
-                if (c < pieces) gemv_quant_piece<BITS>(q[u], dmv[u], c, rows, K, acc);
+        for (int u = 0; u < QG_LOADS; ++u) {
+            const int c = base + u * WARP + lane;
+            if (c < pieces) gemv_quant_piece<BITS>(cq[u], cdm[u], c, rows, K, acc);
+        }
+        if (next_j != j) {
+#pragma unroll
+            for (int r = 0; r < QG_ROWS; ++r) {
+                if (r >= rows) break;
+                const float s = warp_sum(acc[r]);
+                if (lane == 0) y[(size_t)(r0 + r) * N + j] = from_f<T>(s);
+                acc[r] = 0.f;
             }
         }
-#pragma unroll
-        for (int r = 0; r < QG_ROWS; ++r) {
-            if (r >= rows) break;
-            const float s = warp_sum(acc[r]);
-            if (lane == 0) y[(size_t)(r0 + r) * N + j] = from_f<T>(s);
-        }
+        j = next_j;
+        base = next_base;
     }
 }
 

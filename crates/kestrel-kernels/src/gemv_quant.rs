@@ -158,9 +158,9 @@ mod cuda {
 
     /// Warps a block (`QG_WARPS`).
     const WARPS: usize = 8;
-    /// Blocks a multiprocessor the grid aims at: enough 16-byte loads in flight to keep the
-    /// memory busy (4 a lane) without a second wave.
-    const BLOCKS_PER_SM: usize = 4;
+    /// Blocks a multiprocessor the grid aims at: as many as fit at once (the kernels take
+    /// ~90 registers a thread, two passes of loads in flight), so there is no second wave.
+    const BLOCKS_PER_SM: usize = 2;
 
     pub(crate) struct GemvQuant {
         pub bits: u32,
