@@ -12,9 +12,13 @@
 // inputs keep the CUDA and CPU copies within f32 rounding of each other.
 //
 // Work: a block's warps first quantize its QG_ROWS input rows into shared memory; then each
-// warp takes output columns in turn, its lanes reading the weight row 16 bytes at a time,
-// QG_LOADS loads a pass, the next pass requested before the current one's arithmetic.
-// blockIdx.x is the row group and blockIdx.y the column group, so
+// warp takes COLS output columns at a time (1, 2 or 4, a template parameter), its lanes
+// reading the weight rows 16 bytes at a time, QG_LOADS loads a pass (QG_LOADS / COLS pieces
+// of each column), the next pass requested before the current one's arithmetic. The columns
+// of a pass share each piece's staged inputs: a row's shared-memory reads, the largest part
+// of a piece's instructions, are paid once for COLS columns (one column a warp at a time
+// left the kernel bound by those instructions, not by its bytes: a draft step of two rows
+// cost ~1.7 times one of a row). blockIdx.x is the row group and blockIdx.y the column group, so
 // the blocks that read the same weights for other rows are scheduled side by side and share
 // them through L2: a step of many rows still reads its weights from memory about once.
 
@@ -96,23 +100,22 @@ __device__ void gemv_quant_stage_rows(const T *__restrict__ x, const int rows, c
     }
 }
 
-// One lane's share of a 16-byte piece `c` of a weight row (its codes `q`, and the (d, m)
-// pairs of its blocks in `dm_raw`: both at 4 bits, the one in .x at 8) against the staged
-// rows, added to acc[r].
-template <int BITS>
-__device__ __forceinline__ void gemv_quant_piece(const uint4 q, const uint2 dm_raw, const int c,
-                                                 const int rows, const int K, float *acc) {
+// One lane's share of piece `c` (16 bytes of a weight row) of each of COLS columns, their codes
+// in `q` and the (d, m) pairs of their blocks in `dm_raw` (both at 4 bits, the one in .x at 8),
+// against the staged rows, added to acc[column][row]. A row's inputs for the piece are read
+// from shared memory once for all COLS columns.
+template <int BITS, int COLS>
+__device__ __forceinline__ void gemv_quant_piece(const uint4 (&q)[COLS], const uint2 (&dm_raw)[COLS],
+                                                 const int c, const int rows, const int K,
+                                                 float (&acc)[COLS][QG_ROWS]) {
     const int nb = K / QG_BLOCK;
     const int4 *xq = reinterpret_cast<const int4 *>(qg_stage);
     const float *dx = reinterpret_cast<const float *>(qg_stage + QG_ROWS * K);
     const float *sx = dx + QG_ROWS * nb;
-    const unsigned w[4] = {q.x, q.y, q.z, q.w};
     if (BITS == 4) {
         // Piece c is half h of pair p: elements 16h … 16h + 15 of blocks 2p (low nibbles)
-        // and 2p + 1 (high nibbles).
+        // and 2p + 1 (high nibbles). Only the h = 0 lane adds the blocks' minimum terms.
         const int p = c >> 1, h = c & 1, ba = 2 * p, bb = 2 * p + 1;
-        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.x));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.y));
 #pragma unroll
         for (int r = 0; r < QG_ROWS; ++r) {
             if (r >= rows) break;
@@ -120,121 +123,147 @@ __device__ __forceinline__ void gemv_quant_piece(const uint4 q, const uint2 dm_r
             const int4 xa = xq[(r * K + QG_BLOCK * ba) / 16 + h];
             const int4 xb = xq[(r * K + QG_BLOCK * bb) / 16 + h];
             const int xa_w[4] = {xa.x, xa.y, xa.z, xa.w}, xb_w[4] = {xb.x, xb.y, xb.z, xb.w};
-            int sa = 0, sb = 0;
+            const float dxa = dx[r * nb + ba], dxb = dx[r * nb + bb];
+            const float sxa = h == 0 ? sx[r * nb + ba] : 0.f, sxb = h == 0 ? sx[r * nb + bb] : 0.f;
 #pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                sa = __dp4a((int)(w[t] & 0x0F0F0F0Fu), xa_w[t], sa);
-                sb = __dp4a((int)((w[t] >> 4) & 0x0F0F0F0Fu), xb_w[t], sb);
+            for (int i = 0; i < COLS; ++i) {
+                const unsigned w[4] = {q[i].x, q[i].y, q[i].z, q[i].w};
+                int sa = 0, sb = 0;
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    sa = __dp4a((int)(w[t] & 0x0F0F0F0Fu), xa_w[t], sa);
+                    sb = __dp4a((int)((w[t] >> 4) & 0x0F0F0F0Fu), xb_w[t], sb);
+                }
+                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw[i].x));
+                const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw[i].y));
+                acc[i][r] += a.x * dxa * (float)sa + b.x * dxb * (float)sb + a.y * sxa + b.y * sxb;
             }
-            float part = a.x * dx[r * nb + ba] * (float)sa + b.x * dx[r * nb + bb] * (float)sb;
-            if (h == 0) part += a.y * sx[r * nb + ba] + b.y * sx[r * nb + bb];
-            acc[r] += part;
         }
     } else {
         // Piece c is elements 16c … 16c + 15 of the row: half c % 2 of block c / 2.
         const int blk = c >> 1;
-        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw.x));
 #pragma unroll
         for (int r = 0; r < QG_ROWS; ++r) {
             if (r >= rows) break;
             const int4 xv = xq[(r * K) / 16 + c];
             const int xw[4] = {xv.x, xv.y, xv.z, xv.w};
-            int s = 0;
+            const float d = dx[r * nb + blk], sm = (c & 1) == 0 ? sx[r * nb + blk] : 0.f;
 #pragma unroll
-            for (int t = 0; t < 4; ++t) s = dp4a_us(w[t], xw[t], s);
-            float part = a.x * dx[r * nb + blk] * (float)s;
-            if ((c & 1) == 0) part += a.y * sx[r * nb + blk];
-            acc[r] += part;
+            for (int i = 0; i < COLS; ++i) {
+                const unsigned w[4] = {q[i].x, q[i].y, q[i].z, q[i].w};
+                int s = 0;
+#pragma unroll
+                for (int t = 0; t < 4; ++t) s = dp4a_us(w[t], xw[t], s);
+                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&dm_raw[i].x));
+                acc[i][r] += a.x * d * (float)s + a.y * sm;
+            }
         }
     }
 }
 
-// A warp's pass over weight row j: its lanes' QG_LOADS 16-byte pieces from piece `base`, and
-// their blocks' (d, m) pairs.
-template <int BITS>
+// A warp's pass: its lanes' QG_LOADS / COLS pieces of each of the COLS columns from j0 (piece
+// base + u·32 + lane for load u), and their blocks' (d, m) pairs. Columns past N load nothing.
+template <int BITS, int COLS>
 __device__ __forceinline__ void gemv_quant_load(const unsigned char *__restrict__ codes,
-                                                const __half2 *__restrict__ dm, const int j,
-                                                const int base, const int K, uint4 (&q)[QG_LOADS],
-                                                uint2 (&dmv)[QG_LOADS]) {
+                                                const __half2 *__restrict__ dm, const int j0,
+                                                const int N, const int base, const int K,
+                                                uint4 (&q)[QG_LOADS / COLS][COLS],
+                                                uint2 (&dmv)[QG_LOADS / COLS][COLS]) {
     const int row_bytes = K * BITS / 8, pieces = row_bytes / 16, nb = K / QG_BLOCK;
-    const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
-    const __half2 *dm_row = dm + (size_t)j * nb;
     const int lane = threadIdx.x % WARP;
 #pragma unroll
-    for (int u = 0; u < QG_LOADS; ++u) {
+    for (int u = 0; u < QG_LOADS / COLS; ++u) {
         const int c = base + u * WARP + lane;
-        if (c < pieces) {
-            q[u] = __ldg(wrow + c);
-            dmv[u] = BITS == 4 ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
-                               : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) {
+            const int j = j0 + i;
+            if (c < pieces && j < N) {
+                const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
+                const __half2 *dm_row = dm + (size_t)j * nb;
+                q[u][i] = __ldg(wrow + c);
+                dmv[u][i] = BITS == 4 ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
+                                      : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
+            }
         }
     }
 }
 
-template <typename T, int BITS>
+// y's COLS columns from j0 for the block's rows: a warp's COLS columns are read side by side
+// (a piece of each a load), so a row's staged inputs serve all of them.
+template <typename T, int BITS, int COLS>
 __device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restrict__ codes,
                            const __half2 *__restrict__ dm, T *__restrict__ y, const int M,
                            const int N, const int K) {
+    constexpr int LOADS = QG_LOADS / COLS;
     const int r0 = blockIdx.x * QG_ROWS, rows = min(QG_ROWS, M - r0);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int pieces = K * BITS / 8 / 16, stride = gridDim.y * QG_WARPS;
-    // The pass in registers: column j, pieces base + lane, base + lane + 32, …
-    int j = blockIdx.y * QG_WARPS + warp, base = 0;
-    uint4 q[QG_LOADS];
-    uint2 dmv[QG_LOADS];
+    const int pieces = K * BITS / 8 / 16, stride = gridDim.y * QG_WARPS * COLS;
+    // The pass in registers: columns j0 … j0 + COLS - 1, pieces base + lane, base + lane + 32, …
+    int j0 = (blockIdx.y * QG_WARPS + warp) * COLS, base = 0;
+    // Zeros where a pass loads nothing (columns past N: computed, never written).
+    uint4 q[LOADS][COLS] = {};
+    uint2 dmv[LOADS][COLS] = {};
     // The weights do not depend on the kernel that writes x: the first pass is requested
     // before waiting for it, and before the staging, so its round trip overlaps both.
-    if (j < N) gemv_quant_load<BITS>(codes, dm, j, base, K, q, dmv);
+    if (j0 < N) gemv_quant_load<BITS, COLS>(codes, dm, j0, N, base, K, q, dmv);
     pdl_enter();
     gemv_quant_stage_rows<T>(x + (size_t)r0 * K, rows, K);
     __syncthreads();
-    float acc[QG_ROWS] = {};
-    while (j < N) {
-        // The next pass (the rest of this row, or the warp's next column) is requested
+    float acc[COLS][QG_ROWS] = {};
+    while (j0 < N) {
+        // The next pass (the rest of these columns, or the warp's next ones) is requested
         // before this one's arithmetic, so a warp always has loads in flight.
-        uint4 cq[QG_LOADS];
-        uint2 cdm[QG_LOADS];
+        uint4 cq[LOADS][COLS];
+        uint2 cdm[LOADS][COLS];
 #pragma unroll
-        for (int u = 0; u < QG_LOADS; ++u) {
-            cq[u] = q[u];
-            cdm[u] = dmv[u];
-        }
-        int next_j = j, next_base = base + QG_LOADS * WARP;
+        for (int u = 0; u < LOADS; ++u)
+#pragma unroll
+            for (int i = 0; i < COLS; ++i) {
+                cq[u][i] = q[u][i];
+                cdm[u][i] = dmv[u][i];
+            }
+        int next_j0 = j0, next_base = base + LOADS * WARP;
         if (next_base >= pieces) {
-            next_j = j + stride;
+            next_j0 = j0 + stride;
             next_base = 0;
         }
-        if (next_j < N) gemv_quant_load<BITS>(codes, dm, next_j, next_base, K, q, dmv);
+        if (next_j0 < N) gemv_quant_load<BITS, COLS>(codes, dm, next_j0, N, next_base, K, q, dmv);
 #pragma unroll
-        for (int u = 0; u < QG_LOADS; ++u) {
+        for (int u = 0; u < LOADS; ++u) {
             const int c = base + u * WARP + lane;
-            if (c < pieces) gemv_quant_piece<BITS>(cq[u], cdm[u], c, rows, K, acc);
+            if (c < pieces) gemv_quant_piece<BITS, COLS>(cq[u], cdm[u], c, rows, K, acc);
         }
-        if (next_j != j) {
+        if (next_j0 != j0) {
 #pragma unroll
-            for (int r = 0; r < QG_ROWS; ++r) {
-                if (r >= rows) break;
-                const float s = warp_sum(acc[r]);
-                if (lane == 0) y[(size_t)(r0 + r) * N + j] = from_f<T>(s);
-                acc[r] = 0.f;
-            }
+            for (int i = 0; i < COLS; ++i)
+#pragma unroll
+                for (int r = 0; r < QG_ROWS; ++r) {
+                    if (r >= rows) break;
+                    const float s = warp_sum(acc[i][r]);
+                    if (lane == 0 && j0 + i < N) y[(size_t)(r0 + r) * N + j0 + i] = from_f<T>(s);
+                    acc[i][r] = 0.f;
+                }
         }
-        j = next_j;
+        j0 = next_j0;
         base = next_base;
     }
 }
 
-#define KESTREL_QUANT_OPS(T, SUFFIX)                                                            \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * WARP) kestrel_gemv_q4_##SUFFIX(     \
-        const T *x, const unsigned char *codes, const __half2 *dm, T *y, const int M,           \
-        const int N, const int K) {                                                             \
-        gemv_quant<T, 4>(x, codes, dm, y, M, N, K);                                             \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * WARP) kestrel_gemv_q8_##SUFFIX(     \
-        const T *x, const unsigned char *codes, const __half2 *dm, T *y, const int M,           \
-        const int N, const int K) {                                                             \
-        gemv_quant<T, 8>(x, codes, dm, y, M, N, K);                                             \
+// kestrel_gemv_q{4,8}_c{1,2,4}_{f32,f16,bf16}: BITS-bit weights, COLS columns a warp at once.
+#define KESTREL_QUANT_OP(T, SUFFIX, BITS, COLS)                                                 \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * WARP, 2)                            \
+        kestrel_gemv_q##BITS##_c##COLS##_##SUFFIX(const T *x, const unsigned char *codes,       \
+                                                  const __half2 *dm, T *y, const int M,         \
+                                                  const int N, const int K) {                   \
+        gemv_quant<T, BITS, COLS>(x, codes, dm, y, M, N, K);                                    \
     }
+#define KESTREL_QUANT_OPS(T, SUFFIX)                                                            \
+    KESTREL_QUANT_OP(T, SUFFIX, 4, 1)                                                           \
+    KESTREL_QUANT_OP(T, SUFFIX, 4, 2)                                                           \
+    KESTREL_QUANT_OP(T, SUFFIX, 4, 4)                                                           \
+    KESTREL_QUANT_OP(T, SUFFIX, 8, 1)                                                           \
+    KESTREL_QUANT_OP(T, SUFFIX, 8, 2)                                                           \
+    KESTREL_QUANT_OP(T, SUFFIX, 8, 4)
 
 KESTREL_QUANT_OPS(float, f32)
 KESTREL_QUANT_OPS(__half, f16)

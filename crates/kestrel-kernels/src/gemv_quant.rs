@@ -159,8 +159,20 @@ mod cuda {
     /// Warps a block (`QG_WARPS`).
     const WARPS: usize = 8;
     /// Blocks a multiprocessor the grid aims at: as many as fit at once (the kernels take
-    /// ~90 registers a thread, two passes of loads in flight), so there is no second wave.
+    /// 88-113 registers a thread, two passes of loads in flight; `__launch_bounds__` holds
+    /// them to 128, two blocks), so there is no second wave.
     const BLOCKS_PER_SM: usize = 2;
+
+    /// Columns a warp reads side by side (`COLS`): the most of 4 and 2 that still give the
+    /// grid 90% of its `target` blocks (a column each warp), else 1. Side by side, the
+    /// columns share each piece's staged inputs, the kernel's largest instruction cost; but
+    /// fewer blocks would leave multiprocessors without the warps that hide the loads.
+    fn columns_at_once(n: usize, target: usize) -> usize {
+        [4, 2]
+            .into_iter()
+            .find(|&cols| n.div_ceil(cols * WARPS) * 10 >= target * 9)
+            .unwrap_or(1)
+    }
 
     pub(crate) struct GemvQuant {
         pub bits: u32,
@@ -184,13 +196,14 @@ mod cuda {
             // SAFETY: every (row, column) of the output is written by the warp owning the
             // column in the block owning the row.
             let out = unsafe { dev.alloc::<T>(m * self.n)? };
-            let func = load_kernel(&dev, &format!("kestrel_gemv_q{}_{sfx}", self.bits))?;
             let groups = m.div_ceil(QUANT_GEMV_ROWS);
-            // Columns a warp takes, so that the grid is about BLOCKS_PER_SM blocks a
-            // multiprocessor and every warp has as many columns as the next.
+            // Column groups a warp takes, so that the grid is about BLOCKS_PER_SM blocks a
+            // multiprocessor and every warp has as many as the next.
             let target = (multiprocessors(&dev)? * BLOCKS_PER_SM / groups).max(1);
-            let per_warp = self.n.div_ceil(WARPS * target).max(1);
-            let column_blocks = self.n.div_ceil(WARPS * per_warp);
+            let cols = columns_at_once(self.n, target);
+            let func = load_kernel(&dev, &format!("kestrel_gemv_q{}_c{cols}_{sfx}", self.bits))?;
+            let per_warp = self.n.div_ceil(cols * WARPS * target).max(1);
+            let column_blocks = self.n.div_ceil(cols * WARPS * per_warp);
             let (Ok(groups), Ok(column_blocks)) =
                 (u32::try_from(groups), u16::try_from(column_blocks))
             else {
