@@ -8,8 +8,9 @@
 #          own copy drafts: its steps are timed; random weights' τ says little), and the
 #          verify:T steps those take, ROUNDS times (default 2)
 #   ab     spec-bench against spec-bench-b (and spec-bench-c where staged: other builds, e.g.
-#          the branch gemv-quant-pipelined's commits, each spec-bench renamed and packed),
-#          random Llama-2-7B, ROUNDS times alternated
+#          a branch's commits built from a git worktree, each spec-bench renamed and packed;
+#          a worktree shares CARGO_TARGET_DIR's artifacts, so `cargo clean -p kestrel-kernels
+#          -p kestrel` before building main again), random Llama-2-7B, ROUNDS times alternated
 #   smolr  random SmolLM2 weights, as 7b: what a draft step of SmolLM2's shape costs (its
 #          one-row steps are launch-bound, not byte-bound)
 #   smol   real SmolLM2 from the staged GGUF, MT-bench 1-20, 128 tokens: plain and
