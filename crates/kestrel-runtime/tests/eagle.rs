@@ -25,6 +25,16 @@ fn greedy(max_output_len: usize) -> GenerationParams {
     }
 }
 
+/// An engine (default spec) of [`agreeing_pair`]`(seed)`, built in a temporary folder that
+/// lives as long as the returned guard.
+fn agreeing_engine(seed: u64) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, base, head) = agreeing_pair(seed);
+    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    (dir, engine)
+}
+
 fn ids(outputs: &[SequenceOutput]) -> Vec<Vec<u32>> {
     outputs.iter().map(|o| o.output_ids.clone()).collect()
 }
@@ -98,10 +108,7 @@ fn assert_lossless(engine: &Engine, modes: &[(&str, DecodeMode)], len: usize) ->
 
 #[test]
 fn greedy_eagle_equals_plain_with_an_agreeing_head() {
-    let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(11);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (_dir, engine) = agreeing_engine(11);
     let modes = [
         ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
         ("chain_4", static_mode("chain_4")),
@@ -132,10 +139,7 @@ fn with_draft_vocab(mode: DecodeMode<'static>, n: usize) -> DecodeMode<'static> 
 
 #[test]
 fn a_draft_vocabulary_keeps_greedy_output_and_is_checked() {
-    let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(11);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (_dir, engine) = agreeing_engine(11);
     // Half of the 48-token vocabulary: the target's tokens outside it are never drafted and
     // still come out, from the target's own choice.
     let modes = [
@@ -304,10 +308,7 @@ fn random_tree(seed: u64) -> Vec<Vec<usize>> {
 
 #[test]
 fn greedy_eagle_equals_plain_on_random_trees() {
-    let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(21);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (_dir, engine) = agreeing_engine(21);
     let modes: Vec<(String, DecodeMode)> = (0..6)
         .map(|seed| {
             let choices = random_tree(seed);
@@ -334,10 +335,7 @@ fn greedy_eagle_equals_plain_on_random_trees() {
 
 #[test]
 fn typical_acceptance_at_temperature_zero_is_greedy() {
-    let dir = tempfile::tempdir().unwrap();
-    let (cfg, base, head) = agreeing_pair(3);
-    let engine_dir = build(dir.path(), &cfg, &base, Some(&head), &EngineSpec::default());
-    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let (_dir, engine) = agreeing_engine(3);
     let typical = DecodeMode::Eagle(EagleOptions {
         tree: EagleTreeKind::Static(
             EagleTree::from_preset("mc_sim_7b_63", &tree_limits()).unwrap(),
