@@ -163,10 +163,11 @@ mod cuda {
     /// them to 128, two blocks), so there is no second wave.
     const BLOCKS_PER_SM: usize = 2;
 
-    /// Columns a warp reads side by side (`COLS`): the most of 4 and 2 that still give the
-    /// grid 90% of its `target` blocks (a column each warp), else 1. Side by side, the
-    /// columns share each piece's staged inputs, the kernel's largest instruction cost; but
-    /// fewer blocks would leave multiprocessors without the warps that hide the loads.
+    /// Columns a warp reads side by side (`COLS`): the most of 4 and 2 with which the `n`
+    /// columns still make 90% of `target` blocks (a column group each warp), else 1. Side by
+    /// side, the columns share each piece's staged inputs, the kernel's largest instruction
+    /// cost; but fewer blocks would leave multiprocessors without the warps that hide the
+    /// loads.
     fn columns_at_once(n: usize, target: usize) -> usize {
         [4, 2]
             .into_iter()
