@@ -200,7 +200,7 @@ __device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restr
     const int pieces = K * BITS / 8 / 16, stride = gridDim.y * QG_WARPS * COLS;
     // The pass in registers: columns j0 … j0 + COLS - 1, pieces base + lane, base + lane + 32, …
     int j0 = (blockIdx.y * QG_WARPS + warp) * COLS, base = 0;
-    // Zeros where a pass loads nothing (columns past N: computed, never written).
+    // Columns past N load nothing and are never written; zeroed so their sums start defined.
     uint4 q[LOADS][COLS] = {};
     uint2 dmv[LOADS][COLS] = {};
     // The weights do not depend on the kernel that writes x: the first pass is requested
