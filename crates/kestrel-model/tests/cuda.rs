@@ -796,12 +796,21 @@ fn hashed_unit(seed: u64, i: usize) -> f32 {
 /// CPU's, for 4- and 8-bit codes, f32 and bf16 inputs, and row counts that fill, split and
 /// leave short the kernel's groups of two rows. The shapes take each of the kernel's column
 /// widths on a GPU of 100-140 multiprocessors: a column a warp at a time (the small ones), two
-/// (4,100 columns, one row) and four (8,202, its last group two columns short).
+/// (4,100 columns, one row) and four (8,202, its last group two columns short); and rows of
+/// weights a warp reads in one pass (576 inputs) or several (8,202 × 1,536 at four columns,
+/// 40 × 8,192 at one).
 #[test]
 fn quantized_gemv_on_cuda_matches_the_cpu_kernel() {
     use kestrel_model::matvec_quant::{Bits, QuantWeights};
     let dev = gpu();
-    for (n, k) in [(96, 576), (40, 1536), (33, 4096), (4100, 576), (8202, 576)] {
+    for (n, k) in [
+        (96, 576),
+        (40, 1536),
+        (33, 4096),
+        (40, 8192),
+        (4100, 576),
+        (8202, 1536),
+    ] {
         let wv: Vec<f32> = (0..n * k).map(|i| 0.05 * hashed_unit(3, i)).collect();
         let w = candle_core::Tensor::from_vec(wv.clone(), (n, k), &Device::Cpu).unwrap();
         for bits in [Bits::Four, Bits::Eight] {
