@@ -18,7 +18,8 @@
 #   ncu    Nsight Compute on random Llama-2-7B's 4-bit draft gemvs (eager, draft_target:1):
 #          every launch's time and DRAM bytes past the prompt, by kernel and grid
 #          (ncu_quant_summary.py; PEAK_TBS for the card, default 3.35), then the detail
-#          sections of one launch of each column width (ncu_q4_c{2,4}.txt)
+#          sections of one launch of each column width (ncu_q4_c{2,4}.txt); NCU_BENCH names
+#          another staged build (spec-bench-b)
 # Staging (tools/gpu/pack.sh and stage.sh; model-cuda and kernels-gpu copied from
 # target-cuda/release/deps/{cuda,gpu}-* first):
 #   BINS="spec-bench kernels-gpu convert-checkpoint spec-build model-cuda" TRAIN_DATA=0 tools/gpu/pack.sh
@@ -75,7 +76,7 @@ for what in ${@:-test 7b}; do
     ;;
   ncu)
     NCU=/usr/local/cuda/bin/ncu
-    SB="$B/spec-bench --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128
+    SB="$B/${NCU_BENCH:-spec-bench} --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128
       --max_output_len 16 --num_prompts 1 --batch_sizes 1 --draft_quantization q4 --no_cuda_graphs
       --copy_bytes 1048576 --warmup_tokens 0 --modes draft_target:1"
     timeout 200 $SB > /dev/null 2>&1 # the driver's JIT cache
