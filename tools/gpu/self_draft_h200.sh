@@ -17,8 +17,8 @@
 #          draft_target:1-4 with the engine drafting for itself
 #   ncu    Nsight Compute on random Llama-2-7B's 4-bit draft gemvs (eager, draft_target:1):
 #          every launch's time and DRAM bytes past the prompt, by kernel and grid
-#          (ncu_quant_summary.py; PEAK_TBS for the card, default 3.35), then the detail
-#          sections of one launch of each column width (ncu_q4_c{2,4}.txt); NCU_BENCH names
+#          (ncu_summary.py; PEAK_TBS for the card, default 3.35), then the detail
+#          sections of one launch of each column width ($OUT/ncu_q4_c{2,4}.txt); NCU_BENCH names
 #          another staged build (spec-bench-b)
 # Staging (tools/gpu/pack.sh and stage.sh; model-cuda and kernels-gpu copied from
 # target-cuda/release/deps/{cuda,gpu}-* first):
@@ -75,7 +75,6 @@ for what in ${@:-test 7b}; do
       --output_json $R/smol.json > $R/smol.log 2>&1 || tail -5 $R/smol.log | tee -a $T
     ;;
   ncu)
-    NCU=/usr/local/cuda/bin/ncu
     SB="$B/${NCU_BENCH:-spec-bench} --random_weights llama2-7b --dtype bfloat16 --device cuda:0 --prompt_len 128
       --max_output_len 16 --num_prompts 1 --batch_sizes 1 --draft_quantization q4 --no_cuda_graphs
       --copy_bytes 1048576 --warmup_tokens 0 --modes draft_target:1"
@@ -83,15 +82,8 @@ for what in ${@:-test 7b}; do
     # The draft's prompt is its first 129 launches (32 layers of 4 gemvs, then the LM head).
     timeout 300 $NCU --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum \
       --kernel-name regex:gemv_q --launch-skip 129 --launch-count 516 $SB > $R/ncu_q.csv 2>&1
-    python3 $here/ncu_quant_summary.py $R/ncu_q.csv ${PEAK_TBS:-3.35} | tee -a $T
-    for width in 2 4; do
-      timeout 200 $NCU --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section LaunchStats --section SchedulerStats \
-        --kernel-name regex:gemv_q4_c$width --launch-skip 200 --launch-count 1 $SB > $R/ncu_q4_c$width.txt 2>&1
-      echo "=== 4-bit, $width columns a warp" | tee -a $T
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|No Eligible|Grid Size|Waves Per SM" \
-        $R/ncu_q4_c$width.txt | head -24 | tee -a $T
-    done
+    python3 $here/ncu_summary.py $R/ncu_q.csv ${PEAK_TBS:-3.35} | tee -a $T
+    for width in 2 4; do ncu_detail q4_c$width gemv_q4_c$width 200 $SB | tee -a $T; done
     ;;
   esac
 done

@@ -23,3 +23,17 @@ smollm2_engine() {
       --speculative_decoding_mode "$2" --max_batch_size "${MAX_BATCH:-4}" --max_input_len 1024 --max_seq_len 2048 > /dev/null ||
     { echo "engine $3 failed"; exit 1; }
 }
+
+# ncu_detail NAME KERNEL_REGEX SKIP COMMAND...: Nsight Compute's detail sections (speed of
+# light, memory, warp states, occupancy, launch, scheduler) of the first launch of a kernel
+# matching KERNEL_REGEX after SKIP such launches, into $OUT/ncu_NAME.txt; its key lines printed.
+NCU=/usr/local/cuda/bin/ncu
+ncu_detail() {
+  local name=$1 k=$2 skip=$3; shift 3
+  timeout 200 $NCU --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section LaunchStats --section SchedulerStats \
+    --kernel-name regex:$k --launch-skip $skip --launch-count 1 env "$@" > $OUT/ncu_$name.txt 2>&1
+  echo "=== $name"
+  grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Achieved Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Stall|Issued Warp|No Eligible|One or More|Theoretical Occ|Dynamic Shared|Waves Per SM|Grid Size|Block Size" \
+    $OUT/ncu_$name.txt | head -40
+}
