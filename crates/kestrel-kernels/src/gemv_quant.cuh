@@ -41,7 +41,11 @@ __device__ __forceinline__ int dp4a_us(const unsigned a, const int b, const int 
 // are contiguous, so the group is one run of rows·K inputs), QG_STAGE_LOADS loads in flight
 // before any arithmetic: a block of 32 inputs is 32 / VEC consecutive threads, which share its
 // maximum and sum by shuffles. (One warp a block, a load at a time, cost the draft step more
-// than its weights: a round trip to memory for every 32 inputs.)
+// than its weights: a round trip to memory for every 32 inputs.) Only the loads a thread has
+// are unrolled into work: every block stages the whole row, so a row of 4,096 bf16 inputs
+// (two vectors a thread) run through all QG_STAGE_LOADS slots was three quarters of a
+// Llama-2-7B o projection's instructions (Nsight Compute, session 37). The count is the
+// same for the whole block, so a warp's lanes never part around the shuffles.
 #define QG_STAGE_LOADS 8
 template <typename T>
 __device__ void gemv_quant_stage_rows(const T *__restrict__ x, const int rows, const int K) {
@@ -51,15 +55,18 @@ __device__ void gemv_quant_stage_rows(const T *__restrict__ x, const int rows, c
     float *dx = reinterpret_cast<float *>(qg_stage + QG_ROWS * K);
     float *sx = dx + QG_ROWS * (K / QG_BLOCK);
     for (int base = 0; base < nvec; base += QG_STAGE_LOADS * blockDim.x) {
+        // The block's loads this round, the same for every thread.
+        const int loads = min(QG_STAGE_LOADS, (nvec - base + blockDim.x - 1) / blockDim.x);
         uint4 raw[QG_STAGE_LOADS];
 #pragma unroll
         for (int u = 0; u < QG_STAGE_LOADS; ++u) {
             const int v = base + u * blockDim.x + threadIdx.x;
-            raw[u] = v < nvec ? *reinterpret_cast<const uint4 *>(x + (size_t)v * VEC)
-                              : make_uint4(0, 0, 0, 0);
+            raw[u] = u < loads && v < nvec ? *reinterpret_cast<const uint4 *>(x + (size_t)v * VEC)
+                                           : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < QG_STAGE_LOADS; ++u) {
+            if (u >= loads) break;
             const int v = base + u * blockDim.x + threadIdx.x;
             float f[VEC];
             unpack16<T>(raw[u], f);
@@ -161,31 +168,102 @@ __device__ __forceinline__ void gemv_quant_piece(const uint4 (&q)[COLS], const u
     }
 }
 
-// A warp's pass: its lanes' QG_LOADS / COLS pieces of each of the COLS columns from j0 (piece
-// base + u·32 + lane for load u), and their blocks' (d, m) pairs. Columns past N load nothing.
-template <int BITS, int COLS>
-__device__ __forceinline__ void gemv_quant_load(const unsigned char *__restrict__ codes,
-                                                const __half2 *__restrict__ dm, const int j0,
-                                                const int N, const int base, const int K,
-                                                uint4 (&q)[QG_LOADS / COLS][COLS],
-                                                uint2 (&dmv)[QG_LOADS / COLS][COLS]) {
-    const int row_bytes = K * BITS / 8, pieces = row_bytes / 16, nb = K / QG_BLOCK;
-    const int lane = threadIdx.x % WARP;
+// Where a warp's next pass of weights is: columns j0 … j0 + COLS - 1, pieces base + lane,
+// base + lane + 32, …, and column j0's row pointers from this lane's first piece and the
+// (d, m) pair of its block, set once a group of columns. A pass's loads are then these
+// pointers plus 32-bit offsets (the column, `base`, the load): the 64-bit row arithmetic for
+// every load, redone each pass, was about a third of a pass's instructions (SASS, session 37).
+// One pointer pair for all COLS columns, not one a column: four pairs pushed the four-column
+// kernel past its 128 registers.
+template <int BITS, int COLS> struct QuantCursor {
+    // Bytes of (d, m) pairs a piece pair takes: at 4 bits a piece pair is two blocks (two
+    // half2), at 8 bits one block (one half2).
+    static constexpr int DM_BYTES = BITS == 4 ? 8 : 4;
+    int j0, base;
+    const uint4 *code;
+    const unsigned char *dm;
+
+    __device__ __forceinline__ void seek(const unsigned char *__restrict__ codes,
+                                         const __half2 *__restrict__ dms, const int K) {
+        const int lane = threadIdx.x % WARP;
+        code = reinterpret_cast<const uint4 *>(codes + (size_t)j0 * (K * BITS / 8)) + lane;
+        dm = reinterpret_cast<const unsigned char *>(dms + (size_t)j0 * (K / QG_BLOCK)) +
+             DM_BYTES * (lane >> 1);
+    }
+
+    // The pass after this one: the rest of these columns, or the warp's next group (stride
+    // columns on), whose pointers are then set.
+    __device__ __forceinline__ void advance(const unsigned char *__restrict__ codes,
+                                            const __half2 *__restrict__ dms, const int N, const int K,
+                                            const int stride) {
+        base += QG_LOADS / COLS * WARP;
+        if (base >= K * BITS / 8 / 16) {
+            base = 0;
+            j0 += stride;
+            if (j0 < N) seek(codes, dms, K);
+        }
+    }
+
+    // This pass's codes and (d, m) pairs: load u of column i is piece c = base + u·32 + lane
+    // of row j0 + i, its pair of blocks' (d, m) at pair (c >> 1) = base / 2 + 16u + lane / 2
+    // (base is even).
+    __device__ __forceinline__ void load(const int N, const int K, uint4 (&q)[QG_LOADS / COLS][COLS],
+                                         uint2 (&dmv)[QG_LOADS / COLS][COLS]) const {
+        const int pieces = K * BITS / 8 / 16, row_dm_bytes = K / QG_BLOCK * 4;
+        const int lane = threadIdx.x % WARP;
 #pragma unroll
-    for (int u = 0; u < QG_LOADS / COLS; ++u) {
-        const int c = base + u * WARP + lane;
+        for (int u = 0; u < QG_LOADS / COLS; ++u) {
+            const int c = base + u * WARP + lane;
 #pragma unroll
-        for (int i = 0; i < COLS; ++i) {
-            const int j = j0 + i;
-            if (c < pieces && j < N) {
-                const uint4 *wrow = reinterpret_cast<const uint4 *>(codes + (size_t)j * row_bytes);
-                const __half2 *dm_row = dm + (size_t)j * nb;
-                q[u][i] = __ldg(wrow + c);
-                dmv[u][i] = BITS == 4 ? __ldg(reinterpret_cast<const uint2 *>(dm_row + 2 * (c >> 1)))
-                                      : make_uint2(__ldg(reinterpret_cast<const unsigned *>(dm_row + (c >> 1))), 0);
+            for (int i = 0; i < COLS; ++i) {
+                if (c < pieces && j0 + i < N) {
+                    q[u][i] = __ldg(code + (i * pieces + base + u * WARP));
+                    const unsigned char *d = dm + (i * row_dm_bytes + DM_BYTES * ((base >> 1) + 16 * u));
+                    dmv[u][i] = BITS == 4 ? __ldg(reinterpret_cast<const uint2 *>(d))
+                                          : make_uint2(__ldg(reinterpret_cast<const unsigned *>(d)), 0);
+                }
             }
         }
     }
+};
+
+// One pass of a warp: requests the next pass into (nq, ndm), then adds the pass in (q, dm)
+// (columns j0 …, pieces from base) to acc, and writes the columns' sums when the next pass
+// moves to other columns. False once the warp has no columns left. Called with the two
+// buffers in turn, so a pass's registers are never copied to free them for the next.
+template <typename T, int BITS, int COLS>
+__device__ __forceinline__ bool gemv_quant_pass(const uint4 (&q)[QG_LOADS / COLS][COLS],
+                                                const uint2 (&dm)[QG_LOADS / COLS][COLS],
+                                                uint4 (&nq)[QG_LOADS / COLS][COLS],
+                                                uint2 (&ndm)[QG_LOADS / COLS][COLS],
+                                                QuantCursor<BITS, COLS> &next, int &j0, int &base,
+                                                float (&acc)[COLS][QG_ROWS],
+                                                const unsigned char *__restrict__ codes,
+                                                const __half2 *__restrict__ dms, T *__restrict__ y,
+                                                const int r0, const int rows, const int N,
+                                                const int K, const int stride) {
+    const int pieces = K * BITS / 8 / 16, lane = threadIdx.x % WARP;
+    next.advance(codes, dms, N, K, stride);
+    if (next.j0 < N) next.load(N, K, nq, ndm);
+#pragma unroll
+    for (int u = 0; u < QG_LOADS / COLS; ++u) {
+        const int c = base + u * WARP + lane;
+        if (c < pieces) gemv_quant_piece<BITS, COLS>(q[u], dm[u], c, rows, K, acc);
+    }
+    if (next.j0 != j0) {
+#pragma unroll
+        for (int i = 0; i < COLS; ++i)
+#pragma unroll
+            for (int r = 0; r < QG_ROWS; ++r) {
+                if (r >= rows) break;
+                const float s = warp_sum(acc[i][r]);
+                if (lane == 0 && j0 + i < N) y[(size_t)(r0 + r) * N + j0 + i] = from_f<T>(s);
+                acc[i][r] = 0.f;
+            }
+    }
+    j0 = next.j0;
+    base = next.base;
+    return j0 < N;
 }
 
 // y's COLS columns from j0 for the block's rows: a warp's COLS columns are read side by side
@@ -196,56 +274,31 @@ __device__ void gemv_quant(const T *__restrict__ x, const unsigned char *__restr
                            const int N, const int K) {
     constexpr int LOADS = QG_LOADS / COLS;
     const int r0 = blockIdx.x * QG_ROWS, rows = min(QG_ROWS, M - r0);
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int pieces = K * BITS / 8 / 16, stride = gridDim.y * QG_WARPS * COLS;
-    // The pass in registers: columns j0 … j0 + COLS - 1, pieces base + lane, base + lane + 32, …
-    int j0 = (blockIdx.y * QG_WARPS + warp) * COLS, base = 0;
-    // Columns past N load nothing and are never written; zeroed so their sums start defined.
-    uint4 q[LOADS][COLS] = {};
-    uint2 dmv[LOADS][COLS] = {};
+    const int warp = threadIdx.x / WARP, stride = gridDim.y * QG_WARPS * COLS;
+    QuantCursor<BITS, COLS> next;
+    next.j0 = (blockIdx.y * QG_WARPS + warp) * COLS;
+    next.base = 0;
+    // Two passes' registers, used in turn. Columns past N load nothing and are never
+    // written; zeroed so their sums start defined.
+    uint4 qa[LOADS][COLS] = {}, qb[LOADS][COLS] = {};
+    uint2 dma[LOADS][COLS] = {}, dmb[LOADS][COLS] = {};
     // The weights do not depend on the kernel that writes x: the first pass is requested
     // before waiting for it, and before the staging, so its round trip overlaps both.
-    if (j0 < N) gemv_quant_load<BITS, COLS>(codes, dm, j0, N, base, K, q, dmv);
+    if (next.j0 < N) {
+        next.seek(codes, dm, K);
+        next.load(N, K, qa, dma);
+    }
     pdl_enter();
     gemv_quant_stage_rows<T>(x + (size_t)r0 * K, rows, K);
     __syncthreads();
     float acc[COLS][QG_ROWS] = {};
+    int j0 = next.j0, base = 0;
     while (j0 < N) {
-        // The next pass (the rest of these columns, or the warp's next ones) is requested
-        // before this one's arithmetic, so a warp always has loads in flight.
-        uint4 cq[LOADS][COLS];
-        uint2 cdm[LOADS][COLS];
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u)
-#pragma unroll
-            for (int i = 0; i < COLS; ++i) {
-                cq[u][i] = q[u][i];
-                cdm[u][i] = dmv[u][i];
-            }
-        int next_j0 = j0, next_base = base + LOADS * WARP;
-        if (next_base >= pieces) {
-            next_j0 = j0 + stride;
-            next_base = 0;
-        }
-        if (next_j0 < N) gemv_quant_load<BITS, COLS>(codes, dm, next_j0, N, next_base, K, q, dmv);
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            const int c = base + u * WARP + lane;
-            if (c < pieces) gemv_quant_piece<BITS, COLS>(cq[u], cdm[u], c, rows, K, acc);
-        }
-        if (next_j0 != j0) {
-#pragma unroll
-            for (int i = 0; i < COLS; ++i)
-#pragma unroll
-                for (int r = 0; r < QG_ROWS; ++r) {
-                    if (r >= rows) break;
-                    const float s = warp_sum(acc[i][r]);
-                    if (lane == 0 && j0 + i < N) y[(size_t)(r0 + r) * N + j0 + i] = from_f<T>(s);
-                    acc[i][r] = 0.f;
-                }
-        }
-        j0 = next_j0;
-        base = next_base;
+        if (!gemv_quant_pass<T, BITS, COLS>(qa, dma, qb, dmb, next, j0, base, acc, codes, dm, y, r0,
+                                            rows, N, K, stride))
+            break;
+        gemv_quant_pass<T, BITS, COLS>(qb, dmb, qa, dma, next, j0, base, acc, codes, dm, y, r0, rows,
+                                       N, K, stride);
     }
 }
 
