@@ -269,6 +269,65 @@ fn run_works_on_the_tiny_engine() {
 }
 
 #[test]
+fn run_notes_when_max_seq_len_ends_answers_before_max_output_len() {
+    // The tiny engine's max_seq_len is 64: a prompt of P tokens has room for 64 - P new ones.
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let prompts = tmp.path().join("prompts.json");
+    std::fs::write(&prompts, r#"["hello world", "a b c", "hello"]"#).unwrap();
+    let json = tmp.path().join("out.json");
+    let run = |max_output_len: &str| {
+        let out = spec_run(&[
+            "--engine_dir",
+            s(&engine),
+            "--input_file",
+            s(&prompts),
+            "--max_output_len",
+            max_output_len,
+            "--output_json",
+            s(&json),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let lens: Vec<(usize, usize, String)> = doc["outputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| {
+                (
+                    o["input_ids"].as_array().unwrap().len(),
+                    o["output_ids"].as_array().unwrap().len(),
+                    o["finish_reason"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        (stderr(&out), lens)
+    };
+    let (err, lens) = run("70");
+    let (p0, _, _) = lens[0];
+    assert!(
+        err.contains(&format!(
+            "note: input 0 (and 2 other inputs) stops before --max_output_len 70: with its {p0} prompt tokens, the engine's max_seq_len 64 leaves room for {} new tokens (rebuild with a larger --max_seq_len for more)\n",
+            64 - p0
+        )),
+        "{err}"
+    );
+    for (prompt, output, finish) in &lens {
+        // The tiny Llama's greedy answers to these prompts never reach its end id (255).
+        assert_eq!(
+            (prompt + output, finish.as_str()),
+            (64, "length"),
+            "{lens:?}"
+        );
+    }
+    // Room for every answer: no note.
+    let shortest = lens.iter().map(|l| 64 - l.0).min().unwrap().to_string();
+    let (err, _) = run(&shortest);
+    assert!(!err.contains("note: input"), "{err}");
+}
+
+#[test]
 fn run_prompt_lookup_on_an_eagle_engine_gives_plain_greedy_output() {
     // The control for the prompt lookup errors below: an engine that verifies drafts runs it.
     let tmp = tempfile::tempdir().unwrap();

@@ -354,6 +354,13 @@ fn run(args: Args) -> Result<()> {
             );
         }
     }
+    if let Some(note) = max_seq_len_note(
+        &prompts,
+        args.max_output_len,
+        engine.plan.limits.max_seq_len,
+    ) {
+        eprintln!("{note}");
+    }
     let mut printer = StreamPrinter::new(&codec, prompts.len());
     let sink: &mut dyn TokenSink = if args.streaming {
         &mut printer
@@ -375,6 +382,33 @@ fn run(args: Args) -> Result<()> {
         write_output_json(path, &codec, &texts, &prompts, &outputs, &timings)?;
     }
     Ok(())
+}
+
+/// A note when the engine's max_seq_len, not --max_output_len, will end some answers (the
+/// runtime stops a sequence at max_seq_len, as TensorRT-LLM does): how many, and the first.
+/// A prompt of max_seq_len tokens or more is left to the runtime's error on its length.
+fn max_seq_len_note(
+    prompts: &[Vec<u32>],
+    max_output_len: usize,
+    max_seq_len: usize,
+) -> Option<String> {
+    let short: Vec<usize> = (0..prompts.len())
+        .filter(|&i| {
+            let len = prompts[i].len();
+            len < max_seq_len && len + max_output_len > max_seq_len
+        })
+        .collect();
+    let &first = short.first()?;
+    let len = prompts[first].len();
+    let others = match short.len() - 1 {
+        0 => String::new(),
+        1 => " (and 1 other input)".to_string(),
+        n => format!(" (and {n} other inputs)"),
+    };
+    Some(format!(
+        "note: input {first}{others} stops before --max_output_len {max_output_len}: with its {len} prompt tokens, the engine's max_seq_len {max_seq_len} leaves room for {} new tokens (rebuild with a larger --max_seq_len for more)",
+        max_seq_len - len
+    ))
 }
 
 fn main() {
