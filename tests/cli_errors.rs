@@ -269,7 +269,7 @@ fn run_works_on_the_tiny_engine() {
 }
 
 #[test]
-fn run_notes_when_max_seq_len_ends_answers_before_max_output_len() {
+fn run_notes_when_max_seq_len_ended_answers_before_max_output_len() {
     // The tiny engine's max_seq_len is 64: a prompt of P tokens has room for 64 - P new ones.
     let tmp = tempfile::tempdir().unwrap();
     let engine = tiny_engine(tmp.path());
@@ -308,7 +308,7 @@ fn run_notes_when_max_seq_len_ends_answers_before_max_output_len() {
     let (p0, _, _) = lens[0];
     assert!(
         err.contains(&format!(
-            "note: input 0 (and 2 other inputs) stops before --max_output_len 70: with its {p0} prompt tokens, the engine's max_seq_len 64 leaves room for {} new tokens (rebuild with a larger --max_seq_len for more)\n",
+            "note: input 0 (and 2 other inputs) stopped at the engine's max_seq_len 64 before --max_output_len 70: its {p0} prompt tokens left room for {} new tokens (rebuild with a larger --max_seq_len for more)\n",
             64 - p0
         )),
         "{err}"

@@ -13,7 +13,8 @@ use kestrel_core::SpeculativeMode;
 use kestrel_runtime::ngram_corpus::load_ngram_corpus;
 use kestrel_runtime::{
     generate_with, ChatMessage, DecodeMode, DraftTargetOptions, EagleOptions, EagleTreeKind,
-    Engine, GenerationParams, NoSink, PromptLookup, TextCodec, TokenSink,
+    Engine, FinishReason, GenerationParams, NoSink, PromptLookup, SequenceOutput, TextCodec,
+    TokenSink,
 };
 use kestrel_spec::tree::DEFAULT_PRESET;
 use std::path::PathBuf;
@@ -354,13 +355,6 @@ fn run(args: Args) -> Result<()> {
             );
         }
     }
-    if let Some(note) = max_seq_len_note(
-        &prompts,
-        args.max_output_len,
-        engine.plan.limits.max_seq_len,
-    ) {
-        eprintln!("{note}");
-    }
     let mut printer = StreamPrinter::new(&codec, prompts.len());
     let sink: &mut dyn TokenSink = if args.streaming {
         &mut printer
@@ -375,6 +369,11 @@ fn run(args: Args) -> Result<()> {
         eprintln!("warning: CUDA graphs were turned off, steps ran eagerly: {why}");
     }
     print_outputs(&codec, &texts, &outputs)?;
+    if let Some(note) =
+        max_seq_len_note(&prompts, &outputs, &params, engine.plan.limits.max_seq_len)
+    {
+        eprintln!("{note}");
+    }
     if args.run_profiling {
         Profile::new(&timings, &outputs).print();
     }
@@ -384,30 +383,32 @@ fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// A note when the engine's max_seq_len, not --max_output_len, will end some answers (the
-/// runtime stops a sequence at max_seq_len, as TensorRT-LLM does): how many, and the first.
-/// A prompt of max_seq_len tokens or more is left to the runtime's error on its length.
+/// A note when the engine's max_seq_len, not --max_output_len, ended answers (the runtime
+/// stops a sequence at max_seq_len, as TensorRT-LLM does): how many, and the first. Told after
+/// the run, so that it names only answers that were cut, not ones an end id ended sooner.
 fn max_seq_len_note(
     prompts: &[Vec<u32>],
-    max_output_len: usize,
+    outputs: &[SequenceOutput],
+    params: &GenerationParams,
     max_seq_len: usize,
 ) -> Option<String> {
-    let short: Vec<usize> = (0..prompts.len())
+    let cut: Vec<usize> = (0..outputs.len())
         .filter(|&i| {
-            let len = prompts[i].len();
-            len < max_seq_len && len + max_output_len > max_seq_len
+            outputs[i].finish_reason == FinishReason::Length
+                && outputs[i].output_ids.len() < params.max_output_len
         })
         .collect();
-    let &first = short.first()?;
-    let len = prompts[first].len();
-    let others = match short.len() - 1 {
+    let &first = cut.first()?;
+    let others = match cut.len() - 1 {
         0 => String::new(),
         1 => " (and 1 other input)".to_string(),
         n => format!(" (and {n} other inputs)"),
     };
     Some(format!(
-        "note: input {first}{others} stops before --max_output_len {max_output_len}: with its {len} prompt tokens, the engine's max_seq_len {max_seq_len} leaves room for {} new tokens (rebuild with a larger --max_seq_len for more)",
-        max_seq_len - len
+        "note: input {first}{others} stopped at the engine's max_seq_len {max_seq_len} before --max_output_len {}: its {} prompt tokens left room for {} new tokens (rebuild with a larger --max_seq_len for more)",
+        params.max_output_len,
+        prompts[first].len(),
+        outputs[first].output_ids.len()
     ))
 }
 
