@@ -643,6 +643,7 @@ fn draft_target_view(engine: &Engine, k: usize) -> Engine {
         draft_vocab: None,
         eagle_choices: None,
         device: engine.device.clone(),
+        quantized_from: engine.quantized_from.clone(),
     }
 }
 

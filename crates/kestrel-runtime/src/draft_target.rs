@@ -10,6 +10,13 @@
 //! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
 //! and the bonus token are both fed by the next step's first draft forward).
 //!
+//! The target's own quantized copy ([`Engine::quantized_draft`]) keeps no cache: it drafts
+//! over the target's, whose layout is its own, reading the target's K/V of the committed
+//! tokens and writing its own past them, which are dropped before the verification writes the
+//! target's there (so the target never reads a draft's K/V, and its output stays plain
+//! decoding's). Its first forward of a step is then always the one last committed token, it
+//! prefills nothing, and it takes no KV memory of its own.
+//!
 //! With prefix reuse, each cache attaches the cached blocks of its own that the prompt
 //! starts with (the two engines may differ in block size) and prefills only the rest.
 //!
@@ -48,10 +55,11 @@ pub(crate) struct DraftTargetDecoder<'e> {
 
 /// Where a step's drafts come from.
 enum Drafter<'e> {
-    /// A draft engine, with its own KV cache (draft-target decoding).
+    /// A draft engine, with its own KV cache (draft-target decoding), or with none when it is
+    /// the target's quantized copy, which drafts over the target's cache.
     Model {
         engine: &'e Engine,
-        cache: Box<PagedKvCache>,
+        cache: Option<Box<PagedKvCache>>,
     },
     /// The sequence's own tokens, backed by an n-gram model of other answers (prompt lookup
     /// decoding): no model, no cache.
@@ -121,18 +129,25 @@ impl<'e> DraftTargetDecoder<'e> {
         max_output_len: usize,
     ) -> Result<Self> {
         check_compatible(target, draft, &options)?;
-        let specs = [
-            PoolSpec::for_engine("target", target),
-            PoolSpec::for_engine("draft", draft),
-        ];
+        let shares_cache = draft.quantized_from.as_deref() == Some(target.dir.as_path())
+            && draft.device.same_device(&target.device);
+        let mut specs = vec![PoolSpec::for_engine("target", target)];
+        if !shares_cache {
+            specs.push(PoolSpec::for_engine("draft", draft));
+        }
         let pools = size_pools(&specs, kv, target, max_output_len)?;
         let target_cache = kv.new_cache(&pools[0], |n, b| target.model.new_cache(n, b))?;
-        let draft_cache = kv.new_cache(&pools[1], |n, b| draft.model.new_cache(n, b))?;
+        let draft_cache = match shares_cache {
+            true => None,
+            false => Some(Box::new(
+                kv.new_cache(&pools[1], |n, b| draft.model.new_cache(n, b))?,
+            )),
+        };
         Ok(DraftTargetDecoder {
             target,
             drafter: Drafter::Model {
                 engine: draft,
-                cache: Box::new(draft_cache),
+                cache: draft_cache,
             },
             options,
             target_cache,
@@ -188,8 +203,10 @@ impl<'e> DraftTargetDecoder<'e> {
             if let Some(first) = admission.admit_into(seqs)? {
                 for _ in first..seqs.len() {
                     let draft = match &mut self.drafter {
-                        Drafter::Model { cache, .. } => Some(cache.add_sequence()),
-                        Drafter::Lookup(_) => None,
+                        Drafter::Model {
+                            cache: Some(cache), ..
+                        } => Some(cache.add_sequence()),
+                        _ => None,
                     };
                     ids.push(Ids {
                         target: self.target_cache.add_sequence(),
@@ -265,10 +282,15 @@ impl<'e> DraftTargetDecoder<'e> {
             s.commit(&[t], params, sink);
         }
 
-        // The draft reads the prompts of the sequences that go on; the first generated token
-        // is fed by the first draft step.
-        let (Drafter::Model { engine, cache }, Some(draft_prefixes)) =
-            (&mut self.drafter, &mut prefixes.draft)
+        // A draft with a cache of its own reads the prompts of the sequences that go on; the
+        // first generated token is fed by the first draft step.
+        let (
+            Drafter::Model {
+                engine,
+                cache: Some(cache),
+            },
+            Some(draft_prefixes),
+        ) = (&mut self.drafter, &mut prefixes.draft)
         else {
             timings.prefill_s += start.elapsed().as_secs_f64();
             return Ok(());
@@ -316,7 +338,13 @@ impl<'e> DraftTargetDecoder<'e> {
     fn free(&mut self, i: usize, id: Ids, prefixes: &Prefixes) -> Result<()> {
         prefixes.target.free(&mut self.target_cache, i, id.target)?;
         match (&mut self.drafter, &prefixes.draft, id.draft) {
-            (Drafter::Model { cache, .. }, Some(draft), Some(seq)) => draft.free(cache, i, seq),
+            (
+                Drafter::Model {
+                    cache: Some(cache), ..
+                },
+                Some(draft),
+                Some(seq),
+            ) => draft.free(cache, i, seq),
             _ => Ok(()),
         }
     }
@@ -346,9 +374,21 @@ impl<'e> DraftTargetDecoder<'e> {
                 device_logits: None,
             });
         }
-        let (engine, cache) = match &mut self.drafter {
-            Drafter::Model { engine, cache } => (*engine, cache),
+        let (engine, cache, shared) = match &mut self.drafter {
+            Drafter::Model {
+                engine,
+                cache: Some(cache),
+            } => (*engine, &mut **cache, false),
+            Drafter::Model {
+                engine,
+                cache: None,
+            } => (*engine, &mut self.target_cache, true),
             Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),
+        };
+        // The sequence's handle in the cache the draft runs over.
+        let draft_id = |id: Ids| match shared {
+            true => id.target,
+            false => id.draft.expect("a draft model's sequences have draft ids"),
         };
         let sampling = &params.sampling;
         let keep_q = self.options.use_logits && !sampling.is_greedy();
@@ -379,9 +419,7 @@ impl<'e> DraftTargetDecoder<'e> {
             for &p in &active {
                 let prop = &proposals[p];
                 let s = &seqs[prop.index];
-                let id = ids[prop.index]
-                    .draft
-                    .expect("a draft model's sequences have draft ids");
+                let id = draft_id(ids[prop.index]);
                 let len = s.tokens.len();
                 if j == 0 {
                     let cached = cache.seq_len(id)?;
@@ -457,6 +495,14 @@ impl<'e> DraftTargetDecoder<'e> {
                 device_logits.push(logits);
             }
         }
+        if shared {
+            // Back to the target's K/V of the first L − 1 tokens: the verification writes its
+            // own where the draft's were.
+            for prop in proposals.iter().filter(|p| p.k > 0) {
+                let keep = seqs[prop.index].tokens.len() - 1;
+                cache.truncate(draft_id(ids[prop.index]), keep)?;
+            }
+        }
         let device_logits = match device_logits.len() {
             0 => None,
             1 => device_logits.pop(),
@@ -516,7 +562,13 @@ impl<'e> DraftTargetDecoder<'e> {
             let keep = s.tokens.len() - 1;
             let id = ids[prop.index];
             self.target_cache.truncate(id.target, keep)?;
-            if let (Drafter::Model { cache, .. }, Some(draft)) = (&mut self.drafter, id.draft) {
+            if let (
+                Drafter::Model {
+                    cache: Some(cache), ..
+                },
+                Some(draft),
+            ) = (&mut self.drafter, id.draft)
+            {
                 if cache.seq_len(draft)? > keep {
                     cache.truncate(draft, keep)?;
                 }
@@ -703,7 +755,7 @@ impl Decoder for DraftTargetDecoder<'_> {
         let mut ids = Vec::new();
         let mut prefixes = Prefixes {
             target: PromptPrefixes::new(Slots::Tokens),
-            draft: matches!(self.drafter, Drafter::Model { .. })
+            draft: matches!(self.drafter, Drafter::Model { cache: Some(_), .. })
                 .then(|| PromptPrefixes::new(Slots::Tokens)),
         };
         let result = self.decode(

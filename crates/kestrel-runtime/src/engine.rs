@@ -25,6 +25,10 @@ pub struct Engine {
     /// with one (`spec-build --eagle_choices`, [`EAGLE_CHOICES_FILE`]).
     pub eagle_choices: Option<String>,
     pub device: Device,
+    /// For [`Engine::quantized_draft`]'s copy, the directory of the engine whose weights it
+    /// reads at 4 bits: on the same device the two share the KV cache in draft-target
+    /// decoding (the copy's layers, heads and dtype are the engine's).
+    pub quantized_from: Option<PathBuf>,
 }
 
 /// The tokenizer and chat template an engine (or `--tokenizer_dir`) carries.
@@ -90,6 +94,7 @@ impl Engine {
             draft_vocab,
             eagle_choices,
             device: device.clone(),
+            quantized_from: None,
         };
         engine.set_cuda_graphs(true);
         Ok(engine)
@@ -141,6 +146,7 @@ impl Engine {
             eagle: None,
             draft_vocab: None,
             eagle_choices: None,
+            quantized_from: None,
         })
     }
 
@@ -155,7 +161,9 @@ impl Engine {
         let mut plan = self.plan.clone();
         plan.speculative_mode = SpeculativeMode::None;
         plan.eagle_head_config_json = None;
-        Ok((Engine::from_model(&label, plan, model)?, bytes))
+        let mut draft = Engine::from_model(&label, plan, model)?;
+        draft.quantized_from = Some(self.dir.clone());
+        Ok((draft, bytes))
     }
 
     /// Total KV-cache blocks for the engine's limits: every sequence of a full batch at

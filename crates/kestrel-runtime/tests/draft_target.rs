@@ -788,3 +788,62 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
         }
     }
 }
+
+/// The target's quantized copy drafts over the target's own KV cache: no pool and no prompt
+/// pass of its own, and the output is still plain greedy decoding's. The same copy marked as
+/// an unrelated engine keeps a cache of its own (the general draft-target path), as before.
+#[test]
+fn a_4_bit_copy_of_the_target_drafts_over_the_targets_cache() {
+    let root = tempfile::tempdir().unwrap();
+    let target = load(&build(
+        root.path(),
+        "target",
+        &quantizable_cfg(VOCAB),
+        3,
+        &target_spec(4),
+    ));
+    let (shared, _) = target.quantized_draft().unwrap();
+    assert_eq!(shared.quantized_from.as_deref(), Some(target.dir.as_path()));
+    let (mut own, _) = target.quantized_draft().unwrap();
+    own.quantized_from = None;
+
+    let params = greedy(40, vec![]);
+    let plain = run(&target, &DecodeMode::Plain, &prompts(), &params);
+    let prompt_tokens: usize = prompts().iter().map(Vec::len).sum();
+    for draft_len in [1, 3] {
+        let with = |draft: &Engine| {
+            generate(
+                &target,
+                &dt(draft, draft_len, false),
+                &prompts(),
+                &params,
+                &mut NoSink,
+            )
+            .unwrap()
+        };
+        let (outs, timings) = with(&shared);
+        let what = format!("shared cache, draft_len {draft_len}");
+        assert_eq!(ids(&outs), ids(&plain), "{what}");
+        check_stats(&outs, &what);
+        let pools: Vec<(&str, usize)> = timings
+            .kv_pools
+            .iter()
+            .map(|p| (p.name, p.prefilled_prompt_tokens))
+            .collect();
+        assert_eq!(pools, [("target", prompt_tokens)], "{what}");
+
+        let (outs, timings) = with(&own);
+        let what = format!("own cache, draft_len {draft_len}");
+        assert_eq!(ids(&outs), ids(&plain), "{what}");
+        let pools: Vec<(&str, usize)> = timings
+            .kv_pools
+            .iter()
+            .map(|p| (p.name, p.prefilled_prompt_tokens))
+            .collect();
+        assert_eq!(
+            pools,
+            [("target", prompt_tokens), ("draft", prompt_tokens)],
+            "{what}"
+        );
+    }
+}
