@@ -732,6 +732,17 @@ fn quantizable_cfg(vocab: usize) -> ModelConfig {
     model_cfg(vocab, 64, 2, 4, 2)
 }
 
+/// A 3-layer target of [`quantizable_cfg`], built in `root`.
+fn quantizable_target(root: &Path) -> Engine {
+    load(&build(
+        root,
+        "target",
+        &quantizable_cfg(VOCAB),
+        3,
+        &target_spec(4),
+    ))
+}
+
 /// The target's own weights at 4 bits (its LM head at 8) as its draft
 /// (`Engine::quantized_draft`): the output is
 /// plain greedy decoding's, the draft is really another model (its logits differ from the
@@ -739,13 +750,7 @@ fn quantizable_cfg(vocab: usize) -> ModelConfig {
 #[test]
 fn a_4_bit_copy_of_the_target_drafts_for_it() {
     let root = tempfile::tempdir().unwrap();
-    let target = load(&build(
-        root.path(),
-        "target",
-        &quantizable_cfg(VOCAB),
-        3,
-        &target_spec(4),
-    ));
+    let target = quantizable_target(root.path());
     let (draft, bytes) = target.quantized_draft().unwrap();
     // Per layer: q/k/v, o and gate/up of 64 inputs, down of 128: 64·(128 + 64 + 256) + 64·128
     // weights at half a byte; the LM head's VOCAB·64 at a byte; two f16 per 32 weights.
@@ -795,13 +800,7 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
 #[test]
 fn a_4_bit_copy_of_the_target_drafts_over_the_targets_cache() {
     let root = tempfile::tempdir().unwrap();
-    let target = load(&build(
-        root.path(),
-        "target",
-        &quantizable_cfg(VOCAB),
-        3,
-        &target_spec(4),
-    ));
+    let target = quantizable_target(root.path());
     let (shared, _) = target.quantized_draft().unwrap();
     assert_eq!(shared.quantized_from.as_deref(), Some(target.dir.as_path()));
     let (mut own, _) = target.quantized_draft().unwrap();
@@ -811,39 +810,27 @@ fn a_4_bit_copy_of_the_target_drafts_over_the_targets_cache() {
     let plain = run(&target, &DecodeMode::Plain, &prompts(), &params);
     let prompt_tokens: usize = prompts().iter().map(Vec::len).sum();
     for draft_len in [1, 3] {
-        let with = |draft: &Engine| {
-            generate(
-                &target,
-                &dt(draft, draft_len, false),
-                &prompts(),
-                &params,
-                &mut NoSink,
-            )
-            .unwrap()
-        };
-        let (outs, timings) = with(&shared);
-        let what = format!("shared cache, draft_len {draft_len}");
-        assert_eq!(ids(&outs), ids(&plain), "{what}");
-        check_stats(&outs, &what);
-        let pools: Vec<(&str, usize)> = timings
-            .kv_pools
-            .iter()
-            .map(|p| (p.name, p.prefilled_prompt_tokens))
-            .collect();
-        assert_eq!(pools, [("target", prompt_tokens)], "{what}");
-
-        let (outs, timings) = with(&own);
-        let what = format!("own cache, draft_len {draft_len}");
-        assert_eq!(ids(&outs), ids(&plain), "{what}");
-        let pools: Vec<(&str, usize)> = timings
-            .kv_pools
-            .iter()
-            .map(|p| (p.name, p.prefilled_prompt_tokens))
-            .collect();
-        assert_eq!(
-            pools,
-            [("target", prompt_tokens), ("draft", prompt_tokens)],
-            "{what}"
-        );
+        let both = [
+            (&shared, "shared cache", vec![("target", prompt_tokens)]),
+            (
+                &own,
+                "own cache",
+                vec![("target", prompt_tokens), ("draft", prompt_tokens)],
+            ),
+        ];
+        for (draft, how, want) in both {
+            let mode = dt(draft, draft_len, false);
+            let (outs, timings) =
+                generate(&target, &mode, &prompts(), &params, &mut NoSink).unwrap();
+            let what = format!("{how}, draft_len {draft_len}");
+            assert_eq!(ids(&outs), ids(&plain), "{what}");
+            check_stats(&outs, &what);
+            let pools: Vec<(&str, usize)> = timings
+                .kv_pools
+                .iter()
+                .map(|p| (p.name, p.prefilled_prompt_tokens))
+                .collect();
+            assert_eq!(pools, want, "{what}");
+        }
     }
 }
