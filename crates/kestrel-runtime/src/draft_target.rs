@@ -137,11 +137,11 @@ impl<'e> DraftTargetDecoder<'e> {
         }
         let pools = size_pools(&specs, kv, target, max_output_len)?;
         let target_cache = kv.new_cache(&pools[0], |n, b| target.model.new_cache(n, b))?;
-        let draft_cache = match shares_cache {
-            true => None,
-            false => Some(Box::new(
-                kv.new_cache(&pools[1], |n, b| draft.model.new_cache(n, b))?,
-            )),
+        let draft_cache = if shares_cache {
+            None
+        } else {
+            let cache = kv.new_cache(&pools[1], |n, b| draft.model.new_cache(n, b))?;
+            Some(Box::new(cache))
         };
         Ok(DraftTargetDecoder {
             target,
@@ -386,9 +386,12 @@ impl<'e> DraftTargetDecoder<'e> {
             Drafter::Lookup(lookup) => return Ok(look_up(lookup, seqs, live)),
         };
         // The sequence's handle in the cache the draft runs over.
-        let draft_id = |id: Ids| match shared {
-            true => id.target,
-            false => id.draft.expect("a draft model's sequences have draft ids"),
+        let draft_id = |id: Ids| {
+            if shared {
+                id.target
+            } else {
+                id.draft.expect("a draft model's sequences have draft ids")
+            }
         };
         let sampling = &params.sampling;
         let keep_q = self.options.use_logits && !sampling.is_greedy();
