@@ -537,7 +537,7 @@ fn random_weights_draft_for_themselves_at_4_bits() {
     }
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "plain,draft_target:3"]),
-        "--modes draft_target:3: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)"
+        "--modes draft_target:3: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 or --draft_skip_layers (the model's own derived copy drafts)"
     );
 }
 
@@ -603,7 +603,7 @@ fn bench_refuses_bad_input_in_one_line() {
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "plain,eagle2:4"]),
-        "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)"
+        "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 or --draft_skip_layers (the model's own derived copy drafts)"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "verify:x"]),

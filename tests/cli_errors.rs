@@ -777,6 +777,52 @@ fn run_names_the_offending_eagle_choices_path() {
     );
 }
 
+/// `--draft_skip_layers`: a list it cannot read (a usage error, exit status 2, as clap's
+/// others), a layer the draft does not have, and no draft engine to skip layers of, each
+/// refused by name.
+#[test]
+fn run_refuses_bad_layers_to_skip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = tiny_engine(tmp.path());
+    let args = |skip: &'static str| {
+        vec![
+            "--engine_dir",
+            s(&engine),
+            "--input_text",
+            "hi",
+            "--draft_engine_dir",
+            s(&engine),
+            "--draft_target_model_config",
+            "[2,[cpu],[cpu],False]",
+            "--draft_skip_layers",
+            skip,
+        ]
+    };
+    for (skip, why) in [
+        ("3-1", "the range \"3-1\" is empty"),
+        ("0,x", "\"x\" is not a layer index or a range like 10-19"),
+    ] {
+        let out = spec_run(&args(skip));
+        assert_eq!(out.status.code(), Some(2));
+        let first = stderr(&out).lines().next().unwrap_or_default().to_string();
+        assert_eq!(
+            first,
+            format!("error: invalid value '{skip}' for '--draft_skip_layers <DRAFT_SKIP_LAYERS>': bad layer list \"{skip}\": {why}")
+        );
+    }
+    assert_eq!(
+        one_line_error("spec-run", &spec_run(&args("7"))),
+        format!(
+            "the draft derived from {}: invalid input: layer 7 to skip is not a decoder layer of this 1-layer model (0 to 0)",
+            engine.display()
+        )
+    );
+    assert_eq!(
+        run_error(&engine, &["--input_text", "hi", "--draft_skip_layers", "1"]),
+        "--draft_skip_layers needs --draft_engine_dir (the target's own engine for a self-draft)"
+    );
+}
+
 #[test]
 fn run_refuses_a_quantized_draft_without_a_draft_engine() {
     let tmp = tempfile::tempdir().unwrap();

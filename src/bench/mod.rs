@@ -13,7 +13,7 @@ pub mod shapes;
 pub mod verify;
 
 use crate::decoding::{disable_by_batch_size, eagle_mode, EagleFlags, SamplingFlags};
-use crate::draft_engine::{load_draft, DraftQuantization};
+use crate::draft_engine::{load_draft, DraftDerivation};
 use crate::prompts::read_prompt_file;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -73,7 +73,7 @@ pub struct BenchArgs {
     /// probability P or more: spec-run's --eagle_dynamic_tree_max_draft_len,
     /// --eagle_dynamic_tree_num_layers and --eagle_dynamic_tree_min_prob),
     /// draft_target:K[:logits] (needs --draft_engine_dir, or with --random_weights
-    /// --draft_quantization q4; `logits`: speculative sampling,
+    /// --draft_quantization q4 or --draft_skip_layers; `logits`: speculative sampling,
     /// else token matching), prompt_lookup:K[:N[:corpus]] (up to K drafts after the latest
     /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
     /// --prompt_lookup_corpus; any engine), verify:T (T-token verification step vs a
@@ -85,12 +85,10 @@ pub struct BenchArgs {
     /// Draft engine for draft_target:K modes (the target is --engine_dir).
     #[arg(long)]
     pub draft_engine_dir: Option<PathBuf>,
-    /// How the draft engine's weights are read (spec-run's flag): `none` or `q4` (4-bit
-    /// copies of its decoder projections and an 8-bit LM head, made as it loads, on the CPU
-    /// or CUDA; the target's own engine may be the draft, and with --random_weights the
-    /// random model's copy is).
-    #[arg(long, value_enum, default_value_t)]
-    pub draft_quantization: DraftQuantization,
+    /// How the draft derives from its engine (spec-run's flags); with --random_weights the
+    /// random model's derived copy drafts.
+    #[command(flatten)]
+    pub draft_derivation: DraftDerivation,
     /// The n-gram corpus of prompt_lookup:K:N:corpus modes (`spec-train ngram-corpus`).
     #[arg(long)]
     pub prompt_lookup_corpus: Option<PathBuf>,
@@ -643,7 +641,7 @@ fn draft_target_view(engine: &Engine, k: usize) -> Engine {
         draft_vocab: None,
         eagle_choices: None,
         device: engine.device.clone(),
-        quantized_from: engine.quantized_from.clone(),
+        derived_from: engine.derived_from.clone(),
     }
 }
 
@@ -729,14 +727,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     let explicit_modes = args.modes.as_deref().map(parse_modes).transpose()?;
     if let Some(modes) = &explicit_modes {
         // Random weights draft only as their own quantized copy.
-        let self_draft = shape.is_some() && args.draft_quantization != DraftQuantization::None;
+        let self_draft = shape.is_some() && args.draft_derivation.derives();
         if shape.is_some() {
             if let Some((spec, _)) = modes.iter().find(|(_, m)| match m {
                 ModeSpec::Plain | ModeSpec::Verify(_) => false,
                 ModeSpec::DraftTarget { .. } => !self_draft,
                 _ => true,
             }) {
-                bail!("--modes {spec}: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 (the model's own quantized copy drafts)");
+                bail!("--modes {spec}: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 or --draft_skip_layers (the model's own derived copy drafts)");
             }
         }
         if let Some((spec, _)) = modes
@@ -820,17 +818,17 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     engine.set_cuda_graphs(!args.no_cuda_graphs);
     let draft = match &args.draft_engine_dir {
         Some(dir) => {
-            let mut draft = load_draft(&engine, dir, &device, args.draft_quantization)?;
+            let mut draft = load_draft(&engine, dir, &device, &args.draft_derivation)?;
             draft.set_cuda_graphs(!args.no_cuda_graphs);
             Some(draft)
         }
-        None if args.draft_quantization != DraftQuantization::None && shape.is_some() => {
-            let (mut draft, _) = engine.quantized_draft()?;
+        None if args.draft_derivation.derives() && shape.is_some() => {
+            let mut draft = args.draft_derivation.self_draft(&engine)?;
             draft.set_cuda_graphs(!args.no_cuda_graphs);
             Some(draft)
         }
-        None if args.draft_quantization != DraftQuantization::None => {
-            bail!("--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft) or --random_weights")
+        None if args.draft_derivation.derives() => {
+            bail!("{} needs --draft_engine_dir (the target's own engine for a self-draft) or --random_weights", args.draft_derivation.flag())
         }
         None => None,
     };

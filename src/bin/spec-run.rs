@@ -5,7 +5,7 @@ use clap::Parser;
 use kestrel::cli::exit_on_error;
 use kestrel::decoding::{disable_by_batch_size, eagle_mode, EagleFlags, SamplingFlags};
 use kestrel::draft_config::{DraftTargetModelConfig, PromptLookupFlag};
-use kestrel::draft_engine::{load_draft, DraftQuantization};
+use kestrel::draft_engine::{load_draft, DraftDerivation};
 use kestrel::kv_cache::kv_cache_options;
 use kestrel::prompts::read_prompt_file;
 use kestrel::report::{print_outputs, write_output_json, Profile, StreamPrinter};
@@ -124,13 +124,11 @@ struct Args {
     #[arg(long)]
     eagle_prompt_lookup: bool,
     /// Draft engine for draft-target decoding (the target is --engine_dir; with
-    /// --draft_quantization q4 it may be the target's own).
+    /// --draft_quantization or --draft_skip_layers it may be the target's own).
     #[arg(long)]
     draft_engine_dir: Option<PathBuf>,
-    /// How the draft engine's weights are read: `none` (as built) or `q4` (4-bit copies of its
-    /// decoder projections and an 8-bit LM head, made as it loads, on the CPU or CUDA).
-    #[arg(long, value_enum, default_value_t)]
-    draft_quantization: DraftQuantization,
+    #[command(flatten)]
+    draft_derivation: DraftDerivation,
     /// "[draft_len,[draft devices],[target devices],use_logits]", e.g. "[4,[cpu],[cpu],False]".
     #[arg(long)]
     draft_target_model_config: Option<String>,
@@ -180,8 +178,8 @@ fn run(args: Args) -> Result<()> {
         (Some(_), Some(cfg)) => Some(DraftTargetModelConfig::parse(cfg).map_err(anyhow::Error::msg)?),
         (Some(_), None) => bail!("--draft_engine_dir needs --draft_target_model_config \"[draft_len,[draft devices],[target devices],use_logits]\""),
         (None, Some(_)) => bail!("--draft_target_model_config needs --draft_engine_dir"),
-        (None, None) if args.draft_quantization != DraftQuantization::None => {
-            bail!("--draft_quantization needs --draft_engine_dir (the target's own engine for a self-draft)")
+        (None, None) if args.draft_derivation.derives() => {
+            bail!("{} needs --draft_engine_dir (the target's own engine for a self-draft)", args.draft_derivation.flag())
         }
         (None, None) => None,
     };
@@ -211,7 +209,7 @@ fn run(args: Args) -> Result<()> {
     let draft = match (&dtm, &args.draft_engine_dir) {
         (Some(c), Some(dir)) => {
             let device = kestrel_runtime::device::parse(&c.draft_devices[0])?;
-            let mut draft = load_draft(&engine, dir, &device, args.draft_quantization)?;
+            let mut draft = load_draft(&engine, dir, &device, &args.draft_derivation)?;
             draft.set_cuda_graphs(!args.no_cuda_graphs);
             c.validate_against(draft.plan.mapping.tp_size, engine.plan.mapping.tp_size)
                 .map_err(anyhow::Error::msg)?;

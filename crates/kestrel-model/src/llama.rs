@@ -59,8 +59,8 @@ pub struct SeqInput<'a> {
 }
 
 /// Feature taps: strictly increasing decoder layers of a `layers`-layer model (at most 128,
-/// the width of a graph layout's tap mask).
-fn check_taps(taps: &[usize], layers: usize) -> Result<()> {
+/// the width of a graph layout's tap mask) that the model runs (`run`).
+fn check_taps(taps: &[usize], layers: usize, run: &[usize]) -> Result<()> {
     if let Some(w) = taps.windows(2).find(|w| w[0] >= w[1]) {
         return Err(invalid(format!(
             "feature taps must be strictly increasing, found {} then {}",
@@ -70,6 +70,11 @@ fn check_taps(taps: &[usize], layers: usize) -> Result<()> {
     if let Some(&l) = taps.iter().find(|&&l| l >= layers.min(128)) {
         return Err(invalid(format!(
             "feature tap {l} is not a decoder layer of this {layers}-layer model"
+        )));
+    }
+    if let Some(&l) = taps.iter().find(|l| !run.contains(l)) {
+        return Err(invalid(format!(
+            "feature tap {l} is a layer this copy of the model skips"
         )));
     }
     Ok(())
@@ -106,6 +111,9 @@ pub struct Llama {
     cfg: ModelConfig,
     embed: Tensor,
     layers: Vec<DecoderLayer>,
+    /// Each entry of `layers`' index in the full model: the KV-cache layer it reads and
+    /// writes, and the feature tap it answers to (`0..n` but in a copy that skips layers).
+    layer_ids: Vec<usize>,
     norm: RmsNorm,
     lm_head: Linear,
     rope: Rope,
@@ -298,6 +306,7 @@ impl Llama {
         let mut model = Llama {
             cfg: cfg.clone(),
             embed,
+            layer_ids: (0..layers.len()).collect(),
             layers,
             norm,
             lm_head,
@@ -368,7 +377,7 @@ impl Llama {
     /// A copy of this model whose decoder layers' projections read 4-bit copies of their
     /// weights and whose LM head reads an 8-bit copy (`matvec_quant.rs`: 0.31 and 0.56 of
     /// the bytes bf16 weights take), everything else shared with `self` (the runtime drafts
-    /// with it: `Engine::quantized_draft`). Why 8 bits for the head: SmolLM2's comes from an
+    /// with it: `Engine::self_draft`). Why 8 bits for the head: SmolLM2's comes from an
     /// 8-bit tensor, and at 4 bits the copy's greedy tokens agreed with the model's less
     /// often (3.2 against 3.6 tokens a draft-target step at 3 drafts). On the CPU or on CUDA
     /// (each with its own kernel, on the same quantized numbers); a matrix whose rows the
@@ -387,6 +396,50 @@ impl Llama {
             }
         }
         Ok((copy, bytes))
+    }
+
+    /// A copy of this model that skips the decoder layers in `skip` (the residual stream
+    /// passes them unchanged) and runs every other layer over that layer's own place in the
+    /// KV cache, sharing all weights with `self`: a draft for the model itself with no
+    /// weights of its own (self-speculative decoding's layer skipping, as in Draft & Verify
+    /// and SWIFT). Over the model's own cache it reads the model's K/V of the committed
+    /// tokens at the layers it runs. `skip` names layers of the model, each once, and leaves
+    /// at least one to run.
+    pub fn skipping_layers(&self, skip: &[usize]) -> Result<Llama> {
+        let n = self.cfg.num_hidden_layers;
+        if let Some(&l) = skip.iter().find(|&&l| l >= n) {
+            return Err(invalid(format!(
+                "layer {l} to skip is not a decoder layer of this {n}-layer model (0 to {})",
+                n - 1
+            )));
+        }
+        let mut sorted = skip.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(invalid(format!("layer {} is named twice to skip", w[0])));
+        }
+        let mut copy = self.clone();
+        copy.graphs = StepGraphs::default();
+        let kept: Vec<(usize, DecoderLayer)> = self
+            .layer_ids
+            .iter()
+            .copied()
+            .zip(self.layers.iter().cloned())
+            .filter(|(l, _)| !skip.contains(l))
+            .collect();
+        if kept.is_empty() {
+            return Err(invalid(format!(
+                "skipping layers {skip:?} leaves none of the model's {n} layers to run"
+            )));
+        }
+        (copy.layer_ids, copy.layers) = kept.into_iter().unzip();
+        Ok(copy)
+    }
+
+    /// The decoder layers this model runs, by their index in the full model (all of them
+    /// but in a [`Llama::skipping_layers`] copy).
+    pub fn layer_ids(&self) -> &[usize] {
+        &self.layer_ids
     }
 
     /// Whether decode and tree steps on CUDA replay captured CUDA graphs (off by default).
@@ -469,7 +522,7 @@ impl Llama {
         taps: &[usize],
         prompt: bool,
     ) -> Result<Tensor> {
-        check_taps(taps, self.layers.len())?;
+        check_taps(taps, self.cfg.num_hidden_layers, &self.layer_ids)?;
         self.forward_with(batch, None, cache, !prompt, taps)
     }
 
@@ -486,7 +539,7 @@ impl Llama {
         cache: &mut PagedKvCache,
         taps: &[usize],
     ) -> Result<Tensor> {
-        check_taps(taps, self.layers.len())?;
+        check_taps(taps, self.cfg.num_hidden_layers, &self.layer_ids)?;
         self.forward_with(batch, Some(ids), cache, true, taps)
     }
 
@@ -616,7 +669,7 @@ impl Llama {
         let normed = if cuda.is_some_and(|k| k.add_rmsnorm) {
             // Each layer's last residual add is fused into the next layer's input norm.
             let mut pending: Option<Tensor> = None;
-            for (l, layer) in self.layers.iter().enumerate() {
+            for (&l, layer) in self.layer_ids.iter().zip(&self.layers) {
                 let (r, delta) = layer.forward_deferred(&x, pending.as_ref(), &ctx(l))?;
                 x = r;
                 tap(l, &|| Ok((&x + &delta)?))?;
@@ -629,7 +682,7 @@ impl Llama {
                 None => self.norm.forward(&select(x)?, false)?,
             }
         } else {
-            for (l, layer) in self.layers.iter().enumerate() {
+            for (&l, layer) in self.layer_ids.iter().zip(&self.layers) {
                 x = layer.forward(&x, &ctx(l))?;
                 tap(l, &|| Ok(x.clone()))?;
             }

@@ -1,6 +1,6 @@
 //! 4- and 8-bit copies of a model's weights (`Llama::with_quantized_draft_weights`), for a
 //! draft that is the target itself at about a third of its weight bytes (the runtime's
-//! `Engine::quantized_draft`).
+//! `Engine::self_draft`).
 //!
 //! Why: on a CPU a decode step streams every weight once, so its time follows the weight
 //! bytes, and a draft computed from the target's own weights agrees with the target's greedy

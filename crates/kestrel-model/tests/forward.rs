@@ -814,3 +814,78 @@ fn lm_head_rows_give_the_heads_columns_and_refuse_ids_past_the_vocabulary() {
         )
     );
 }
+
+/// A copy that skips decoder layers computes, bit for bit, what the model computes with
+/// those layers' o and down projections zeroed (each then adds exactly nothing to the
+/// residual stream), on the prompt and the decode path, each layer over its own place in
+/// the KV cache (the two share a cache); the copy refuses taps at layers it skips, and bad
+/// layer lists are refused by name.
+#[test]
+fn a_copy_skipping_layers_equals_the_model_with_those_layers_silenced() {
+    for (name, mut cfg) in all_cfgs() {
+        cfg.num_hidden_layers = 3;
+        let tensors = random_tensors(&cfg, SEED).unwrap();
+        let full = Llama::from_tensors(&cfg, tensors.clone(), DType::F32, &Device::Cpu).unwrap();
+        for skip in [vec![1], vec![0, 2]] {
+            let mut silenced = tensors.clone();
+            for l in &skip {
+                for proj in ["self_attn.o_proj", "mlp.down_proj"] {
+                    let key = format!("model.layers.{l}.{proj}.weight");
+                    let zeros = silenced[&key].zeros_like().unwrap();
+                    silenced.insert(key, zeros);
+                }
+            }
+            let want = Llama::from_tensors(&cfg, silenced, DType::F32, &Device::Cpu).unwrap();
+            let copy = full.skipping_layers(&skip).unwrap();
+            let kept: Vec<usize> = (0..3).filter(|l| !skip.contains(l)).collect();
+            assert_eq!(copy.layer_ids(), &kept[..], "{name}");
+            // The prompt through one model, then two decode steps through another over the
+            // same cache: a silenced layer's K/V reach nothing, so the two models may share
+            // a cache if the copy keeps each layer's K/V in that layer's place.
+            let run = |first: &Llama, then: &Llama| {
+                let mut cache = first.new_cache(8, 4).unwrap();
+                let seq = cache.add_sequence();
+                let prompt = toks(7, 3);
+                let pos = positions(0, prompt.len());
+                let batch = one_sequence(seq, &prompt, &pos, OutputRows::All);
+                let mut out = rows(&first.forward_prompt(&batch, &mut cache).unwrap());
+                out.extend(feed(then, &mut cache, seq, &toks(1, 5)));
+                out.extend(feed(then, &mut cache, seq, &toks(3, 8)));
+                out
+            };
+            let silent = run(&want, &want);
+            for (a, b, how) in [
+                (&copy, &copy, "alone"),
+                (&copy, &want, "then silenced"),
+                (&want, &copy, "after silenced"),
+            ] {
+                assert!(
+                    run(a, b) == silent,
+                    "{name}, skipping {skip:?}, {how}: rows differ"
+                );
+            }
+            assert!(
+                run(&full, &full) != silent,
+                "{name}, skipping {skip:?}: no layer was silenced"
+            );
+        }
+        let copy = full.skipping_layers(&[1]).unwrap();
+        let mut cache = copy.new_cache(8, 4).unwrap();
+        let seq = cache.add_sequence();
+        let (t, pos) = (toks(2, 1), positions(0, 2));
+        let batch = one_sequence(seq, &t, &pos, OutputRows::All);
+        let err = copy.forward_tapped(&batch, &mut cache, &[1], false);
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "invalid input: feature tap 1 is a layer this copy of the model skips"
+        );
+        for (skip, want) in [
+            (vec![3], "invalid input: layer 3 to skip is not a decoder layer of this 3-layer model (0 to 2)"),
+            (vec![2, 0, 2], "invalid input: layer 2 is named twice to skip"),
+            (vec![0, 1, 2], "invalid input: skipping layers [0, 1, 2] leaves none of the model's 3 layers to run"),
+        ] {
+            let err = full.skipping_layers(&skip).unwrap_err().to_string();
+            assert_eq!(err, want);
+        }
+    }
+}

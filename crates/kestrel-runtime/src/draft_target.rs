@@ -10,7 +10,7 @@
 //! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
 //! and the bonus token are both fed by the next step's first draft forward).
 //!
-//! The target's own quantized copy ([`Engine::quantized_draft`]) keeps no cache: it drafts
+//! The target's own quantized copy ([`Engine::self_draft`]) keeps no cache: it drafts
 //! over the target's, whose layout is its own, reading the target's K/V of the committed
 //! tokens and writing its own past them, which are dropped before the verification writes the
 //! target's there (so the target never reads a draft's K/V, and its output stays plain
@@ -129,7 +129,7 @@ impl<'e> DraftTargetDecoder<'e> {
         max_output_len: usize,
     ) -> Result<Self> {
         check_compatible(target, draft, &options)?;
-        let shares_cache = draft.quantized_from.as_deref() == Some(target.dir.as_path())
+        let shares_cache = draft.derived_from.as_deref() == Some(target.dir.as_path())
             && draft.device.same_device(&target.device);
         let mut specs = vec![PoolSpec::for_engine("target", target)];
         if !shares_cache {

@@ -25,10 +25,10 @@ pub struct Engine {
     /// with one (`spec-build --eagle_choices`, [`EAGLE_CHOICES_FILE`]).
     pub eagle_choices: Option<String>,
     pub device: Device,
-    /// For [`Engine::quantized_draft`]'s copy, the directory of the engine whose weights it
-    /// reads at 4 bits: on the same device the two share the KV cache in draft-target
-    /// decoding (the copy's layers, heads and dtype are the engine's).
-    pub quantized_from: Option<PathBuf>,
+    /// For [`Engine::self_draft`]'s copy, the directory of the engine whose weights it
+    /// reads (at 4 bits, or skipping layers): on the same device the two share the KV cache
+    /// in draft-target decoding (the copy's layers, heads and dtype are the engine's).
+    pub derived_from: Option<PathBuf>,
 }
 
 /// The tokenizer and chat template an engine (or `--tokenizer_dir`) carries.
@@ -94,7 +94,7 @@ impl Engine {
             draft_vocab,
             eagle_choices,
             device: device.clone(),
-            quantized_from: None,
+            derived_from: None,
         };
         engine.set_cuda_graphs(true);
         Ok(engine)
@@ -146,23 +146,34 @@ impl Engine {
             eagle: None,
             draft_vocab: None,
             eagle_choices: None,
-            quantized_from: None,
+            derived_from: None,
         })
     }
 
-    /// This engine's model as a draft for itself, its decoder projections read at 4 bits and
-    /// its LM head at 8 ([`Llama::with_quantized_draft_weights`]; CPU or CUDA), sharing every
-    /// other weight with `self`: the draft of draft-target decoding with no second model to
-    /// train or load. Returns the draft and the bytes its quantized weights add.
-    pub fn quantized_draft(&self) -> Result<(Engine, usize)> {
-        let (model, bytes) = self.model.with_quantized_draft_weights()?;
-        let label = format!("{} (4-bit draft)", self.dir.display());
+    /// This engine's model as a draft for itself, sharing every weight with `self` but those
+    /// `quantize` copies: with `quantize`, its decoder projections read at 4 bits and its LM
+    /// head at 8 ([`Llama::with_quantized_draft_weights`]; CPU or CUDA); with `skip_layers`,
+    /// the decoder layers it passes over ([`Llama::skipping_layers`]). The draft of
+    /// draft-target decoding with no second model to train or load. Returns the draft and the
+    /// bytes its quantized weights add.
+    pub fn self_draft(&self, quantize: bool, skip_layers: &[usize]) -> Result<(Engine, usize)> {
+        let mut model = self.model.skipping_layers(skip_layers)?;
+        let mut bytes = 0;
+        if quantize {
+            (model, bytes) = model.with_quantized_draft_weights()?;
+        }
+        let what = match (quantize, skip_layers.len()) {
+            (true, 0) => "4-bit draft".to_string(),
+            (false, n) => format!("draft skipping {n} layers"),
+            (true, n) => format!("4-bit draft skipping {n} layers"),
+        };
+        let label = format!("{} ({what})", self.dir.display());
         // A draft drafts nothing itself, whatever mode its target was built for.
         let mut plan = self.plan.clone();
         plan.speculative_mode = SpeculativeMode::None;
         plan.eagle_head_config_json = None;
         let mut draft = Engine::from_model(&label, plan, model)?;
-        draft.quantized_from = Some(self.dir.clone());
+        draft.derived_from = Some(self.dir.clone());
         Ok((draft, bytes))
     }
 

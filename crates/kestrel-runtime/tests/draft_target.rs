@@ -732,7 +732,7 @@ fn quantizable_cfg(vocab: usize) -> ModelConfig {
     model_cfg(vocab, 64, 2, 4, 2)
 }
 
-/// A 3-layer target of [`quantizable_cfg`], built in `root`.
+/// A 2-layer target of [`quantizable_cfg`], built in `root`.
 fn quantizable_target(root: &Path) -> Engine {
     load(&build(
         root,
@@ -744,14 +744,14 @@ fn quantizable_target(root: &Path) -> Engine {
 }
 
 /// The target's own weights at 4 bits (its LM head at 8) as its draft
-/// (`Engine::quantized_draft`): the output is
+/// (`Engine::self_draft`): the output is
 /// plain greedy decoding's, the draft is really another model (its logits differ from the
 /// target's), and it agrees with the target far more often than chance.
 #[test]
 fn a_4_bit_copy_of_the_target_drafts_for_it() {
     let root = tempfile::tempdir().unwrap();
     let target = quantizable_target(root.path());
-    let (draft, bytes) = target.quantized_draft().unwrap();
+    let (draft, bytes) = target.self_draft(true, &[]).unwrap();
     // Per layer: q/k/v, o and gate/up of 64 inputs, down of 128: 64·(128 + 64 + 256) + 64·128
     // weights at half a byte; the LM head's VOCAB·64 at a byte; two f16 per 32 weights.
     let weights = 64 * (128 + 64 + 256) + 64 * 128;
@@ -801,10 +801,10 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
 fn a_4_bit_copy_of_the_target_drafts_over_the_targets_cache() {
     let root = tempfile::tempdir().unwrap();
     let target = quantizable_target(root.path());
-    let (shared, _) = target.quantized_draft().unwrap();
-    assert_eq!(shared.quantized_from.as_deref(), Some(target.dir.as_path()));
-    let (mut own, _) = target.quantized_draft().unwrap();
-    own.quantized_from = None;
+    let (shared, _) = target.self_draft(true, &[]).unwrap();
+    assert_eq!(shared.derived_from.as_deref(), Some(target.dir.as_path()));
+    let (mut own, _) = target.self_draft(true, &[]).unwrap();
+    own.derived_from = None;
 
     let params = greedy(40, vec![]);
     let plain = run(&target, &DecodeMode::Plain, &prompts(), &params);
@@ -831,6 +831,61 @@ fn a_4_bit_copy_of_the_target_drafts_over_the_targets_cache() {
                 .map(|p| (p.name, p.prefilled_prompt_tokens))
                 .collect();
             assert_eq!(pools, want, "{what}");
+        }
+    }
+}
+
+/// The target's own engine as its draft, derived with no weight of its own
+/// (`Engine::self_draft`): as itself (nothing skipped, nothing quantized) over the target's
+/// cache it drafts exactly the target's tokens, so every draft is accepted; skipping a layer
+/// (alone, and at 4 bits) it is another model (its probabilities differ), and the output is
+/// still plain greedy decoding's, token matching and speculative sampling alike.
+#[test]
+fn the_target_skipping_layers_drafts_for_it_over_its_cache() {
+    let root = tempfile::tempdir().unwrap();
+    let target = quantizable_target(root.path());
+    let params = greedy(40, vec![]);
+    let plain = run(&target, &DecodeMode::Plain, &prompts(), &params);
+
+    let (itself, bytes) = target.self_draft(false, &[]).unwrap();
+    assert_eq!(bytes, 0);
+    let outs = run(&target, &dt(&itself, 3, false), &prompts(), &params);
+    assert_eq!(ids(&outs), ids(&plain), "the target drafting as itself");
+    check_stats(&outs, "the target drafting as itself");
+    for o in &outs {
+        assert_eq!(
+            o.stats.accepted_draft_tokens, o.stats.draft_tokens,
+            "{:?}",
+            o.stats
+        );
+        assert!(o.stats.tokens_per_step > 3.0, "{:?}", o.stats);
+    }
+
+    let prompt = [5u32, 17, 9, 40];
+    let unwarped = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
+    };
+    let full = support::next_probs(&target, &prompt, &unwarped);
+    for quantize in [false, true] {
+        let (draft, _) = target.self_draft(quantize, &[1]).unwrap();
+        assert_eq!(draft.model.layer_ids(), &[0]);
+        let what = format!("skipping layer 1, quantized {quantize}");
+        assert_ne!(
+            support::next_probs(&draft, &prompt, &unwarped),
+            full,
+            "{what}"
+        );
+        for (draft_len, use_logits) in [(1, false), (3, false), (3, true)] {
+            let what = format!("{what}, draft_len {draft_len}, use_logits {use_logits}");
+            let outs = run(
+                &target,
+                &dt(&draft, draft_len, use_logits),
+                &prompts(),
+                &params,
+            );
+            assert_eq!(ids(&outs), ids(&plain), "{what}");
+            check_stats(&outs, &what);
         }
     }
 }
