@@ -71,7 +71,7 @@ for what in ${@:-test 7b}; do
         --max_input_len 1024 --max_seq_len 2048 > /dev/null; } || { echo "SmolLM2 engine failed" | tee -a $T; exit 1; }
     $B/spec-bench --engine_dir /tmp/smol_dt --draft_engine_dir /tmp/smol_dt --draft_quantization q4 \
       --device cuda:0 --prompts $here/mt_bench_first20.jsonl --max_output_len 128 --batch_sizes 1 \
-      --modes plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,plain \
+      --modes ${MODES_SMOL:-plain,draft_target:1,draft_target:2,draft_target:3,draft_target:4,plain} \
       --output_json $R/smol.json > $R/smol.log 2>&1 || tail -5 $R/smol.log | tee -a $T
     ;;
   ncu)
