@@ -829,16 +829,17 @@ fn check_lookup(target: &Engine, lookup: &PromptLookupConfig) -> Result<()> {
     Ok(())
 }
 
-/// The checks TensorRT-LLM leaves to the user: a target built for external drafts, a draft
-/// length it can verify, a plain draft engine with the target's vocabulary and limits.
+/// The checks TensorRT-LLM leaves to the user: a target that verifies drafts (built for
+/// external drafts or for EAGLE), a draft length it can verify, a plain draft engine with the target's vocabulary and limits.
 fn check_compatible(target: &Engine, draft: &Engine, options: &DraftTargetOptions) -> Result<()> {
     let tl = &target.plan.limits;
     let dl = &draft.plan.limits;
-    if target.plan.speculative_mode != SpeculativeMode::DraftTokensExternal {
+    // Any engine that verifies drafts will do: an EAGLE engine verifies a chain as a tree of
+    // one branch, so one engine serves EAGLE, prompt lookup and a self-draft alike.
+    if target.plan.speculative_mode == SpeculativeMode::None {
         return Err(RuntimeError::Engine(format!(
-            "{}: the target engine was built with --speculative_decoding_mode {}, but draft-target decoding needs a target built for external draft tokens: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len K",
+            "{}: the target engine was built with --speculative_decoding_mode none, but draft-target decoding needs a target that verifies drafts: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len K (or for EAGLE)",
             target.dir.display(),
-            target.plan.speculative_mode.as_str()
         )));
     }
     if options.draft_len == 0 {

@@ -473,7 +473,7 @@ fn incompatible_engines_are_refused() {
     assert_eq!(
         err(&plain_target, &dt(&draft, 2, false)),
         format!(
-            "{}: the target engine was built with --speculative_decoding_mode none, but draft-target decoding needs a target built for external draft tokens: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len K",
+            "{}: the target engine was built with --speculative_decoding_mode none, but draft-target decoding needs a target that verifies drafts: rebuild it with --speculative_decoding_mode draft_tokens_external --max_draft_len K (or for EAGLE)",
             plain_dir.display()
         )
     );
@@ -886,6 +886,33 @@ fn the_target_skipping_layers_drafts_for_it_over_its_cache() {
             );
             assert_eq!(ids(&outs), ids(&plain), "{what}");
             check_stats(&outs, &what);
+        }
+    }
+}
+
+/// An EAGLE engine verifies a self-draft's chain as a tree of one branch, so one engine serves
+/// every mode: the target drafting as itself has every draft accepted, a copy skipping a
+/// layer keeps plain greedy decoding's output, and the head is not used.
+#[test]
+fn an_eagle_engine_verifies_a_self_draft() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = support::random_head_engine(dir.path());
+    assert_eq!(engine.plan.speculative_mode, SpeculativeMode::Eagle);
+    let params = greedy(40, vec![]);
+    let plain = run(&engine, &DecodeMode::Plain, &support::prompts(), &params);
+    for skip in [vec![], vec![1]] {
+        let (draft, _) = engine.self_draft(false, &skip).unwrap();
+        let what = format!("skipping {skip:?}");
+        let outs = run(&engine, &dt(&draft, 3, false), &support::prompts(), &params);
+        assert_eq!(ids(&outs), ids(&plain), "{what}");
+        check_stats(&outs, &what);
+        let (accepted, drafted) = outs.iter().fold((0, 0), |(a, d), o| {
+            (a + o.stats.accepted_draft_tokens, d + o.stats.draft_tokens)
+        });
+        if skip.is_empty() {
+            assert_eq!(accepted, drafted, "{what}");
+        } else {
+            assert!(accepted < drafted, "{what}: {accepted} of {drafted}");
         }
     }
 }
