@@ -168,6 +168,24 @@ fn check_stats(outs: &[SequenceOutput], what: &str) {
     }
 }
 
+/// Decodes `prompts` with `mode`, asserts the output is plain decoding's (`plain`) and the
+/// stats add up; returns the drafts accepted and drafted over all sequences.
+fn assert_lossless(
+    target: &Engine,
+    mode: &DecodeMode,
+    prompts: &[Vec<u32>],
+    params: &GenerationParams,
+    plain: &[SequenceOutput],
+    what: &str,
+) -> (usize, usize) {
+    let outs = run(target, mode, prompts, params);
+    assert_eq!(ids(&outs), ids(plain), "{what}");
+    check_stats(&outs, what);
+    outs.iter().fold((0, 0), |(a, d), o| {
+        (a + o.stats.accepted_draft_tokens, d + o.stats.draft_tokens)
+    })
+}
+
 #[derive(Default)]
 struct Collect(HashMap<usize, Vec<u32>>);
 
@@ -775,17 +793,9 @@ fn a_4_bit_copy_of_the_target_drafts_for_it() {
     for draft_len in [1, 4] {
         for use_logits in [false, true] {
             let what = format!("4-bit draft, draft_len {draft_len}, use_logits {use_logits}");
-            let outs = run(
-                &target,
-                &dt(&draft, draft_len, use_logits),
-                &prompts(),
-                &params,
-            );
-            assert_eq!(ids(&outs), ids(&plain), "{what}");
-            check_stats(&outs, &what);
-            let (accepted, drafted) = outs.iter().fold((0, 0), |(a, d), o| {
-                (a + o.stats.accepted_draft_tokens, d + o.stats.draft_tokens)
-            });
+            let mode = dt(&draft, draft_len, use_logits);
+            let (accepted, drafted) =
+                assert_lossless(&target, &mode, &prompts(), &params, &plain, &what);
             assert!(
                 accepted * 2 > drafted,
                 "{what}: {accepted} of {drafted} drafts accepted"
@@ -878,14 +888,8 @@ fn the_target_skipping_layers_drafts_for_it_over_its_cache() {
         );
         for (draft_len, use_logits) in [(1, false), (3, false), (3, true)] {
             let what = format!("{what}, draft_len {draft_len}, use_logits {use_logits}");
-            let outs = run(
-                &target,
-                &dt(&draft, draft_len, use_logits),
-                &prompts(),
-                &params,
-            );
-            assert_eq!(ids(&outs), ids(&plain), "{what}");
-            check_stats(&outs, &what);
+            let mode = dt(&draft, draft_len, use_logits);
+            assert_lossless(&target, &mode, &prompts(), &params, &plain, &what);
         }
     }
 }
@@ -903,12 +907,9 @@ fn an_eagle_engine_verifies_a_self_draft() {
     for skip in [vec![], vec![1]] {
         let (draft, _) = engine.self_draft(false, &skip).unwrap();
         let what = format!("skipping {skip:?}");
-        let outs = run(&engine, &dt(&draft, 3, false), &support::prompts(), &params);
-        assert_eq!(ids(&outs), ids(&plain), "{what}");
-        check_stats(&outs, &what);
-        let (accepted, drafted) = outs.iter().fold((0, 0), |(a, d), o| {
-            (a + o.stats.accepted_draft_tokens, d + o.stats.draft_tokens)
-        });
+        let mode = dt(&draft, 3, false);
+        let (accepted, drafted) =
+            assert_lossless(&engine, &mode, &support::prompts(), &params, &plain, &what);
         if skip.is_empty() {
             assert_eq!(accepted, drafted, "{what}");
         } else {
