@@ -10,7 +10,7 @@
 //! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
 //! and the bonus token are both fed by the next step's first draft forward).
 //!
-//! The target's own quantized copy ([`Engine::self_draft`]) keeps no cache: it drafts
+//! The target's own copy ([`Engine::self_draft`]: at 4 bits, or skipping layers) keeps no cache: it drafts
 //! over the target's, whose layout is its own, reading the target's K/V of the committed
 //! tokens and writing its own past them, which are dropped before the verification writes the
 //! target's there (so the target never reads a draft's K/V, and its output stays plain
@@ -56,7 +56,7 @@ pub(crate) struct DraftTargetDecoder<'e> {
 /// Where a step's drafts come from.
 enum Drafter<'e> {
     /// A draft engine, with its own KV cache (draft-target decoding), or with none when it is
-    /// the target's quantized copy, which drafts over the target's cache.
+    /// the target's own copy (`Engine::self_draft`), which drafts over the target's cache.
     Model {
         engine: &'e Engine,
         cache: Option<Box<PagedKvCache>>,
