@@ -10,8 +10,8 @@
 //! draft cache holds at least `L − 2` of them (when every draft was accepted, the last draft
 //! and the bonus token are both fed by the next step's first draft forward).
 //!
-//! The target's own copy ([`Engine::self_draft`]: at 4 bits, or skipping layers) keeps no cache: it drafts
-//! over the target's, whose layout is its own, reading the target's K/V of the committed
+//! The target's own copy ([`Engine::self_draft`]: at 4 bits, or skipping layers) keeps no
+//! cache: it drafts over the target's, whose layout is its own, reading the target's K/V of the committed
 //! tokens and writing its own past them, which are dropped before the verification writes the
 //! target's there (so the target never reads a draft's K/V, and its output stays plain
 //! decoding's). Its first forward of a step is then always the one last committed token, it
