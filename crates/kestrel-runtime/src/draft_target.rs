@@ -11,11 +11,11 @@
 //! and the bonus token are both fed by the next step's first draft forward).
 //!
 //! The target's own copy ([`Engine::self_draft`]: at 4 bits, or skipping layers) keeps no
-//! cache: it drafts over the target's, whose layout is its own, reading the target's K/V of the committed
-//! tokens and writing its own past them, which are dropped before the verification writes the
-//! target's there (so the target never reads a draft's K/V, and its output stays plain
-//! decoding's). Its first forward of a step is then always the one last committed token, it
-//! prefills nothing, and it takes no KV memory of its own.
+//! cache: it drafts over the target's, whose layout is its own, reading the target's K/V of
+//! the committed tokens and writing its own past them, which are dropped before the
+//! verification writes the target's there (so the target never reads a draft's K/V, and its
+//! output stays plain decoding's). Its first forward of a step is then always the one last
+//! committed token, it prefills nothing, and it takes no KV memory of its own.
 //!
 //! With prefix reuse, each cache attaches the cached blocks of its own that the prompt
 //! starts with (the two engines may differ in block size) and prefills only the rest.
