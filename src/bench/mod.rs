@@ -726,7 +726,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     }
     let explicit_modes = args.modes.as_deref().map(parse_modes).transpose()?;
     if let Some(modes) = &explicit_modes {
-        // Random weights draft only as their own quantized copy.
+        // Random weights draft only as their own derived copy.
         let self_draft = shape.is_some() && args.draft_derivation.derives();
         if shape.is_some() {
             if let Some((spec, _)) = modes.iter().find(|(_, m)| match m {

@@ -163,6 +163,7 @@ impl Engine {
             (model, bytes) = model.with_quantized_draft_weights()?;
         }
         let what = match (quantize, skip_layers.len()) {
+            (false, 0) => "itself as its draft".to_string(),
             (true, 0) => "4-bit draft".to_string(),
             (false, n) => format!("draft skipping {n} layers"),
             (true, n) => format!("4-bit draft skipping {n} layers"),
