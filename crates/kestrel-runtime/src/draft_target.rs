@@ -830,7 +830,8 @@ fn check_lookup(target: &Engine, lookup: &PromptLookupConfig) -> Result<()> {
 }
 
 /// The checks TensorRT-LLM leaves to the user: a target that verifies drafts (built for
-/// external drafts or for EAGLE), a draft length it can verify, a plain draft engine with the target's vocabulary and limits.
+/// external drafts or for EAGLE), a draft length it can verify, a plain draft engine with the
+/// target's vocabulary and limits.
 fn check_compatible(target: &Engine, draft: &Engine, options: &DraftTargetOptions) -> Result<()> {
     let tl = &target.plan.limits;
     let dl = &draft.plan.limits;
