@@ -1,8 +1,10 @@
-//! A head that reads several base layers, end to end on a tiny 3-layer Llama: `spec-train
-//! eagle --feature_layers` keeps those layers' states in the cache, a head trained on a subset
-//! of them (`--head_feature_layers`) is written with its `feature_layers` and `fuse`,
-//! convert-checkpoint and spec-build take it, and spec-run's EAGLE output equals plain
-//! decoding's. A layer the cache does not hold is refused with one exact line.
+//! Heads beyond EAGLE-1's one layer over the final feature, end to end on a tiny 3-layer
+//! Llama. A head that reads several base layers: `spec-train eagle --feature_layers` keeps
+//! those layers' states in the cache, a head trained on a subset of them
+//! (`--head_feature_layers`) is written with its `feature_layers` and `fuse`. A head of
+//! stacked decoder layers: `--head_layers` grows a trained head. convert-checkpoint and
+//! spec-build take both, and spec-run's EAGLE output equals plain decoding's. A layer the
+//! cache does not hold, or a head asked to lose layers, is refused with one exact line.
 
 mod common;
 
@@ -88,9 +90,15 @@ fn a_head_reading_base_layers_trains_converts_and_keeps_output() {
         )
     );
 
+    assert_eagle_equals_plain(w, &head);
+}
+
+/// `head` converted with the tiny Llama into an EAGLE engine: spec-run's output with a static
+/// and a dynamic tree equals plain decoding's.
+fn assert_eagle_equals_plain(w: &Path, head: &Path) {
     let eagle = engine(
         &w.join("eagle"),
-        &["--eagle_model_dir", s(&head)],
+        &["--eagle_model_dir", s(head)],
         &["--speculative_decoding_mode", "eagle"],
     );
     let json = w.join("out.json");
@@ -120,4 +128,70 @@ fn a_head_reading_base_layers_trains_converts_and_keeps_output() {
         ]),
         plain_ids
     );
+}
+
+#[test]
+fn a_head_grown_to_two_layers_trains_converts_and_keeps_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let plain = engine(&w.join("plain"), &[], &[]);
+    let prompts = w.join("prompts.json");
+    std::fs::write(&prompts, r#"["a b c", "hello world", "d e a", "b b c d"]"#).unwrap();
+    let data = w.join("data");
+    let (one, two) = (w.join("one"), w.join("two"));
+    let train = |output: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "eagle",
+            "--engine_dir",
+            s(&plain),
+            "--data_dir",
+            s(&data),
+            "--output_dir",
+            s(output),
+            "--prompts",
+            s(&prompts),
+            "--no_chat",
+            "--max_new_tokens",
+            "12",
+            "--epochs",
+            "1",
+            "--val_fraction",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        spec_train(&args)
+    };
+    let out = train(&one, &[]);
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    let out = train(&two, &["--resume", s(&one), "--head_layers", "2"]);
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("grown from 1 to 2 layers"),
+        "{}",
+        stderr(&out)
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 2);
+
+    let refused = train(
+        &w.join("none"),
+        &[
+            "--stage",
+            "train",
+            "--resume",
+            s(&two),
+            "--head_layers",
+            "1",
+        ],
+    );
+    assert_eq!(
+        one_line_error("spec-train", &refused),
+        format!(
+            "{}: the head has 2 layers, --head_layers 1 would drop some",
+            two.display()
+        )
+    );
+    assert!(!w.join("none").exists());
+    assert_eagle_equals_plain(w, &two);
 }

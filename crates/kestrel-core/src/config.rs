@@ -340,9 +340,10 @@ mod tests {
     }
 }
 
-/// An EAGLE-1/EAGLE-2 draft head's `config.json` as published: a one-layer Llama config plus
-/// the optional `bias` key of its `fc` projection (EAGLE's code defaults it to true), and
-/// Kestrel's optional `feature_layers`.
+/// An EAGLE-1/EAGLE-2 draft head's `config.json` as published: a Llama config (one layer in
+/// published heads; EAGLE's code, like Kestrel, stacks `num_hidden_layers`, the first without
+/// an input norm) plus the optional `bias` key of its `fc` projection (EAGLE's code defaults it
+/// to true), and Kestrel's optional `feature_layers`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EagleHeadConfig {
     #[serde(flatten)]

@@ -76,7 +76,8 @@ pub fn llama_tensors(cfg: &ModelConfig, mapping: Mapping) -> Vec<TensorSpec> {
     out
 }
 
-/// Every tensor of an EAGLE-1 head (with `fuse` when it reads `feature_layers`) on one rank, under `prefix` ("" in published heads,
+/// Every tensor of an EAGLE-1 head (its `num_hidden_layers` layers, the first without an input
+/// norm; with `fuse` when it reads `feature_layers`) on one rank, under `prefix` ("" in published heads,
 /// [`crate::checkpoint::EAGLE_PREFIX`] inside Kestrel checkpoints). The optional
 /// `embed_tokens.weight` is not listed: a head may bring its own or use the base model's.
 pub fn eagle_head_tensors(
@@ -97,12 +98,14 @@ pub fn eagle_head_tensors(
             vec![h, head.feature_width()],
         ));
     }
-    out.extend(decoder_layer(
-        &head.llama,
-        mapping,
-        &format!("{prefix}layers.0."),
-        false,
-    ));
+    for layer in 0..head.llama.num_hidden_layers {
+        out.extend(decoder_layer(
+            &head.llama,
+            mapping,
+            &format!("{prefix}layers.{layer}."),
+            layer > 0,
+        ));
+    }
     out
 }
 

@@ -9,9 +9,10 @@ use std::path::Path;
 /// The tensors of an EAGLE head: `(required, optional)` names with their shapes.
 ///
 /// Required: `fc.weight` (`[hidden, 2*hidden]`), `fc.bias` when the config's `bias` is true, and
-/// layer 0's attention, MLP and `post_attention_layernorm`. Optional: `fc.bias` when `bias` is
-/// false (some exports keep a bias of zeros), `embed_tokens.weight` (a head with its own
-/// embedding) and `layers.0.input_layernorm.weight` (which EAGLE's layer 0 does not use).
+/// each of the `num_hidden_layers` layers' attention, MLP and `post_attention_layernorm`, with
+/// `input_layernorm` from layer 1 on. Optional: `fc.bias` when `bias` is false (some exports
+/// keep a bias of zeros), `embed_tokens.weight` (a head with its own embedding) and
+/// `layers.0.input_layernorm.weight` (which EAGLE's layer 0 does not use).
 pub fn eagle_expected_shapes(
     cfg: &EagleHeadConfig,
 ) -> (BTreeMap<String, Vec<usize>>, BTreeMap<String, Vec<usize>>) {
@@ -28,7 +29,9 @@ pub fn eagle_expected_shapes(
     if !cfg.feature_layers.is_empty() {
         required.insert("fuse.weight".to_string(), vec![h, cfg.feature_width()]);
     }
-    layer_shapes(llama, "layers.0.", false, &mut required);
+    for l in 0..llama.num_hidden_layers {
+        layer_shapes(llama, &format!("layers.{l}."), l > 0, &mut required);
+    }
     optional.insert("embed_tokens.weight".to_string(), vec![llama.vocab_size, h]);
     optional.insert("layers.0.input_layernorm.weight".to_string(), vec![h]);
     (required, optional)

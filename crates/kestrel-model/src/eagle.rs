@@ -1,5 +1,6 @@
-//! The EAGLE-1 draft head: `fc(cat(embed(token), feature))` → one decoder layer without an
-//! input norm → predicted feature (no final norm); logits through the base model's LM head.
+//! The EAGLE-1 draft head: `fc(cat(embed(token), feature))` → its decoder layers (the first
+//! without an input norm, as in EAGLE's code; published heads have one, Kestrel's trainer may
+//! stack more) → predicted feature (no final norm); logits through the base model's LM head.
 //!
 //! A head with `feature_layers` (EAGLE-3's multi-layer features) reads more of the base for
 //! committed tokens: `fuse(cat(final feature, tapped layer states))` is the feature it is fed
@@ -44,7 +45,8 @@ pub struct EagleHead {
     /// `[hidden, feature_width]`, present with `feature_layers`.
     fuse: Option<Linear>,
     fc: Linear,
-    layer: DecoderLayer,
+    /// `layers.0` (no input norm), `layers.1`, …: `num_hidden_layers` of them.
+    layers: Vec<DecoderLayer>,
     embed: Tensor,
     own_embed: bool,
     rope: Rope,
@@ -70,17 +72,22 @@ impl EagleHead {
         if head_cfg.bias {
             out.push(("fc.bias".to_string(), vec![h]));
         }
-        let p = "layers.0";
-        out.extend([
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
-        ]);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("layers.{l}");
+            if l > 0 {
+                out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            }
+            out.extend([
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+            ]);
+        }
         out
     }
 
@@ -147,7 +154,9 @@ impl EagleHead {
         let fuse = (!head_cfg.feature_layers.is_empty())
             .then(|| Linear::load(src, "fuse", h, head_cfg.feature_width(), false))
             .transpose()?;
-        let layer = DecoderLayer::load(src, "layers.0", layer_dims(c), false)?;
+        let layers = (0..c.num_hidden_layers)
+            .map(|l| DecoderLayer::load(src, &format!("layers.{l}"), layer_dims(c), l > 0))
+            .collect::<Result<Vec<_>>>()?;
         let (embed, own_embed) = match src.get_opt("embed_tokens.weight", &[c.vocab_size, h])? {
             Some(e) => (e, true),
             None => (
@@ -161,7 +170,7 @@ impl EagleHead {
             cfg: head_cfg.clone(),
             fuse,
             fc,
-            layer,
+            layers,
             embed,
             own_embed,
             rope: Rope::new(c.head_dim(), c.rope_theta, c.rope_scaling.as_ref()),
@@ -195,9 +204,9 @@ impl EagleHead {
     /// See [`Llama::set_cuda_kernels`].
     pub fn set_cuda_kernels(&mut self, kernels: CudaKernels) {
         self.cuda_kernels = kernels;
-        self.layer
-            .linears_mut()
-            .into_iter()
+        self.layers
+            .iter_mut()
+            .flat_map(|layer| layer.linears_mut())
             .for_each(|l| l.gemv = kernels.gemv);
         self.fc.gemv = kernels.gemv;
         if let Some(f) = &mut self.fuse {
@@ -249,11 +258,16 @@ impl EagleHead {
         self.graphs.activity()
     }
 
-    /// A one-layer KV cache shaped for this head.
+    /// Decoder layers of the head (the layers of its KV cache).
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// A KV cache shaped for this head: one layer per decoder layer.
     pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
         let c = &self.cfg.llama;
         let mut cache = PagedKvCache::new(
-            1,
+            self.layers.len(),
             c.num_kv_heads(),
             c.head_dim(),
             num_blocks,
@@ -315,7 +329,7 @@ impl EagleHead {
         let c = &self.cfg.llama;
         check_cache(
             cache,
-            1,
+            self.layers.len(),
             c.num_kv_heads(),
             c.head_dim(),
             self.dtype,
@@ -365,7 +379,7 @@ impl EagleHead {
             let cache_id = kv.pools(0).0.id();
             let run = |ids: &Tensor, step: &Step, feats: Option<&Tensor>| {
                 let feats = feats.ok_or_else(|| invalid("graphed head step without features"))?;
-                self.run_layer(ids, feats, step, kv)
+                self.run_layers(ids, feats, step, kv)
             };
             self.graphs.run(
                 cache_id,
@@ -378,7 +392,7 @@ impl EagleHead {
             )?
         } else {
             let step = plan.upload(&self.rope, kv, self.dtype, &self.device)?;
-            self.run_layer(&step_ids.on(&self.device)?, &feats, &step, kv)?
+            self.run_layers(&step_ids.on(&self.device)?, &feats, &step, kv)?
         };
         for (seq, len) in commit {
             cache.set_len(seq, len)?;
@@ -386,9 +400,9 @@ impl EagleHead {
         Ok(out)
     }
 
-    /// The device work of a head step: `fc` over embeddings and features, the layer, the
+    /// The device work of a head step: `fc` over embeddings and features, the layers, the
     /// requested rows.
-    fn run_layer(
+    fn run_layers(
         &self,
         ids: &Tensor,
         feats: &Tensor,
@@ -399,19 +413,22 @@ impl EagleHead {
         let x = self
             .fc
             .forward_with(&Tensor::cat(&[&emb, feats], D::Minus1)?, self.cpu_kernels)?;
-        let ctx = AttnCtx::Paged {
-            cos: &step.cos,
-            sin: &step.sin,
-            seqs: &step.seqs,
-            batched: step.batched.as_ref(),
-            kernel: step.kernel.as_ref(),
-            cuda: self.device.is_cuda().then_some(&self.cuda_kernels),
-            cache: kv,
-            layer: 0,
-            cpu_kernels: self.cpu_kernels,
-            matvec: true,
-        };
-        let mut x = self.layer.forward(&x, &ctx)?;
+        let mut x = x;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let ctx = AttnCtx::Paged {
+                cos: &step.cos,
+                sin: &step.sin,
+                seqs: &step.seqs,
+                batched: step.batched.as_ref(),
+                kernel: step.kernel.as_ref(),
+                cuda: self.device.is_cuda().then_some(&self.cuda_kernels),
+                cache: kv,
+                layer: l,
+                cpu_kernels: self.cpu_kernels,
+                matvec: true,
+            };
+            x = layer.forward(&x, &ctx)?;
+        }
         if let Some(rows) = &step.out_rows {
             x = gather_rows(&x, rows)?;
         }
@@ -422,17 +439,18 @@ impl EagleHead {
     /// predicted features `[B, T, H]`, causal attention, positions `0..T`, built from
     /// differentiable candle ops.
     pub fn forward_train(&self, tokens: &Tensor, features: &Tensor) -> Result<Tensor> {
-        let x = self.train_input(tokens, features)?;
+        let mut x = self.train_input(tokens, features)?;
         let (cos, sin, mask) =
             causal_train_inputs(&self.rope, x.dim(1)?, self.dtype, &self.device)?;
-        self.layer.forward(
-            &x,
-            &AttnCtx::Train {
-                cos: &cos,
-                sin: &sin,
-                mask: &mask,
-            },
-        )
+        let ctx = AttnCtx::Train {
+            cos: &cos,
+            sin: &sin,
+            mask: &mask,
+        };
+        for layer in &self.layers {
+            x = layer.forward(&x, &ctx)?;
+        }
+        Ok(x)
     }
 
     /// Pass `k = unroll.passes() + 1` of a training-time-test unroll (HASS, EAGLE-3): the
@@ -443,16 +461,16 @@ impl EagleHead {
     /// `2..=k` at positions `i - k + 2..=i`, one each (the node's chain ancestors and itself).
     /// For that, `features[:, i]` of pass `k >= 2` must be pass `k - 1`'s output at `i - 1`,
     /// the parent node's output; positions `i < k - 1` have no such chain and their outputs
-    /// are meaningless. The pass's K/V are appended to `unroll`.
+    /// are meaningless. The pass's K/V (each layer's) are appended to `unroll`.
     pub fn forward_train_step(
         &self,
         tokens: &Tensor,
         features: &Tensor,
         unroll: &mut TrainUnroll,
     ) -> Result<Tensor> {
-        let x = self.train_input(tokens, features)?;
+        let mut x = self.train_input(tokens, features)?;
         let t = x.dim(1)?;
-        if let Some((k, _)) = unroll.kv.first() {
+        if let Some((k, _)) = unroll.kv.first().and_then(|pass| pass.first()) {
             if k.dims()[..2] != x.dims()[..2] {
                 return Err(invalid(format!(
                     "unrolled pass over [{}, {t}] after passes over {:?}",
@@ -466,11 +484,15 @@ impl EagleHead {
             0 => causal,
             done => train_mask(t, done, &self.device)?,
         };
-        let (y, kv) = self
-            .layer
-            .forward_unrolled(&x, &cos, &sin, &mask, &unroll.kv)?;
-        unroll.kv.push(kv);
-        Ok(y)
+        let mut pass_kv = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let prev: Vec<(Tensor, Tensor)> = unroll.kv.iter().map(|p| p[l].clone()).collect();
+            let (y, kv) = layer.forward_unrolled(&x, &cos, &sin, &mask, &prev)?;
+            pass_kv.push(kv);
+            x = y;
+        }
+        unroll.kv.push(pass_kv);
+        Ok(x)
     }
 
     /// `fc(cat(embed(tokens), features))` of a training batch, `[B, T, H]`.
@@ -496,8 +518,8 @@ impl EagleHead {
 /// ([`EagleHead::forward_train_step`]); start each batch with a fresh one.
 #[derive(Debug, Clone, Default)]
 pub struct TrainUnroll {
-    /// Per pass, roped K and V `[B, T, n_kv, head_dim]` (tracked for backprop).
-    kv: Vec<(Tensor, Tensor)>,
+    /// Per pass, per layer, roped K and V `[B, T, n_kv, head_dim]` (tracked for backprop).
+    kv: Vec<Vec<(Tensor, Tensor)>>,
 }
 
 impl TrainUnroll {

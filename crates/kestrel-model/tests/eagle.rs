@@ -26,18 +26,20 @@ fn tensor(rows: &[Vec<f32>]) -> Tensor {
 }
 
 #[test]
-fn head_forward_matches_reference_with_own_or_base_embedding() {
+fn head_forward_matches_reference_with_own_or_base_embedding_and_stacked_layers() {
     let cfg = tiny_cfg(4, 2, true, false);
     let base = Llama::random(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
     let base_w = Weights::new(&random_tensors(&cfg, 3).unwrap());
-    let hc = head_cfg(&cfg);
     let h = cfg.hidden_size;
-    for own in [false, true] {
+    for (own, layers) in [(false, 1), (true, 1), (false, 3)] {
+        let mut hc = head_cfg(&cfg);
+        hc.llama.num_hidden_layers = layers;
         let ht = random_head_tensors(&hc, 8, own);
         let w = Weights::new(&ht);
         let head =
             EagleHead::from_tensors(&hc, ht.clone(), &base, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(head.has_own_embedding(), own);
+        assert_eq!(head.num_layers(), layers);
         let embed = if own {
             &w.0["embed_tokens.weight"].1
         } else {
@@ -86,7 +88,7 @@ fn head_forward_matches_reference_with_own_or_base_embedding() {
         let got: Vec<Vec<f32>> = rows(&out1).into_iter().chain(rows(&out2)).collect();
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             let d = max_abs_diff(a, b);
-            assert!(d < 1e-4, "own {own} row {i}: {d}");
+            assert!(d < 1e-4, "own {own}, {layers} layers, row {i}: {d}");
         }
         // Logits through the base LM head.
         assert_eq!(base.logits(&out2).unwrap().dims(), &[2, cfg.vocab_size]);
@@ -97,7 +99,8 @@ fn head_forward_matches_reference_with_own_or_base_embedding() {
 fn train_forward_equals_paged_forward_and_backprops() {
     let cfg = tiny_cfg(4, 2, false, false);
     let base = Llama::random(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
-    let hc = head_cfg(&cfg);
+    let mut hc = head_cfg(&cfg);
+    hc.llama.num_hidden_layers = 2;
     let h = cfg.hidden_size;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
@@ -146,6 +149,9 @@ fn train_forward_equals_paged_forward_and_backprops() {
         "layers.0.self_attn.q_proj.weight",
         "layers.0.mlp.down_proj.weight",
         "layers.0.post_attention_layernorm.weight",
+        "layers.1.input_layernorm.weight",
+        "layers.1.self_attn.k_proj.weight",
+        "layers.1.mlp.down_proj.weight",
     ] {
         let g = grads
             .get(data[name].as_tensor())

@@ -76,7 +76,7 @@ impl<'a> PoolSpec<'a> {
         )
     }
 
-    /// A cache of `layers` layers shaped by `c` (the EAGLE head's: one layer) that lives with
+    /// A cache of `layers` layers shaped by `c` (the EAGLE head's: one per head layer) that lives with
     /// `engine` and follows its limits.
     pub fn for_model(
         name: &'static str,

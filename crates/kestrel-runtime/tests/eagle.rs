@@ -279,6 +279,63 @@ fn a_head_reading_several_base_layers_is_lossless() {
     assert!(accepted > 0, "the random head never drafted a right token");
 }
 
+/// A head of several stacked decoder layers (its KV cache one layer per head layer) is
+/// lossless in static and dynamic trees, and drafts differently from its first layer alone.
+#[test]
+fn a_head_of_stacked_layers_is_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::tiny_config(2);
+    let base = kestrel_model::llama::random_tensors(&cfg, 5).unwrap();
+    let modes = [
+        ("mc_sim_7b_63", static_mode("mc_sim_7b_63")),
+        ("small_8", static_mode("small_8")),
+        ("eagle2 top 3", dynamic_mode(3)),
+    ];
+    let stacked = support::random_stacked_head(&cfg, 6, 3);
+    let spec = EngineSpec {
+        head_layers: 3,
+        ..EngineSpec::default()
+    };
+    let engine_dir = build(
+        &dir.path().join("stacked"),
+        &cfg,
+        &base,
+        Some(&stacked),
+        &spec,
+    );
+    let engine = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    assert_eq!(engine.eagle.as_ref().unwrap().num_layers(), 3);
+    assert_lossless(&engine, &modes, 40);
+
+    // Its first layer alone is another head: the stacked layers are used, not ignored.
+    let first: BTreeMap<String, Tensor> = stacked
+        .iter()
+        .filter(|(k, _)| !k.starts_with("layers.1.") && !k.starts_with("layers.2."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let engine_dir = build(
+        &dir.path().join("first"),
+        &cfg,
+        &base,
+        Some(&first),
+        &EngineSpec::default(),
+    );
+    let first = Engine::load(&engine_dir, &Device::Cpu).unwrap();
+    let prompts = prompts();
+    let drafts = |e: &Engine| -> Vec<usize> {
+        run(e, &modes[1].1, &prompts, &greedy(40))
+            .iter()
+            .map(|o| o.stats.accepted_draft_tokens)
+            .collect()
+    };
+    let accepted = drafts(&engine);
+    assert_ne!(
+        accepted,
+        drafts(&first),
+        "the stacked layers changed nothing"
+    );
+}
+
 /// Random valid trees: every prefix present, ranks below 4, depth ≤ 4, ≤ 24 nodes.
 fn random_tree(seed: u64) -> Vec<Vec<usize>> {
     use rand::{Rng, SeedableRng};

@@ -64,14 +64,15 @@ pub const HEAD_WEIGHTS_FILE: &str = "model.safetensors";
 pub use crate::common::{epoch_batches, split, TRAIN_LOG_FILE};
 
 /// The frozen base model as the trainer needs it: the decoder (for the embedding), the LM
-/// head weight and the last decoder layer's weights (for the head's initialisation).
+/// head weight and its top decoder layers' weights (for the head's initialisation).
 pub struct FrozenBase<'a> {
     pub model: &'a Llama,
     /// `[vocab, hidden]` f32.
     pub lm_head: Tensor,
-    /// The last decoder layer under the head's names (`layers.0.self_attn.q_proj.weight`, …,
-    /// and `layers.0.input_layernorm.weight`), f32.
-    pub last_layer: BTreeMap<String, Tensor>,
+    /// The base's last decoder layers, in order (the last one last), each under its tensors'
+    /// names within a layer (`self_attn.q_proj.weight`, …, `input_layernorm.weight`), f32:
+    /// what head layer `i` of an `n`-layer copied head starts as is `top_layers[len - n + i]`.
+    pub top_layers: Vec<BTreeMap<String, Tensor>>,
 }
 
 const LAYER_TENSORS: &[&str] = &[
@@ -87,8 +88,13 @@ const LAYER_TENSORS: &[&str] = &[
 ];
 
 impl<'a> FrozenBase<'a> {
-    /// From HF-named full tensors (e.g. `kestrel_model::llama::random_tensors`).
-    pub fn from_tensors(model: &'a Llama, tensors: &BTreeMap<String, Tensor>) -> Result<Self> {
+    /// From HF-named full tensors (e.g. `kestrel_model::llama::random_tensors`), keeping the
+    /// base's last `top_layers` decoder layers (the most layers a head will copy).
+    pub fn from_tensors(
+        model: &'a Llama,
+        tensors: &BTreeMap<String, Tensor>,
+        top_layers: usize,
+    ) -> Result<Self> {
         let cfg = model.config();
         let get = |name: &str| {
             tensors
@@ -96,18 +102,20 @@ impl<'a> FrozenBase<'a> {
                 .ok_or_else(|| invalid(format!("base tensor '{name}' is missing")))
                 .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_device(model.device())?))
         };
-        Self::assemble(model, cfg, get)
+        Self::assemble(model, cfg, top_layers, get)
     }
 
-    /// From an engine's (or checkpoint's) per-rank safetensors files.
+    /// From an engine's (or checkpoint's) per-rank safetensors files; `top_layers` as in
+    /// [`FrozenBase::from_tensors`].
     pub fn from_rank_files(
         model: &'a Llama,
         mapping: Mapping,
         rank_files: &[PathBuf],
+        top_layers: usize,
     ) -> Result<Self> {
         let cfg = model.config();
         let files = RankFiles::open(cfg, mapping, rank_files)?;
-        Self::assemble(model, cfg, |name| {
+        Self::assemble(model, cfg, top_layers, |name| {
             Ok(files.get(name)?.to_device(model.device())?)
         })
     }
@@ -115,35 +123,42 @@ impl<'a> FrozenBase<'a> {
     fn assemble(
         model: &'a Llama,
         cfg: &ModelConfig,
+        top_layers: usize,
         get: impl Fn(&str) -> Result<Tensor>,
     ) -> Result<Self> {
+        let n = cfg.num_hidden_layers;
+        if top_layers == 0 || top_layers > n {
+            return Err(invalid(format!(
+                "a head of {top_layers} layers cannot start from the base's top layers: the base has {n}"
+            )));
+        }
         let lm_head = if cfg.tie_word_embeddings {
             get("model.embed_tokens.weight")?
         } else {
             get("lm_head.weight")?
         };
-        let last = cfg.num_hidden_layers - 1;
-        let mut last_layer = BTreeMap::new();
-        for t in LAYER_TENSORS {
-            last_layer.insert(
-                format!("layers.0.{t}"),
-                get(&format!("model.layers.{last}.{t}"))?,
-            );
-        }
+        let top_layers = (n - top_layers..n)
+            .map(|l| {
+                LAYER_TENSORS
+                    .iter()
+                    .map(|t| Ok((t.to_string(), get(&format!("model.layers.{l}.{t}"))?)))
+                    .collect::<Result<BTreeMap<_, _>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(FrozenBase {
             model,
             lm_head: lm_head.contiguous()?,
-            last_layer,
+            top_layers,
         })
     }
 }
 
-/// The head's configuration for `base`: a one-layer Llama of the base's shapes, with
-/// `rope_theta` (and scaling) of the base written out explicitly.
-pub fn head_config(base: &ModelConfig, bias: bool) -> EagleHeadConfig {
+/// The head's configuration for `base`: a Llama of `layers` layers (EAGLE's is one) of the
+/// base's shapes, with `rope_theta` (and scaling) of the base written out explicitly.
+pub fn head_config(base: &ModelConfig, bias: bool, layers: usize) -> EagleHeadConfig {
     let mut llama = base.clone();
     llama.architectures = vec!["LlamaForCausalLM".into()];
-    llama.num_hidden_layers = 1;
+    llama.num_hidden_layers = layers;
     llama.tie_word_embeddings = false;
     llama.rope_parameters = None;
     EagleHeadConfig {
@@ -156,12 +171,12 @@ pub fn head_config(base: &ModelConfig, bias: bool) -> EagleHeadConfig {
 /// Where the head's first weights come from.
 #[derive(Debug, Clone)]
 pub enum HeadInit {
-    /// The base's last decoder layer; `fc = [0 | I]` (feature passthrough), zero bias.
-    /// `out_scale` multiplies the layer's residual-branch outputs (`o_proj`, `down_proj`):
-    /// the base layer writes into a residual stream far larger than the normed feature the
-    /// head starts from, so 1.0 makes the first predictions overshoot; 0.0 starts the head
-    /// as the identity (`pred = feature`).
-    CopyLastLayer { out_scale: f64 },
+    /// The base's last decoder layers, one per head layer ([`FrozenBase::top_layers`]);
+    /// `fc = [0 | I]` (feature passthrough), zero bias. `out_scale` multiplies the layers'
+    /// residual-branch outputs (`o_proj`, `down_proj`): a base layer writes into a residual
+    /// stream far larger than the normed feature the head starts from, so 1.0 makes the first
+    /// predictions overshoot; 0.0 starts the head as the identity (`pred = feature`).
+    CopyTopLayers { out_scale: f64 },
     /// Random (PyTorch-like uniform linear init, unit norms).
     Random { seed: u64 },
     /// Given tensors under the head's names (resuming from a checkpoint).
@@ -544,6 +559,57 @@ fn final_feature_fuse(head_cfg: &EagleHeadConfig) -> Result<Tensor> {
     Ok(Tensor::cat(&[&eye, &rest], 1)?)
 }
 
+/// Head layer `l` of `head_cfg` as a copy of the base layer it starts from
+/// ([`FrozenBase::top_layers`]), its residual-branch outputs scaled by `out_scale`, under the
+/// head's names (`layers.{l}.…`).
+fn copied_layer(
+    base: &FrozenBase,
+    head_cfg: &EagleHeadConfig,
+    l: usize,
+    out_scale: f64,
+) -> Result<Vec<(String, Tensor)>> {
+    let n = head_cfg.llama.num_hidden_layers;
+    let have = base.top_layers.len();
+    let source = (have + l).checked_sub(n).ok_or_else(|| {
+        invalid(format!(
+            "a {n}-layer head starts from the base's top {n} layers, but only {have} were loaded"
+        ))
+    })?;
+    base.top_layers[source]
+        .iter()
+        .map(|(name, t)| {
+            let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                (t * out_scale)?
+            } else {
+                t.clone()
+            };
+            Ok((format!("layers.{l}.{name}"), t))
+        })
+        .collect()
+}
+
+/// Grows a head's weights `tensors` (of `head_cfg`'s shapes, but with only `from` layers) to
+/// `head_cfg`'s `num_hidden_layers`: each new layer is the base layer a copied head of that
+/// depth would start from, with `o_proj` and `down_proj` zero, so the grown head computes
+/// exactly what it did and training starts where the shallower head stopped.
+pub fn deepen_head(
+    tensors: &mut BTreeMap<String, Tensor>,
+    from: usize,
+    head_cfg: &EagleHeadConfig,
+    base: &FrozenBase,
+) -> Result<()> {
+    let to = head_cfg.llama.num_hidden_layers;
+    if from == 0 || from > to {
+        return Err(invalid(format!(
+            "a head of {from} layers cannot grow to {to}"
+        )));
+    }
+    for l in from..to {
+        tensors.extend(copied_layer(base, head_cfg, l, 0.0)?);
+    }
+    Ok(())
+}
+
 /// A head being trained: its variables, the head built over them and the optimiser.
 pub struct EagleTrainer<'b, 'a> {
     base: &'b FrozenBase<'a>,
@@ -570,7 +636,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
         let device = base.model.device().clone();
         let expected = EagleHead::expected_tensors(&head_cfg);
         let mut initial: Option<BTreeMap<String, Tensor>> = match init {
-            HeadInit::CopyLastLayer { out_scale } => {
+            HeadInit::CopyTopLayers { out_scale } => {
                 let h = head_cfg.llama.hidden_size;
                 let mut m = BTreeMap::new();
                 let eye = Tensor::eye(h, DType::F32, &Device::Cpu)?;
@@ -582,14 +648,8 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
                         Tensor::zeros(h, DType::F32, &Device::Cpu)?,
                     );
                 }
-                for (name, t) in &base.last_layer {
-                    let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")
-                    {
-                        (t * out_scale)?
-                    } else {
-                        t.clone()
-                    };
-                    m.insert(name.clone(), t);
+                for l in 0..head_cfg.llama.num_hidden_layers {
+                    m.extend(copied_layer(base, &head_cfg, l, out_scale)?);
                 }
                 Some(m)
             }

@@ -8,8 +8,8 @@ use kestrel_core::ModelConfig;
 use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows};
 use kestrel_train::common::Recipe;
 use kestrel_train::eagle::{
-    head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase, HeadInit,
-    LossWeights, SaveOptions, TrainConfig,
+    deepen_head, head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase,
+    HeadInit, LossWeights, SaveOptions, TrainConfig,
 };
 use kestrel_train::FeatureDataset;
 use rand::SeedableRng;
@@ -68,9 +68,9 @@ fn train_cfg(epochs: usize) -> TrainConfig {
 fn training_lowers_the_loss_and_beats_the_untrained_head() {
     let t = tiny(true);
     let data = dataset(&t, 24);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let all: Vec<usize> = (0..data.len()).collect();
-    let hc = head_config(t.model.config(), true);
+    let hc = head_config(t.model.config(), true, 1);
     let mut trainer =
         EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, train_cfg(12)).unwrap();
     let before = trainer.evaluate(&data, &all).unwrap().mean(EAGLE1);
@@ -116,14 +116,14 @@ fn training_lowers_the_loss_and_beats_the_untrained_head() {
 fn a_token_only_loss_trains_the_distribution_and_frees_the_feature() {
     let t = tiny(true);
     let data = dataset(&t, 24);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let all: Vec<usize> = (0..data.len()).collect();
     let token_only = LossWeights {
         feature: 0.0,
         ce: 1.0,
     };
     let trained = |cfg: TrainConfig| {
-        let hc = head_config(t.model.config(), true);
+        let hc = head_config(t.model.config(), true, 1);
         let mut trainer = EagleTrainer::new(&base, hc, HeadInit::Random { seed: 1 }, cfg).unwrap();
         let before = trainer.evaluate(&data, &all).unwrap();
         train(&mut trainer, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
@@ -184,14 +184,14 @@ fn a_token_only_loss_trains_the_distribution_and_frees_the_feature() {
 fn copy_init_starts_from_the_last_layer_and_improves() {
     let t = tiny(false);
     let data = dataset(&t, 16);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let (train_idx, val_idx) = split(data.len(), 0.25, 0);
     assert_eq!((train_idx.len(), val_idx.len()), (12, 4));
-    let hc = head_config(t.model.config(), false);
+    let hc = head_config(t.model.config(), false, 1);
     let mut trainer = EagleTrainer::new(
         &base,
         hc,
-        HeadInit::CopyLastLayer { out_scale: 0.0 },
+        HeadInit::CopyTopLayers { out_scale: 0.0 },
         train_cfg(8),
     )
     .unwrap();
@@ -248,15 +248,15 @@ fn copy_init_starts_from_the_last_layer_and_improves() {
 fn written_heads_reload_with_the_published_keys() {
     let t = tiny(true);
     let data = dataset(&t, 8);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let all: Vec<usize> = (0..data.len()).collect();
     let tmp = tempfile::tempdir().unwrap();
     for bias in [true, false] {
-        let hc = head_config(t.model.config(), bias);
+        let hc = head_config(t.model.config(), bias, 1);
         let mut trainer = EagleTrainer::new(
             &base,
             hc,
-            HeadInit::CopyLastLayer { out_scale: 1.0 },
+            HeadInit::CopyTopLayers { out_scale: 1.0 },
             train_cfg(1),
         )
         .unwrap();
@@ -408,8 +408,8 @@ fn bad_inputs_are_errors_not_panics() {
         .to_string();
     assert!(err.contains("999"), "{err}");
 
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
-    let hc = head_config(t.model.config(), true);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
+    let hc = head_config(t.model.config(), true, 1);
     let mut wrong = BTreeMap::new();
     wrong.insert(
         "fc.weight".to_string(),
@@ -425,7 +425,7 @@ fn bad_inputs_are_errors_not_panics() {
     assert!(EagleTrainer::new(
         &base,
         hc,
-        HeadInit::CopyLastLayer { out_scale: 1.0 },
+        HeadInit::CopyTopLayers { out_scale: 1.0 },
         bad_cfg
     )
     .is_err());
@@ -439,11 +439,17 @@ fn bad_inputs_are_errors_not_panics() {
 /// parent's output. This is what checks the per-query mixture of K/V from different passes.
 #[test]
 fn unrolled_passes_are_the_inference_draft_chain() {
-    const PASSES: usize = 4;
     let t = tiny(true);
     let data = dataset(&t, 3);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
-    let hc = head_config(t.model.config(), true);
+    for layers in [1, 2] {
+        unrolled_passes_match_inference(&t, &data, layers);
+    }
+}
+
+fn unrolled_passes_match_inference(t: &Tiny, data: &FeatureDataset, layers: usize) {
+    const PASSES: usize = 4;
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, layers).unwrap();
+    let hc = head_config(t.model.config(), true, layers);
     let cfg = TrainConfig {
         ttt_steps: PASSES,
         ..train_cfg(1)
@@ -451,7 +457,7 @@ fn unrolled_passes_are_the_inference_draft_chain() {
     let trainer = EagleTrainer::new(&base, hc.clone(), HeadInit::Random { seed: 5 }, cfg).unwrap();
     let seqs = [0usize, 1, 2];
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let batch = make_batch(&data, &seqs, 512, 0.0, &mut rng)
+    let batch = make_batch(data, &seqs, 512, 0.0, &mut rng)
         .unwrap()
         .unwrap();
     let preds = trainer.unrolled_predictions(&batch, PASSES).unwrap();
@@ -520,11 +526,13 @@ fn unrolled_passes_are_the_inference_draft_chain() {
             cache.truncate(seq, fed).unwrap();
         }
     }
-    eprintln!("max |train - inference| per pass: {worst:?} over {compared:?} positions");
+    eprintln!(
+        "{layers} layers: max |train - inference| per pass: {worst:?} over {compared:?} positions"
+    );
     assert!(compared[PASSES - 1] >= 3 * 20, "{compared:?}");
     assert!(
         worst.iter().all(|&w| w < 2e-5),
-        "max |train - inference| per pass: {worst:?}"
+        "{layers} layers: max |train - inference| per pass: {worst:?}"
     );
 }
 
@@ -534,9 +542,9 @@ fn unrolled_passes_are_the_inference_draft_chain() {
 fn unroll_with_zero_weight_trains_exactly_like_no_unroll() {
     let t = tiny(true);
     let data = dataset(&t, 8);
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let all: Vec<usize> = (0..data.len()).collect();
-    let hc = head_config(t.model.config(), true);
+    let hc = head_config(t.model.config(), true, 1);
     let make = |ttt_steps| {
         let cfg = TrainConfig {
             ttt_steps,
@@ -611,16 +619,16 @@ fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
         "the feature cache holds base layers [], not layer 0: regenerate it with --feature_layers"
     );
 
-    let base = FrozenBase::from_tensors(&t.model, &t.tensors).unwrap();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
     let all: Vec<usize> = (0..data.len()).collect();
     let plain = EagleTrainer::new(
         &base,
-        head_config(t.model.config(), true),
+        head_config(t.model.config(), true, 1),
         HeadInit::Random { seed: 3 },
         train_cfg(6),
     )
     .unwrap();
-    let mut hc = head_config(t.model.config(), true);
+    let mut hc = head_config(t.model.config(), true, 1);
     hc.feature_layers = vec![0];
     let mut fused = EagleTrainer::new(
         &base,
@@ -653,4 +661,85 @@ fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
     let (cfg, tensors) = load_head(&dir.path().join("head")).unwrap();
     assert_eq!(cfg.feature_layers, vec![0]);
     assert_eq!(max_diff(&tensors["fuse.weight"], &w["fuse.weight"]), 0.0);
+}
+
+/// `--head_layers`: a copied head of n layers starts from the base's top n layers, and a
+/// trained head grown by a layer (`deepen_head`, the new layer's outputs zeroed) predicts
+/// exactly what it did, then trains the new layer and lowers the loss; the grown head is
+/// written and read back with its layers.
+#[test]
+fn a_head_grown_by_a_layer_starts_where_it_stopped_and_trains() {
+    let t = tiny(true);
+    let data = dataset(&t, 16);
+    let all: Vec<usize> = (0..data.len()).collect();
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 2).unwrap();
+    let copied = EagleTrainer::new(
+        &base,
+        head_config(t.model.config(), true, 2),
+        HeadInit::CopyTopLayers { out_scale: 1.0 },
+        train_cfg(1),
+    )
+    .unwrap();
+    let w = copied.tensors().unwrap();
+    for l in 0..2 {
+        let name = "self_attn.q_proj.weight";
+        let want = &t.tensors[&format!("model.layers.{l}.{name}")];
+        assert_eq!(
+            max_diff(&w[&format!("layers.{l}.{name}")], want),
+            0.0,
+            "layer {l}"
+        );
+    }
+    assert!(w.contains_key("layers.1.input_layernorm.weight"));
+    assert!(!w.contains_key("layers.0.input_layernorm.weight"));
+
+    let mut shallow = EagleTrainer::new(
+        &base,
+        head_config(t.model.config(), true, 1),
+        HeadInit::Random { seed: 3 },
+        train_cfg(3),
+    )
+    .unwrap();
+    train(&mut shallow, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
+    let hc = head_config(t.model.config(), true, 2);
+    let mut tensors = shallow.tensors().unwrap();
+    deepen_head(&mut tensors, 1, &hc, &base).unwrap();
+    let mut deep =
+        EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(tensors), train_cfg(6)).unwrap();
+    let before = deep.evaluate_unrolled(&data, &all, 2).unwrap();
+    let reference = shallow.evaluate_unrolled(&data, &all, 2).unwrap();
+    for (k, (d, s)) in before.iter().zip(&reference).enumerate() {
+        let (d, s) = (d.mean(EAGLE1), s.mean(EAGLE1));
+        assert_eq!((d.loss, d.top1), (s.loss, s.top1), "pass {}", k + 1);
+    }
+    train(&mut deep, &data, &all, &[], "grown", None, &mut |_| {}).unwrap();
+    let after = deep.evaluate(&data, &all).unwrap().mean(EAGLE1);
+    assert!(
+        after.loss < before[0].mean(EAGLE1).loss,
+        "loss {} -> {}",
+        before[0].mean(EAGLE1).loss,
+        after.loss
+    );
+    let w = deep.tensors().unwrap();
+    let o = w["layers.1.self_attn.o_proj.weight"].abs().unwrap();
+    assert!(o.max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+
+    let dir = tempfile::tempdir().unwrap();
+    deep.save(&dir.path().join("head"), DType::F32, &[])
+        .unwrap();
+    let (cfg, back) = load_head(&dir.path().join("head")).unwrap();
+    assert_eq!(cfg.llama.num_hidden_layers, 2);
+    assert_eq!(
+        max_diff(
+            &back["layers.1.input_layernorm.weight"],
+            &w["layers.1.input_layernorm.weight"]
+        ),
+        0.0
+    );
+    assert_eq!(
+        deepen_head(&mut back.clone(), 3, &hc, &base)
+            .unwrap_err()
+            .to_string(),
+        "a head of 3 layers cannot grow to 2"
+    );
 }

@@ -10,7 +10,8 @@ use kestrel_core::DType;
 use kestrel_runtime::Engine;
 use kestrel_train::dataset::FeatureDataset;
 use kestrel_train::eagle::{
-    head_config, load_head, train, EagleTrainer, FrozenBase, HeadInit, SaveOptions, TrainConfig,
+    deepen_head, head_config, load_head, train, EagleTrainer, FrozenBase, HeadInit, SaveOptions,
+    TrainConfig,
 };
 use std::path::{Path, PathBuf};
 
@@ -26,7 +27,8 @@ enum Stage {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Init {
-    /// The base model's last decoder layer, fc = [0 | I] (feature passthrough).
+    /// The base model's last decoder layers (one per head layer), fc = [0 | I] (feature
+    /// passthrough).
     Copy,
     /// Random weights.
     Random,
@@ -85,6 +87,12 @@ pub struct EagleArgs {
     /// Start from this head directory (config.json + model.safetensors) instead of --init.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Decoder layers of the head (EAGLE's is 1). With --resume, a shallower head grows to
+    /// this many: each new layer starts as a copy of a base layer whose outputs are zeroed,
+    /// so training starts exactly where the resumed head stopped. Default: 1, or the
+    /// resumed head's own.
+    #[arg(long)]
+    head_layers: Option<usize>,
     /// Dtype of the written head.
     #[arg(long, default_value = "float16", value_parser = parse_dtype)]
     save_dtype: DType,
@@ -132,10 +140,27 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
             args.data.feature_layers
         );
     }
-    let base = FrozenBase::from_rank_files(&engine.model, engine.plan.mapping, &rank_files)?;
-    let (mut head_cfg, init, init_name) = match &args.resume {
-        Some(dir) => {
-            let (hc, tensors) = load_head(dir)?;
+    let resumed = args.resume.as_ref().map(|dir| load_head(dir)).transpose()?;
+    let resumed_layers = resumed.as_ref().map(|(hc, _)| hc.llama.num_hidden_layers);
+    let head_layers = args.head_layers.or(resumed_layers).unwrap_or(1);
+    if head_layers == 0 || head_layers > cfg.num_hidden_layers {
+        bail!(
+            "--head_layers {head_layers}: a head has 1 to {} layers (the base's)",
+            cfg.num_hidden_layers
+        );
+    }
+    if let (Some(dir), Some(from)) = (&args.resume, resumed_layers) {
+        if head_layers < from {
+            bail!(
+                "{}: the head has {from} layers, --head_layers {head_layers} would drop some",
+                dir.display()
+            );
+        }
+    }
+    let base =
+        FrozenBase::from_rank_files(&engine.model, engine.plan.mapping, &rank_files, head_layers)?;
+    let (mut head_cfg, init, init_name) = match (&args.resume, resumed) {
+        (Some(dir), Some((mut hc, mut tensors))) => {
             if let Some(asked) = args
                 .head_feature_layers
                 .as_ref()
@@ -147,21 +172,32 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
                     hc.feature_layers,
                 );
             }
+            let from = hc.llama.num_hidden_layers;
+            hc.llama.num_hidden_layers = head_layers;
+            deepen_head(&mut tensors, from, &hc, &base)?;
+            let grown = if from < head_layers {
+                format!(", grown from {from} to {head_layers} layers")
+            } else {
+                String::new()
+            };
             (
                 hc,
                 HeadInit::Tensors(tensors),
-                format!("resume {}", dir.display()),
+                format!("resume {}{grown}", dir.display()),
             )
         }
-        None => {
-            let hc = head_config(cfg, !args.no_bias);
+        _ => {
+            let hc = head_config(cfg, !args.no_bias, head_layers);
             match args.init {
                 Init::Copy => (
                     hc,
-                    HeadInit::CopyLastLayer {
+                    HeadInit::CopyTopLayers {
                         out_scale: args.out_scale,
                     },
-                    format!("copy-last-layer (out_scale {})", args.out_scale),
+                    format!(
+                        "copy of the base's top {head_layers} layer(s) (out_scale {})",
+                        args.out_scale
+                    ),
                 ),
                 Init::Random => (
                     hc,

@@ -1,9 +1,10 @@
 //! `spec-train`: trains drafts for Kestrel engines.
 //!
 //! `spec-train eagle` self-distils an EAGLE-1 head: the base engine answers prompts through
-//! Kestrel's runtime (`--stage data`, cached in `--data_dir`), then a one-layer head learns to
-//! predict the base model's next final-normed hidden state (`--stage train`, written to
-//! `--output_dir` in the published EAGLE layout for `convert-checkpoint --eagle_model_dir`).
+//! Kestrel's runtime (`--stage data`, cached in `--data_dir`), then a head (one decoder layer
+//! by default, `--head_layers`) learns to predict the base model's next final-normed hidden
+//! state (`--stage train`, written to `--output_dir` in the published EAGLE layout for
+//! `convert-checkpoint --eagle_model_dir`).
 //!
 //! `spec-train draft` distils a small draft model (the target's config with `--num_layers`
 //! layers, started from a subset of the target's) on the same self-distillation data, with

@@ -295,15 +295,18 @@ pub fn eagle(
                 .collect()
         })
         .collect();
-    layer(
-        w,
-        "layers.0",
-        &LayerShape::of(&head.llama),
-        &xs,
-        positions,
-        allowed,
-        false,
-    )
+    // EAGLE's layer 0 has no input norm; the layers stacked after it do.
+    (0..head.llama.num_hidden_layers).fold(xs, |xs, l| {
+        layer(
+            w,
+            &format!("layers.{l}"),
+            &LayerShape::of(&head.llama),
+            &xs,
+            positions,
+            allowed,
+            l > 0,
+        )
+    })
 }
 
 pub fn random_head_tensors(

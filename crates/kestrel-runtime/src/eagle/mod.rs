@@ -110,7 +110,12 @@ impl<'e> EagleDecoder<'e> {
             .transpose()?;
         let specs = [
             PoolSpec::for_engine("target", engine),
-            PoolSpec::for_model("eagle_head", engine, &head.config().llama, 1),
+            PoolSpec::for_model(
+                "eagle_head",
+                engine,
+                &head.config().llama,
+                head.num_layers(),
+            ),
         ];
         let pools = size_pools(&specs, kv, engine, max_output_len)?;
         let base_cache = kv.new_cache(&pools[0], |n, b| engine.model.new_cache(n, b))?;

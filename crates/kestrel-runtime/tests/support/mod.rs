@@ -26,8 +26,13 @@ pub fn tiny_config(layers: usize) -> ModelConfig {
 }
 
 pub fn head_config(cfg: &ModelConfig) -> EagleHeadConfig {
+    stacked_head_config(cfg, 1)
+}
+
+/// A head of `layers` decoder layers shaped like `cfg`'s.
+pub fn stacked_head_config(cfg: &ModelConfig, layers: usize) -> EagleHeadConfig {
     let mut llama = cfg.clone();
-    llama.num_hidden_layers = 1;
+    llama.num_hidden_layers = layers;
     EagleHeadConfig {
         llama,
         bias: true,
@@ -88,16 +93,25 @@ pub fn agreeing_pair(
 
 /// A random head: it rarely agrees with the base.
 pub fn random_head(cfg: &ModelConfig, seed: u64) -> BTreeMap<String, Tensor> {
-    let head_cfg = head_config(cfg);
-    let mut one = head_cfg.llama.clone();
-    one.tie_word_embeddings = true;
-    let layer = kestrel_model::llama::random_tensors(&one, seed).unwrap();
-    let mut head: BTreeMap<String, Tensor> = layer
+    random_stacked_head(cfg, seed, 1)
+}
+
+/// A random head of `layers` decoder layers (layer 0 without an input norm, as EAGLE's).
+pub fn random_stacked_head(
+    cfg: &ModelConfig,
+    seed: u64,
+    layers: usize,
+) -> BTreeMap<String, Tensor> {
+    let mut stack = stacked_head_config(cfg, layers).llama;
+    stack.tie_word_embeddings = true;
+    let tensors = kestrel_model::llama::random_tensors(&stack, seed).unwrap();
+    let mut head: BTreeMap<String, Tensor> = tensors
         .into_iter()
         .filter_map(|(k, v)| {
-            k.strip_prefix("model.layers.0.")
-                .filter(|n| !n.starts_with("input_layernorm"))
-                .map(|n| (format!("layers.0.{n}"), v))
+            k.strip_prefix("model.")
+                .filter(|n| n.starts_with("layers."))
+                .filter(|n| !n.starts_with("layers.0.input_layernorm"))
+                .map(|n| (n.to_string(), v))
         })
         .collect();
     let h = cfg.hidden_size;
@@ -136,6 +150,8 @@ pub struct EngineSpec {
     pub max_seq_len: usize,
     /// The head's `feature_layers` (its tensors must then include `fuse.weight`).
     pub feature_layers: Vec<usize>,
+    /// The head's decoder layers.
+    pub head_layers: usize,
 }
 
 impl Default for EngineSpec {
@@ -149,6 +165,7 @@ impl Default for EngineSpec {
             max_input_len: 64,
             max_seq_len: 256,
             feature_layers: Vec::new(),
+            head_layers: 1,
         }
     }
 }
@@ -174,7 +191,7 @@ pub fn build(
             max_non_leaves_per_layer: spec.max_non_leaves_per_layer,
             head_config: EagleHeadConfig {
                 feature_layers: spec.feature_layers.clone(),
-                ..head_config(cfg)
+                ..stacked_head_config(cfg, spec.head_layers)
             },
         }
     });
