@@ -39,38 +39,55 @@ fn engine(dir: &Path, extra: &[&str], build_args: &[&str]) -> PathBuf {
     engine
 }
 
+/// The plain tiny engine, four prompts and where their feature cache goes, under `w`.
+fn plain_engine_and_prompts(w: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let plain = engine(&w.join("plain"), &[], &[]);
+    let prompts = w.join("prompts.json");
+    std::fs::write(&prompts, r#"["a b c", "hello world", "d e a", "b b c d"]"#).unwrap();
+    (plain, prompts, w.join("data"))
+}
+
+/// `spec-train eagle` over the plain engine: answers to `prompts` (12 tokens each) cached in
+/// `data`, one epoch on all of them into `output`, then `extra`.
+fn train_eagle(
+    plain: &Path,
+    prompts: &Path,
+    data: &Path,
+    output: &Path,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut args = vec![
+        "eagle",
+        "--engine_dir",
+        s(plain),
+        "--data_dir",
+        s(data),
+        "--output_dir",
+        s(output),
+        "--prompts",
+        s(prompts),
+        "--no_chat",
+        "--max_new_tokens",
+        "12",
+        "--epochs",
+        "1",
+        "--val_fraction",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    spec_train(&args)
+}
+
 #[test]
 fn a_head_reading_base_layers_trains_converts_and_keeps_output() {
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
-    let plain = engine(&w.join("plain"), &[], &[]);
-    let prompts = w.join("prompts.json");
-    std::fs::write(&prompts, r#"["a b c", "hello world", "d e a", "b b c d"]"#).unwrap();
-    let data = w.join("data");
+    let (plain, prompts, data) = plain_engine_and_prompts(w);
     let head = w.join("head");
     let train = |extra: &[&str]| {
-        let mut args = vec![
-            "eagle",
-            "--engine_dir",
-            s(&plain),
-            "--data_dir",
-            s(&data),
-            "--output_dir",
-            s(&head),
-            "--prompts",
-            s(&prompts),
-            "--no_chat",
-            "--max_new_tokens",
-            "12",
-            "--feature_layers",
-            "0,1",
-            "--epochs",
-            "1",
-            "--val_fraction",
-            "0",
-        ];
+        let mut args = vec!["--feature_layers", "0,1"];
         args.extend_from_slice(extra);
-        spec_train(&args)
+        train_eagle(&plain, &prompts, &data, &head, &args)
     };
     let out = train(&["--head_feature_layers", "1"]);
     assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
@@ -134,33 +151,9 @@ fn assert_eagle_equals_plain(w: &Path, head: &Path) {
 fn a_head_grown_to_two_layers_trains_converts_and_keeps_output() {
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
-    let plain = engine(&w.join("plain"), &[], &[]);
-    let prompts = w.join("prompts.json");
-    std::fs::write(&prompts, r#"["a b c", "hello world", "d e a", "b b c d"]"#).unwrap();
-    let data = w.join("data");
+    let (plain, prompts, data) = plain_engine_and_prompts(w);
     let (one, two) = (w.join("one"), w.join("two"));
-    let train = |output: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "eagle",
-            "--engine_dir",
-            s(&plain),
-            "--data_dir",
-            s(&data),
-            "--output_dir",
-            s(output),
-            "--prompts",
-            s(&prompts),
-            "--no_chat",
-            "--max_new_tokens",
-            "12",
-            "--epochs",
-            "1",
-            "--val_fraction",
-            "0",
-        ];
-        args.extend_from_slice(extra);
-        spec_train(&args)
-    };
+    let train = |output: &Path, extra: &[&str]| train_eagle(&plain, &prompts, &data, output, extra);
     let out = train(&one, &[]);
     assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
     let out = train(&two, &["--resume", s(&one), "--head_layers", "2"]);

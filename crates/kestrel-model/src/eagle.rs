@@ -12,8 +12,12 @@ use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{causal_train_inputs, train_mask, AttnCtx, DecoderLayer, Linear};
-use crate::llama::{check_cache, check_supported, layer_dims, Llama, OutputRows};
+use crate::layer::{
+    causal_train_inputs, forward_train_layers, train_mask, AttnCtx, DecoderLayer, Linear,
+};
+use crate::llama::{
+    check_cache, check_supported, decoder_layer_shapes, layer_dims, Llama, OutputRows,
+};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
 use crate::step_graph::{GraphActivity, StepGraphs};
@@ -62,9 +66,6 @@ impl EagleHead {
     pub fn expected_tensors(head_cfg: &EagleHeadConfig) -> Vec<(String, Vec<usize>)> {
         let c = &head_cfg.llama;
         let h = c.hidden_size;
-        let i = c.intermediate_size;
-        let q = c.num_attention_heads * c.head_dim();
-        let kv = c.num_kv_heads() * c.head_dim();
         let mut out = vec![("fc.weight".to_string(), vec![h, 2 * h])];
         if !head_cfg.feature_layers.is_empty() {
             out.push(("fuse.weight".to_string(), vec![h, head_cfg.feature_width()]));
@@ -73,20 +74,8 @@ impl EagleHead {
             out.push(("fc.bias".to_string(), vec![h]));
         }
         for l in 0..c.num_hidden_layers {
-            let p = format!("layers.{l}");
-            if l > 0 {
-                out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            }
-            out.extend([
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
-            ]);
+            // EAGLE's layer 0 has no input norm.
+            out.extend(decoder_layer_shapes(c, &format!("layers.{l}"), l > 0));
         }
         out
     }
@@ -439,18 +428,11 @@ impl EagleHead {
     /// predicted features `[B, T, H]`, causal attention, positions `0..T`, built from
     /// differentiable candle ops.
     pub fn forward_train(&self, tokens: &Tensor, features: &Tensor) -> Result<Tensor> {
-        let mut x = self.train_input(tokens, features)?;
-        let (cos, sin, mask) =
-            causal_train_inputs(&self.rope, x.dim(1)?, self.dtype, &self.device)?;
-        let ctx = AttnCtx::Train {
-            cos: &cos,
-            sin: &sin,
-            mask: &mask,
-        };
-        for layer in &self.layers {
-            x = layer.forward(&x, &ctx)?;
-        }
-        Ok(x)
+        forward_train_layers(
+            &self.layers,
+            &self.rope,
+            self.train_input(tokens, features)?,
+        )
     }
 
     /// Pass `k = unroll.passes() + 1` of a training-time-test unroll (HASS, EAGLE-3): the

@@ -323,6 +323,24 @@ pub(crate) fn causal_train_inputs(
     Ok((cos, sin, train_mask(t, 0, device)?))
 }
 
+/// `layers` in turn over a training batch `x: [B, T, H]` (positions `0..T`, causal, no
+/// cache), built from differentiable ops.
+pub(crate) fn forward_train_layers(
+    layers: &[DecoderLayer],
+    rope: &rope::Rope,
+    x: Tensor,
+) -> Result<Tensor> {
+    let (cos, sin, mask) = causal_train_inputs(rope, x.dim(1)?, x.dtype(), x.device())?;
+    let ctx = AttnCtx::Train {
+        cos: &cos,
+        sin: &sin,
+        mask: &mask,
+    };
+    layers
+        .iter()
+        .try_fold(x, |x, layer| layer.forward(&x, &ctx))
+}
+
 /// The additive mask `[t, t]` under which query `i` sees keys `j <= i - shift` (`shift = 0`:
 /// causal). A row with no visible key is all `f32::MIN`, which only the unrolled attention
 /// (which always adds keys of its own) may use.

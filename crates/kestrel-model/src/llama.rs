@@ -5,7 +5,7 @@ use crate::cache::{PagedKvCache, SeqId};
 use crate::candle_dtype;
 use crate::cuda_kernels::CudaKernels;
 use crate::error::{invalid, ModelError, Result};
-use crate::layer::{causal_train_inputs, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
+use crate::layer::{forward_train_layers, AttnCtx, DecoderLayer, LayerDims, Linear, RmsNorm};
 use crate::matvec_quant::{Bits, QuantCopy};
 use crate::rope::Rope;
 use crate::step::{plan_step, Step, StepSeq};
@@ -148,17 +148,39 @@ pub(crate) fn layer_dims(cfg: &ModelConfig) -> LayerDims {
 /// HF names and full shapes of every tensor a Llama checkpoint holds.
 pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
-    let i = cfg.intermediate_size;
-    let q = cfg.num_attention_heads * cfg.head_dim();
-    let kv = cfg.num_kv_heads() * cfg.head_dim();
     let mut out = vec![(
         "model.embed_tokens.weight".to_string(),
         vec![cfg.vocab_size, h],
     )];
     for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        out.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h]),
+        out.extend(decoder_layer_shapes(
+            cfg,
+            &format!("model.layers.{l}"),
+            true,
+        ));
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// Names and shapes of one decoder layer's tensors under `prefix` (`…layers.N`), the input
+/// norm first when it has one, in the order the random weights are drawn.
+pub(crate) fn decoder_layer_shapes(
+    cfg: &ModelConfig,
+    prefix: &str,
+    input_norm: bool,
+) -> Vec<(String, Vec<usize>)> {
+    let h = cfg.hidden_size;
+    let i = cfg.intermediate_size;
+    let q = cfg.num_attention_heads * cfg.head_dim();
+    let kv = cfg.num_kv_heads() * cfg.head_dim();
+    let p = prefix;
+    let norm = input_norm.then(|| (format!("{p}.input_layernorm.weight"), vec![h]));
+    norm.into_iter()
+        .chain([
             (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
             (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
             (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
@@ -167,13 +189,8 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
             (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
             (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
-        ]);
-    }
-    out.push(("model.norm.weight".to_string(), vec![h]));
-    if !cfg.tie_word_embeddings {
-        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
-    }
-    out
+        ])
+        .collect()
 }
 
 impl Llama {
@@ -712,16 +729,8 @@ impl Llama {
                 self.cfg.vocab_size
             )));
         }
-        let mut x = self.embed.embedding(&ids)?.reshape((b, t, h))?;
-        let (cos, sin, mask) = causal_train_inputs(&self.rope, t, self.dtype, &self.device)?;
-        let ctx = AttnCtx::Train {
-            cos: &cos,
-            sin: &sin,
-            mask: &mask,
-        };
-        for layer in &self.layers {
-            x = layer.forward(&x, &ctx)?;
-        }
+        let x = self.embed.embedding(&ids)?.reshape((b, t, h))?;
+        let x = forward_train_layers(&self.layers, &self.rope, x)?;
         self.norm.forward(&x, true)
     }
 

@@ -9,7 +9,7 @@ use kestrel_model::{EagleHead, EagleSeqInput, Llama, OutputRows};
 use kestrel_train::common::Recipe;
 use kestrel_train::eagle::{
     deepen_head, head_config, load_head, make_batch, split, train, EagleTrainer, FrozenBase,
-    HeadInit, LossWeights, SaveOptions, TrainConfig,
+    HeadInit, LossSums, LossWeights, SaveOptions, TrainConfig,
 };
 use kestrel_train::FeatureDataset;
 use rand::SeedableRng;
@@ -536,6 +536,22 @@ fn unrolled_passes_match_inference(t: &Tiny, data: &FeatureDataset, layers: usiz
     );
 }
 
+/// Heads `a` and `b`, each over its data, score the same losses and top-1 at draft depths 1
+/// and 2, bit for bit (one starts exactly where the other is); returns `a`'s scores.
+fn assert_same_predictions(
+    (a, a_data): (&EagleTrainer, &FeatureDataset),
+    (b, b_data): (&EagleTrainer, &FeatureDataset),
+    seqs: &[usize],
+) -> Vec<LossSums> {
+    let scores = a.evaluate_unrolled(a_data, seqs, 2).unwrap();
+    let reference = b.evaluate_unrolled(b_data, seqs, 2).unwrap();
+    for (k, (x, y)) in scores.iter().zip(&reference).enumerate() {
+        let (x, y) = (x.mean(EAGLE1), y.mean(EAGLE1));
+        assert_eq!((x.loss, x.top1), (y.loss, y.top1), "pass {}", k + 1);
+    }
+    scores
+}
+
 /// With the deeper passes weighted 0, an unrolled trainer takes exactly the steps of the
 /// plain one: pass 1 of the unroll is the plain forward and the extra terms add nothing.
 #[test]
@@ -637,12 +653,7 @@ fn a_head_reading_several_layers_starts_as_the_plain_head_and_trains() {
         train_cfg(6),
     )
     .unwrap();
-    let before = fused.evaluate_unrolled(&data, &all, 2).unwrap();
-    let reference = plain.evaluate_unrolled(&fewer, &all, 2).unwrap();
-    for (k, (f, p)) in before.iter().zip(&reference).enumerate() {
-        let (f, p) = (f.mean(EAGLE1), p.mean(EAGLE1));
-        assert_eq!((f.loss, f.top1), (p.loss, p.top1), "pass {}", k + 1);
-    }
+    let before = assert_same_predictions((&fused, &data), (&plain, &fewer), &all);
     train(&mut fused, &data, &all, &[], "resume", None, &mut |_| {}).unwrap();
     let after = fused.evaluate(&data, &all).unwrap().mean(EAGLE1);
     assert!(
@@ -706,12 +717,7 @@ fn a_head_grown_by_a_layer_starts_where_it_stopped_and_trains() {
     deepen_head(&mut tensors, 1, &hc, &base).unwrap();
     let mut deep =
         EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(tensors), train_cfg(6)).unwrap();
-    let before = deep.evaluate_unrolled(&data, &all, 2).unwrap();
-    let reference = shallow.evaluate_unrolled(&data, &all, 2).unwrap();
-    for (k, (d, s)) in before.iter().zip(&reference).enumerate() {
-        let (d, s) = (d.mean(EAGLE1), s.mean(EAGLE1));
-        assert_eq!((d.loss, d.top1), (s.loss, s.top1), "pass {}", k + 1);
-    }
+    let before = assert_same_predictions((&deep, &data), (&shallow, &data), &all);
     train(&mut deep, &data, &all, &[], "grown", None, &mut |_| {}).unwrap();
     let after = deep.evaluate(&data, &all).unwrap().mean(EAGLE1);
     assert!(
