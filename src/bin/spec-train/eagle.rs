@@ -87,10 +87,10 @@ pub struct EagleArgs {
     /// Start from this head directory (config.json + model.safetensors) instead of --init.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Decoder layers of the head (EAGLE's is 1). With --resume, a shallower head grows to
-    /// this many: each new layer starts as a copy of a base layer whose outputs are zeroed,
-    /// so training starts exactly where the resumed head stopped. Default: 1, or the
-    /// resumed head's own.
+    /// Decoder layers of the head (EAGLE's is 1; not convert-checkpoint's --num_eagle_layers,
+    /// the draft tree's depth). With --resume, a shallower head grows to this many: each new
+    /// layer starts as a copy of a base layer whose outputs are zeroed, so training starts
+    /// exactly where the resumed head stopped. Default: 1, or the resumed head's own.
     #[arg(long)]
     head_layers: Option<usize>,
     /// Dtype of the written head.
