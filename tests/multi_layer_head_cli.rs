@@ -186,5 +186,10 @@ fn a_head_grown_to_two_layers_trains_converts_and_keeps_output() {
         )
     );
     assert!(!w.join("none").exists());
+    let refused = train(&w.join("none"), &["--stage", "train", "--head_layers", "4"]);
+    assert_eq!(
+        one_line_error("spec-train", &refused),
+        "--head_layers 4: a head has 1 to 3 layers (the base's)"
+    );
     assert_eagle_equals_plain(w, &two);
 }
