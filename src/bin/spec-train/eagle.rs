@@ -140,8 +140,13 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
             args.data.feature_layers
         );
     }
-    let resumed = args.resume.as_ref().map(|dir| load_head(dir)).transpose()?;
-    let resumed_layers = resumed.as_ref().map(|(hc, _)| hc.llama.num_hidden_layers);
+    let resumed = match &args.resume {
+        Some(dir) => Some((dir, load_head(dir)?)),
+        None => None,
+    };
+    let resumed_layers = resumed
+        .as_ref()
+        .map(|(_, (hc, _))| hc.llama.num_hidden_layers);
     let head_layers = args.head_layers.or(resumed_layers).unwrap_or(1);
     if head_layers == 0 || head_layers > cfg.num_hidden_layers {
         bail!(
@@ -149,7 +154,8 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
             cfg.num_hidden_layers
         );
     }
-    if let (Some(dir), Some(from)) = (&args.resume, resumed_layers) {
+    if let Some((dir, (hc, _))) = &resumed {
+        let from = hc.llama.num_hidden_layers;
         if head_layers < from {
             bail!(
                 "{}: the head has {from} layers, --head_layers {head_layers} would drop some",
@@ -159,8 +165,8 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
     }
     let base =
         FrozenBase::from_rank_files(&engine.model, engine.plan.mapping, &rank_files, head_layers)?;
-    let (mut head_cfg, init, init_name) = match (&args.resume, resumed) {
-        (Some(dir), Some((mut hc, mut tensors))) => {
+    let (mut head_cfg, init, init_name) = match resumed {
+        Some((dir, (mut hc, mut tensors))) => {
             if let Some(asked) = args
                 .head_feature_layers
                 .as_ref()
@@ -186,7 +192,7 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
                 format!("resume {}{grown}", dir.display()),
             )
         }
-        _ => {
+        None => {
             let hc = head_config(cfg, !args.no_bias, head_layers);
             match args.init {
                 Init::Copy => (
