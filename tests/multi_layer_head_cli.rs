@@ -193,3 +193,82 @@ fn a_head_grown_to_two_layers_trains_converts_and_keeps_output() {
     );
     assert_eagle_equals_plain(w, &two);
 }
+
+#[test]
+fn keep_best_writes_the_resumed_head_back_when_training_only_hurts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let (plain, prompts, data) = plain_engine_and_prompts(w);
+    let one = w.join("one");
+    let out = train_eagle(&plain, &prompts, &data, &one, &[]);
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    let resume = |from: &Path, output: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "eagle",
+            "--stage",
+            "train",
+            "--engine_dir",
+            s(&plain),
+            "--data_dir",
+            s(&data),
+            "--output_dir",
+            s(output),
+            "--resume",
+            s(from),
+            "--warmup_steps",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        spec_train(&args)
+    };
+    // A head that predicts something, then a step size that wrecks it: every epoch ends
+    // worse than it started.
+    let good = w.join("good");
+    let out = resume(
+        &one,
+        &good,
+        &["--epochs", "30", "--lr", "1e-2", "--val_fraction", "0"],
+    );
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    let wreck = |output: &Path, val_fraction: &str| {
+        resume(
+            &good,
+            output,
+            &[
+                "--keep_best",
+                "--val_fraction",
+                val_fraction,
+                "--lr",
+                "1",
+                "--grad_clip",
+                "0",
+                "--epochs",
+                "2",
+            ],
+        )
+    };
+    let kept = w.join("kept");
+    let out = wreck(&kept, "0.5");
+    assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("spec-train: kept epoch 0's weights: held-out chain score"),
+        "{}",
+        stderr(&out)
+    );
+    let tensors = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert!(
+        tensors(&kept) == tensors(&good),
+        "the kept head is not the resumed one"
+    );
+    let log: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(kept.join("train_log.json")).unwrap())
+            .unwrap();
+    assert_eq!(log["kept_epoch"], 0);
+
+    let refused = wreck(&w.join("none"), "0");
+    assert_eq!(
+        one_line_error("spec-train", &refused),
+        "--keep_best compares epochs on held-out sequences, but --val_fraction 0 holds out none of the 4 sequences"
+    );
+    assert!(!w.join("none").exists());
+}

@@ -907,7 +907,7 @@ impl EpochTrainer for DraftRun<'_, '_> {
     fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
         &mut self.tlog.steps
     }
-    fn end_epoch(&mut self, end: EpochEnd<KdMeans>) -> Result<Option<&Path>> {
+    fn end_epoch(&mut self, end: EpochEnd<KdMeans>) -> Result<Option<String>> {
         self.tlog.epochs.push(DraftEpochLog {
             epoch: end.epoch,
             steps: end.steps,
@@ -929,7 +929,7 @@ impl EpochTrainer for DraftRun<'_, '_> {
             &save.copy_files,
             &[(TRAIN_LOG_FILE, text)],
         )?;
-        Ok(Some(save.output_dir))
+        Ok(Some(save.output_dir.display().to_string()))
     }
 }
 

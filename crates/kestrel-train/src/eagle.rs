@@ -207,6 +207,11 @@ pub struct TrainConfig {
     /// the head's top-1 at draft depth `k` along the true continuation.
     #[serde(default = "one")]
     pub eval_steps: usize,
+    /// Save, and end with, the weights of the epoch whose held-out [`chain_score`] is the
+    /// highest (the starting head counts as epoch 0; ties keep the earlier), rather than the
+    /// last epoch's: a fine-tune that drifts gives back the head it started from.
+    #[serde(default)]
+    pub keep_best: bool,
 }
 
 fn one() -> usize {
@@ -228,6 +233,7 @@ impl Default for TrainConfig {
             ttt_steps: 1,
             ttt_decay: 1.0,
             eval_steps: 3,
+            keep_best: false,
         }
     }
 }
@@ -854,6 +860,30 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
             .collect())
     }
 
+    /// A copy of the head's weights that training does not change.
+    fn snapshot(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.tensors()?
+            .into_iter()
+            .map(|(name, t)| Ok((name, t.copy()?)))
+            .collect()
+    }
+
+    /// Sets every weight to `tensors`' (a [`Self::snapshot`] of this head).
+    fn restore(&mut self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| invalid("variable map lock poisoned"))?;
+        for (name, var) in data.iter() {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| invalid(format!("the saved weights lack tensor '{name}'")))?;
+            var.set(t)?;
+        }
+        Ok(())
+    }
+
     /// Writes the head in the published EAGLE layout (`config.json` + `model.safetensors`
     /// in `dtype`, no `embed_tokens`), plus `extra` files, replacing `dir` atomically.
     pub fn save(&self, dir: &Path, dtype: DType, extra: &[(&str, String)]) -> Result<()> {
@@ -934,6 +964,9 @@ pub struct TrainLog {
     pub epochs: Vec<EpochLog>,
     /// Training-batch losses every `step_log_every` steps: (step, loss, top1).
     pub steps: Vec<(usize, f64, f64)>,
+    /// With `keep_best`: the epoch whose weights were saved (0 = the starting head).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_epoch: Option<usize>,
 }
 
 /// Where and how [`train`] saves.
@@ -945,7 +978,8 @@ pub struct SaveOptions<'p> {
 }
 
 /// Trains for `trainer.cfg.recipe.epochs` epochs over `train`, evaluating on `val` before training
-/// and after every epoch, saving the head (and `train_log.json`) after every epoch.
+/// and after every epoch, saving the head (and `train_log.json`) after every epoch: the
+/// last epoch's, or with `keep_best` the best so far, which the trainer also ends with.
 /// `log` receives one human-readable line per event.
 pub fn train(
     trainer: &mut EagleTrainer,
@@ -960,6 +994,11 @@ pub fn train(
     if train.is_empty() {
         return Err(invalid("no training sequences"));
     }
+    if cfg.keep_best && val.is_empty() {
+        return Err(invalid(
+            "keeping the best epoch needs held-out sequences to compare epochs on",
+        ));
+    }
     let train_rows: usize = train
         .iter()
         .filter_map(|&s| window(data, s, cfg.max_len).map(|(_, e, f)| e - f))
@@ -972,10 +1011,19 @@ pub fn train(
         train_loss_rows: train_rows,
         epochs: Vec::new(),
         steps: Vec::new(),
+        kept_epoch: None,
     };
     let t0 = Instant::now();
     let v0 = val_means(trainer, data, val)?;
     log_initial(init_name, v0.as_ref(), log);
+    let best = match &v0 {
+        Some(v) if cfg.keep_best => Some(BestEpoch {
+            epoch: 0,
+            score: v.chain_score(),
+            tensors: trainer.snapshot()?,
+        }),
+        _ => None,
+    };
     let (v0, v0_deeper) = PassMeans::split(v0);
     tlog.epochs.push(EpochLog {
         epoch: 0,
@@ -1000,9 +1048,25 @@ pub fn train(
         val,
         save,
         tlog,
+        best,
     };
     run_epochs(&mut run, data, train, &schedule, 1, t0, log)?;
+    if let Some(best) = run.best {
+        run.trainer.restore(&best.tensors)?;
+        log(&format!(
+            "kept epoch {}'s weights: held-out chain score {:.3}, the best of epochs 0-{}",
+            best.epoch, best.score, cfg.recipe.epochs
+        ));
+    }
     Ok(run.tlog)
+}
+
+/// With `keep_best`: the epoch with the highest held-out chain score so far and a copy of
+/// its weights.
+struct BestEpoch {
+    epoch: usize,
+    score: f64,
+    tensors: BTreeMap<String, Tensor>,
 }
 
 /// Means of pass 1 and of the deeper passes of the unroll (`deeper[0]` = pass 2).
@@ -1027,6 +1091,22 @@ impl PassMeans {
             Some(m) => (Some(m.first), m.deeper),
             None => (None, Vec::new()),
         }
+    }
+}
+
+impl PassMeans {
+    /// The tokens a greedy chain of the evaluated depths would accept on average if each
+    /// depth's top-1 held independently: `p1 + p1·p2 + p1·p2·p3 + …`, the held-out proxy of
+    /// the mean accepted length (less the bonus token) that `keep_best` maximises.
+    fn chain_score(&self) -> f64 {
+        let mut reach = 1.0;
+        std::iter::once(&self.first)
+            .chain(&self.deeper)
+            .map(|m| {
+                reach *= m.top1;
+                reach
+            })
+            .sum()
     }
 }
 
@@ -1077,6 +1157,7 @@ struct EagleRun<'r, 'b, 'a, 'p> {
     val: &'r [usize],
     save: Option<&'r SaveOptions<'p>>,
     tlog: TrainLog,
+    best: Option<BestEpoch>,
 }
 
 impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
@@ -1115,7 +1196,18 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
     fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
         &mut self.tlog.steps
     }
-    fn end_epoch(&mut self, end: EpochEnd<PassMeans>) -> Result<Option<&Path>> {
+    fn end_epoch(&mut self, end: EpochEnd<PassMeans>) -> Result<Option<String>> {
+        if let (Some(best), Some(val)) = (self.best.as_mut(), &end.val) {
+            let score = val.chain_score();
+            if score > best.score {
+                *best = BestEpoch {
+                    epoch: end.epoch,
+                    score,
+                    tensors: self.trainer.snapshot()?,
+                };
+            }
+            self.tlog.kept_epoch = Some(best.epoch);
+        }
         let (val, val_deeper) = PassMeans::split(end.val);
         self.tlog.epochs.push(EpochLog {
             epoch: end.epoch,
@@ -1137,8 +1229,28 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
             TRAIN_LOG_FILE,
             serde_json::to_string_pretty(&self.tlog).expect("log serialises"),
         ));
-        self.trainer.save(save.output_dir, save.dtype, &extra)?;
-        Ok(Some(save.output_dir))
+        let dir = save.output_dir;
+        Ok(Some(match &self.best {
+            Some(best) => {
+                save_head(
+                    &self.trainer.head_cfg,
+                    &best.tensors,
+                    dir,
+                    save.dtype,
+                    &extra,
+                )?;
+                format!(
+                    "{} (epoch {}'s weights, the best held-out chain score so far: {:.3})",
+                    dir.display(),
+                    best.epoch,
+                    best.score
+                )
+            }
+            None => {
+                self.trainer.save(dir, save.dtype, &extra)?;
+                dir.display().to_string()
+            }
+        }))
     }
 }
 

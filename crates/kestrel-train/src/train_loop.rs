@@ -9,7 +9,6 @@ use crate::dataset::FeatureDataset;
 use crate::error::Result;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::path::Path;
 use std::time::Instant;
 
 /// Means over the loss rows of an epoch or of a held-out evaluation, as the logs show them.
@@ -86,9 +85,9 @@ pub(crate) trait EpochTrainer {
     fn validate(&self) -> Result<Option<Self::Means>>;
     /// The training log's step entries: (step, loss, top1).
     fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)>;
-    /// Records a finished epoch in the training log and saves, when it saves: returns the
-    /// folder written.
-    fn end_epoch(&mut self, end: EpochEnd<Self::Means>) -> Result<Option<&Path>>;
+    /// Records a finished epoch in the training log and saves, when it saves: returns what
+    /// was written, as the log line `saved …` names it.
+    fn end_epoch(&mut self, end: EpochEnd<Self::Means>) -> Result<Option<String>>;
 }
 
 /// Trains epochs `first_epoch..=schedule.epochs` over `train`. `start` is when training
@@ -160,8 +159,8 @@ pub(crate) fn run_epochs<T: EpochTrainer>(
             grad_norm: last_norm,
             seconds: te.elapsed().as_secs_f64(),
         };
-        if let Some(dir) = trainer.end_epoch(end)? {
-            log(&format!("saved {}", dir.display()));
+        if let Some(saved) = trainer.end_epoch(end)? {
+            log(&format!("saved {saved}"));
         }
     }
     Ok(())

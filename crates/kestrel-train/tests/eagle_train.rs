@@ -749,3 +749,203 @@ fn a_head_grown_by_a_layer_starts_where_it_stopped_and_trains() {
         "a head of 3 layers cannot grow to 2"
     );
 }
+
+/// The held-out chain score `keep_best` ranks epochs by, recomputed from the log:
+/// `p1 + p1·p2 + …` over the logged depths' top-1.
+fn logged_chain_score(e: &kestrel_train::eagle::EpochLog) -> f64 {
+    let mut reach = 1.0;
+    std::iter::once(e.val.as_ref().unwrap())
+        .chain(&e.val_deeper)
+        .map(|m| {
+            reach *= m.top1;
+            reach
+        })
+        .sum()
+}
+
+/// The epoch `keep_best` must keep: the highest logged chain score, the earlier on a tie.
+fn best_logged_epoch(log: &kestrel_train::eagle::TrainLog) -> usize {
+    let mut best = &log.epochs[0];
+    for e in &log.epochs[1..] {
+        if logged_chain_score(e) > logged_chain_score(best) {
+            best = e;
+        }
+    }
+    best.epoch
+}
+
+/// The held-out top-1 per depth of `trainer` as it now stands, and as epoch `epoch` logged it.
+fn top1_now_and_logged(
+    trainer: &EagleTrainer,
+    data: &FeatureDataset,
+    val: &[usize],
+    log: &kestrel_train::eagle::TrainLog,
+    epoch: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let now: Vec<f64> = trainer
+        .evaluate_unrolled(data, val, trainer.cfg.eval_steps)
+        .unwrap()
+        .iter()
+        .map(|s| s.mean(EAGLE1).top1)
+        .collect();
+    let e = &log.epochs[epoch];
+    let logged = std::iter::once(e.val.as_ref().unwrap())
+        .chain(&e.val_deeper)
+        .map(|m| m.top1)
+        .collect();
+    (now, logged)
+}
+
+#[test]
+fn keeping_the_best_epoch_gives_back_a_head_that_training_made_worse() {
+    let t = tiny(true);
+    let data = dataset(&t, 24);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
+    let all: Vec<usize> = (0..data.len()).collect();
+    let (train_idx, val) = split(data.len(), 0.25, 0);
+    let hc = head_config(t.model.config(), true, 1);
+    let mut trained = EagleTrainer::new(
+        &base,
+        hc.clone(),
+        HeadInit::Random { seed: 1 },
+        train_cfg(8),
+    )
+    .unwrap();
+    train(&mut trained, &data, &all, &[], "random", None, &mut |_| {}).unwrap();
+    let good = trained.tensors().unwrap();
+
+    // A learning rate far past what this head tolerates: every epoch ends worse than the
+    // head it resumed, so the saved head and the trainer's own weights are that head's.
+    let mut cfg = train_cfg(3);
+    cfg.recipe.lr = 0.5;
+    cfg.recipe.grad_clip = 0.0;
+    cfg.keep_best = true;
+    let mut wrecked =
+        EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(good.clone()), cfg).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("head");
+    let save = SaveOptions {
+        output_dir: &dir,
+        dtype: DType::F32,
+        extra: vec![],
+    };
+    let mut lines = Vec::new();
+    let log = train(
+        &mut wrecked,
+        &data,
+        &train_idx,
+        &val,
+        "resume",
+        Some(&save),
+        &mut |l| lines.push(l.to_string()),
+    )
+    .unwrap();
+    let scores: Vec<f64> = log.epochs.iter().map(logged_chain_score).collect();
+    assert!(
+        scores[1..].iter().all(|&s| s < scores[0]),
+        "the learning rate did not make every epoch worse: {scores:?}"
+    );
+    assert_eq!(log.kept_epoch, Some(0));
+    assert_eq!(
+        lines.last().unwrap(),
+        &format!(
+            "kept epoch 0's weights: held-out chain score {:.3}, the best of epochs 0-3",
+            scores[0]
+        )
+    );
+    let now = wrecked.tensors().unwrap();
+    let (_, saved) = load_head(&dir).unwrap();
+    for (name, want) in &good {
+        assert_eq!(max_diff(&now[name], want), 0.0, "trainer's {name}");
+        assert_eq!(max_diff(&saved[name], want), 0.0, "saved {name}");
+    }
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("train_log.json")).unwrap())
+            .unwrap();
+    assert_eq!(written["kept_epoch"], 0);
+    assert_eq!(written["config"]["keep_best"], true);
+}
+
+#[test]
+fn keeping_the_best_epoch_ends_on_the_epoch_the_log_ranks_first() {
+    let t = tiny(true);
+    let data = dataset(&t, 24);
+    let base = FrozenBase::from_tensors(&t.model, &t.tensors, 1).unwrap();
+    let (train_idx, val) = split(data.len(), 0.25, 0);
+    let hc = head_config(t.model.config(), true, 1);
+    // At this learning rate the held-out score peaks before the last epoch.
+    let mut cfg = train_cfg(6);
+    cfg.recipe.lr = 1e-2;
+    let mut trainer = EagleTrainer::new(
+        &base,
+        hc.clone(),
+        HeadInit::Random { seed: 2 },
+        TrainConfig {
+            keep_best: true,
+            ..cfg.clone()
+        },
+    )
+    .unwrap();
+    let log = train(
+        &mut trainer,
+        &data,
+        &train_idx,
+        &val,
+        "random",
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    let kept = best_logged_epoch(&log);
+    assert!(
+        kept > 0 && kept < 6,
+        "not a run whose best epoch is inside it: {:?}",
+        log.epochs
+            .iter()
+            .map(logged_chain_score)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(log.kept_epoch, Some(kept));
+    let (now, logged) = top1_now_and_logged(&trainer, &data, &val, &log, kept);
+    assert_eq!(now, logged, "the trainer's weights are not epoch {kept}'s");
+
+    // Without it, the same run keeps no epoch and ends on the last.
+    let mut last = EagleTrainer::new(&base, hc, HeadInit::Random { seed: 2 }, cfg).unwrap();
+    let log = train(
+        &mut last,
+        &data,
+        &train_idx,
+        &val,
+        "random",
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(log.kept_epoch, None);
+    let (now, logged) = top1_now_and_logged(&last, &data, &val, &log, 6);
+    assert_eq!(now, logged);
+
+    let mut cfg = train_cfg(1);
+    cfg.keep_best = true;
+    let mut blind = EagleTrainer::new(
+        &base,
+        head_config(t.model.config(), true, 1),
+        HeadInit::Random { seed: 2 },
+        cfg,
+    )
+    .unwrap();
+    let err = train(
+        &mut blind,
+        &data,
+        &train_idx,
+        &[],
+        "random",
+        None,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "keeping the best epoch needs held-out sequences to compare epochs on"
+    );
+}
