@@ -5,6 +5,8 @@
 //! stacked decoder layers: `--head_layers` grows a trained head. convert-checkpoint and
 //! spec-build take both, and spec-run's EAGLE output equals plain decoding's. A layer the
 //! cache does not hold, or a head asked to lose layers, is refused with one exact line.
+//! `--keep_best` (and `--early_stop`) write a resumed head back unchanged when every epoch
+//! makes it worse.
 
 mod common;
 
@@ -195,7 +197,7 @@ fn a_head_grown_to_two_layers_trains_converts_and_keeps_output() {
 }
 
 #[test]
-fn keep_best_writes_the_resumed_head_back_when_training_only_hurts() {
+fn keep_best_writes_the_resumed_head_back_when_training_only_hurts_and_stops_early() {
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
     let (plain, prompts, data) = plain_engine_and_prompts(w);
@@ -230,30 +232,29 @@ fn keep_best_writes_the_resumed_head_back_when_training_only_hurts() {
         &["--epochs", "30", "--lr", "1e-2", "--val_fraction", "0"],
     );
     assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
-    let wreck = |output: &Path, val_fraction: &str| {
-        resume(
-            &good,
-            output,
-            &[
-                "--keep_best",
-                "--val_fraction",
-                val_fraction,
-                "--lr",
-                "1",
-                "--grad_clip",
-                "0",
-                "--epochs",
-                "2",
-            ],
-        )
+    let wreck = |output: &Path, val_fraction: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--val_fraction",
+            val_fraction,
+            "--lr",
+            "1",
+            "--grad_clip",
+            "0",
+            "--epochs",
+            "3",
+        ];
+        args.extend_from_slice(extra);
+        resume(&good, output, &args)
     };
     let kept = w.join("kept");
-    let out = wreck(&kept, "0.5");
+    let out = wreck(&kept, "0.5", &["--keep_best", "--early_stop", "2"]);
     assert!(out.status.success(), "spec-train eagle: {}", stderr(&out));
+    let err = stderr(&out);
     assert!(
-        stderr(&out).contains("spec-train: kept epoch 0's weights: held-out chain score"),
-        "{}",
-        stderr(&out)
+        err.contains("spec-train: stopping early: 2 epoch(s) without a better held-out chain score than epoch 0's\nspec-train: kept epoch 0's weights: held-out chain score")
+            && err.contains("the best of epochs 0-2\n")
+            && !err.contains("epoch 3/3"),
+        "{err}"
     );
     let tensors = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
     assert!(
@@ -265,10 +266,20 @@ fn keep_best_writes_the_resumed_head_back_when_training_only_hurts() {
             .unwrap();
     assert_eq!(log["kept_epoch"], 0);
 
-    let refused = wreck(&w.join("none"), "0");
-    assert_eq!(
-        one_line_error("spec-train", &refused),
-        "--keep_best compares epochs on held-out sequences, but --val_fraction 0 holds out none of the 4 sequences"
-    );
-    assert!(!w.join("none").exists());
+    for (val_fraction, extra, why) in [
+        (
+            "0",
+            &["--keep_best"][..],
+            "--keep_best compares epochs on held-out sequences, but --val_fraction 0 holds out none of the 4 sequences",
+        ),
+        (
+            "0.5",
+            &["--early_stop", "1"][..],
+            "--early_stop 1 needs --keep_best: a run cut short should write its best epoch, not its last",
+        ),
+    ] {
+        let refused = wreck(&w.join("none"), val_fraction, extra);
+        assert_eq!(one_line_error("spec-train", &refused), why);
+        assert!(!w.join("none").exists());
+    }
 }

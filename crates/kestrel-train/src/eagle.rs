@@ -212,6 +212,9 @@ pub struct TrainConfig {
     /// last epoch's: a fine-tune that drifts gives back the head it started from.
     #[serde(default)]
     pub keep_best: bool,
+    /// With `keep_best`: stop once this many epochs in a row have not beaten the best.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stop: Option<usize>,
 }
 
 fn one() -> usize {
@@ -234,6 +237,7 @@ impl Default for TrainConfig {
             ttt_decay: 1.0,
             eval_steps: 3,
             keep_best: false,
+            early_stop: None,
         }
     }
 }
@@ -260,6 +264,15 @@ impl TrainConfig {
         }
         if !(self.ttt_decay >= 0.0 && self.ttt_decay.is_finite()) {
             return Err(invalid("--ttt_decay must be non-negative"));
+        }
+        match self.early_stop {
+            Some(0) => return Err(invalid("--early_stop must be at least 1 epoch")),
+            Some(n) if !self.keep_best => {
+                return Err(invalid(format!(
+                    "--early_stop {n} needs --keep_best: a run cut short should write its best epoch, not its last"
+                )))
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -1049,13 +1062,14 @@ pub fn train(
         save,
         tlog,
         best,
+        epoch: 0,
     };
     run_epochs(&mut run, data, train, &schedule, 1, t0, log)?;
     if let Some(best) = run.best {
         run.trainer.restore(&best.tensors)?;
         log(&format!(
             "kept epoch {}'s weights: held-out chain score {:.3}, the best of epochs 0-{}",
-            best.epoch, best.score, cfg.recipe.epochs
+            best.epoch, best.score, run.epoch
         ));
     }
     Ok(run.tlog)
@@ -1158,6 +1172,8 @@ struct EagleRun<'r, 'b, 'a, 'p> {
     save: Option<&'r SaveOptions<'p>>,
     tlog: TrainLog,
     best: Option<BestEpoch>,
+    /// The last epoch finished.
+    epoch: usize,
 }
 
 impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
@@ -1196,7 +1212,17 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
     fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
         &mut self.tlog.steps
     }
+    fn stop_early(&self) -> Option<String> {
+        let (best, patience) = (self.best.as_ref()?, self.trainer.cfg.early_stop?);
+        (self.epoch - best.epoch >= patience).then(|| {
+            format!(
+                "stopping early: {patience} epoch(s) without a better held-out chain score than epoch {}'s",
+                best.epoch
+            )
+        })
+    }
     fn end_epoch(&mut self, end: EpochEnd<PassMeans>) -> Result<Option<String>> {
+        self.epoch = end.epoch;
         if let (Some(best), Some(val)) = (self.best.as_mut(), &end.val) {
             let score = val.chain_score();
             if score > best.score {

@@ -88,6 +88,10 @@ pub(crate) trait EpochTrainer {
     /// Records a finished epoch in the training log and saves, when it saves: returns what
     /// was written, as the log line `saved …` names it.
     fn end_epoch(&mut self, end: EpochEnd<Self::Means>) -> Result<Option<String>>;
+    /// After an epoch has ended: `Some(why)` to stop before the planned epochs are done.
+    fn stop_early(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Trains epochs `first_epoch..=schedule.epochs` over `train`. `start` is when training
@@ -161,6 +165,10 @@ pub(crate) fn run_epochs<T: EpochTrainer>(
         };
         if let Some(saved) = trainer.end_epoch(end)? {
             log(&format!("saved {saved}"));
+        }
+        if let Some(why) = trainer.stop_early() {
+            log(&why);
+            break;
         }
     }
     Ok(())

@@ -820,8 +820,13 @@ fn keeping_the_best_epoch_gives_back_a_head_that_training_made_worse() {
     cfg.recipe.lr = 0.5;
     cfg.recipe.grad_clip = 0.0;
     cfg.keep_best = true;
-    let mut wrecked =
-        EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(good.clone()), cfg).unwrap();
+    let mut wrecked = EagleTrainer::new(
+        &base,
+        hc.clone(),
+        HeadInit::Tensors(good.clone()),
+        cfg.clone(),
+    )
+    .unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("head");
     let save = SaveOptions {
@@ -864,6 +869,66 @@ fn keeping_the_best_epoch_gives_back_a_head_that_training_made_worse() {
             .unwrap();
     assert_eq!(written["kept_epoch"], 0);
     assert_eq!(written["config"]["keep_best"], true);
+
+    // Stopping early: the first epoch that fails to beat the head ends the run.
+    let mut stopped = EagleTrainer::new(
+        &base,
+        hc.clone(),
+        HeadInit::Tensors(good.clone()),
+        TrainConfig {
+            early_stop: Some(1),
+            ..cfg.clone()
+        },
+    )
+    .unwrap();
+    let mut lines = Vec::new();
+    let log = train(
+        &mut stopped,
+        &data,
+        &train_idx,
+        &val,
+        "resume",
+        None,
+        &mut |l| lines.push(l.to_string()),
+    )
+    .unwrap();
+    assert_eq!(log.epochs.len(), 2, "epochs 0 and 1 only");
+    assert_eq!(
+        lines[lines.len() - 2..],
+        [
+            "stopping early: 1 epoch(s) without a better held-out chain score than epoch 0's"
+                .to_string(),
+            format!(
+                "kept epoch 0's weights: held-out chain score {:.3}, the best of epochs 0-1",
+                scores[0]
+            )
+        ]
+    );
+    for (name, want) in &good {
+        assert_eq!(
+            max_diff(&stopped.tensors().unwrap()[name], want),
+            0.0,
+            "{name}"
+        );
+    }
+    for (early_stop, keep_best, why) in [
+        (0, true, "--early_stop must be at least 1 epoch"),
+        (
+            2,
+            false,
+            "--early_stop 2 needs --keep_best: a run cut short should write its best epoch, not its last",
+        ),
+    ] {
+        let bad = TrainConfig {
+            early_stop: Some(early_stop),
+            keep_best,
+            ..cfg.clone()
+        };
+        let err = EagleTrainer::new(&base, hc.clone(), HeadInit::Tensors(good.clone()), bad)
+            .err()
+            .unwrap();
+        assert_eq!(err.to_string(), why);
+    }
 }
 
 #[test]

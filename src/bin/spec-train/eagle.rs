@@ -117,8 +117,29 @@ pub struct EagleArgs {
     /// fine-tune that drifts cannot leave a worse head than it started from.
     #[arg(long)]
     keep_best: bool,
+    /// With --keep_best: stop once this many epochs in a row have not beaten the best.
+    #[arg(long)]
+    early_stop: Option<usize>,
     #[command(flatten)]
     train: TrainArgs,
+}
+
+/// The training recipe the flags ask for.
+fn train_config(args: &EagleArgs) -> TrainConfig {
+    TrainConfig {
+        recipe: args
+            .train
+            .recipe(args.lr, args.warmup_steps, args.grad_clip),
+        max_len: args.train.max_len,
+        noise: args.noise,
+        ce_weight: args.ce_weight,
+        feature_weight: args.feature_weight,
+        ttt_steps: args.ttt_steps,
+        ttt_decay: args.ttt_decay,
+        eval_steps: args.eval_steps,
+        keep_best: args.keep_best,
+        early_stop: args.early_stop,
+    }
 }
 
 fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()> {
@@ -235,19 +256,7 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.data_dir.display()))?
     };
     head_cfg.feature_layers = layers;
-    let tcfg = TrainConfig {
-        recipe: args
-            .train
-            .recipe(args.lr, args.warmup_steps, args.grad_clip),
-        max_len: args.train.max_len,
-        noise: args.noise,
-        ce_weight: args.ce_weight,
-        feature_weight: args.feature_weight,
-        ttt_steps: args.ttt_steps,
-        ttt_decay: args.ttt_decay,
-        eval_steps: args.eval_steps,
-        keep_best: args.keep_best,
-    };
+    let tcfg = train_config(args);
     let (train_idx, val_idx) = args.train.split(data.len());
     if args.keep_best && val_idx.is_empty() {
         bail!(
@@ -288,6 +297,10 @@ pub fn run_eagle(args: &EagleArgs) -> Result<()> {
         (_, Some(dir)) => Some(dir.clone()),
         (_, None) => bail!("--output_dir is needed to train (or pass --stage data)"),
     };
+    if output_dir.is_some() {
+        // Before the data stage, which can take hours: a recipe that cannot train fails now.
+        train_config(args).validate()?;
+    }
     let device = kestrel_runtime::device::parse(&args.device)?;
     let engine = Engine::load(&args.engine_dir, &device)?;
     let have_data = FeatureDataset::exists(&args.data_dir);
