@@ -282,4 +282,18 @@ fn keep_best_writes_the_resumed_head_back_when_training_only_hurts_and_stops_ear
         assert_eq!(one_line_error("spec-train", &refused), why);
         assert!(!w.join("none").exists());
     }
+    // A recipe that cannot train is refused before the data stage answers any prompt.
+    let fresh = w.join("fresh-data");
+    let refused = train_eagle(
+        &plain,
+        &prompts,
+        &fresh,
+        &w.join("none"),
+        &["--early_stop", "1"],
+    );
+    assert_eq!(
+        one_line_error("spec-train", &refused),
+        "--early_stop 1 needs --keep_best: a run cut short should write its best epoch, not its last"
+    );
+    assert!(!fresh.exists());
 }
