@@ -74,7 +74,7 @@ train)
     --data_dir /tmp/data --output_dir "$H" "${resume[@]}" --epochs "${EPOCHS:-8}" \
     --lr "${LR:-1e-3}" --batch_size 32 --max_len 768 --logits_chunk 4096 --warmup_steps 50 \
     --ttt_steps "${TTT_STEPS:-1}" --ttt_decay "${TTT_DECAY:-1}" ${TRAIN_ARGS:-} \
-    2>&1 | grep -E "epoch [0-9]+/|held-out|saved" || true
+    2>&1 | grep -E "epoch [0-9]+/|held-out|saved|kept|stopping" || true
   cp -r "$H" "$OUT/head"
   ;;
 eval)
