@@ -12,8 +12,11 @@
 # the stage folder), NUM_PROMPTS (else sized to DATA_S seconds), MAX_NEW, BATCH, EPOCHS, LR, TRAIN_S (time limit of a train call),
 # TTT_STEPS (training-time-test unroll passes, default 1), TTT_DECAY (default 1) and
 # FEATURE_LAYERS (e.g. 2,15: the data keeps those base layers' states and the head reads them),
-# HEAD (the head folder `train` resumes and writes, `bench` measures; default /tmp/head) and
-# TRAIN_ARGS (more spec-train flags, e.g. "--head_feature_layers" or "--feature_weight 0 --ce_weight 1").
+# HEAD (the head folder `train` resumes and writes, `bench` measures; default /tmp/head),
+# KEEP_BEST (default 1: `train` writes its best held-out epoch, the resumed head counting as
+# epoch 0, so a call that makes the head worse leaves it as it was; 0 writes the last) and
+# TRAIN_ARGS (more spec-train flags, e.g. "--head_feature_layers", "--early_stop 2" or
+# "--feature_weight 0 --ce_weight 1").
 set -euo pipefail
 B=/tmp/bin; S=/tmp/stage
 source tools/gpu/device-env.sh
@@ -74,6 +77,7 @@ train)
     --data_dir /tmp/data --output_dir "$H" "${resume[@]}" --epochs "${EPOCHS:-8}" \
     --lr "${LR:-1e-3}" --batch_size 32 --max_len 768 --logits_chunk 4096 --warmup_steps 50 \
     --ttt_steps "${TTT_STEPS:-1}" --ttt_decay "${TTT_DECAY:-1}" ${TRAIN_ARGS:-} \
+    $([ "${KEEP_BEST:-1}" = 1 ] && echo --keep_best) \
     2>&1 | grep -E "epoch [0-9]+/|held-out|saved|kept|stopping" || true
   cp -r "$H" "$OUT/head"
   ;;
