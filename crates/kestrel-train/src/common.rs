@@ -337,6 +337,16 @@ pub(crate) fn load_expected(
     Ok(out)
 }
 
+/// The trained variables of `varmap`, locked (candle keeps them behind a mutex).
+pub(crate) fn locked_vars(
+    varmap: &candle_nn::VarMap,
+) -> Result<std::sync::MutexGuard<'_, HashMap<String, Var>>> {
+    varmap
+        .data()
+        .lock()
+        .map_err(|_| invalid("variable map lock poisoned"))
+}
+
 #[cfg(test)]
 mod tests {
     use crate::draft::DraftTrainConfig;

@@ -26,7 +26,7 @@
 
 use crate::common::{
     check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
-    write_model_dir, ModelDirFiles, RankFiles, Recipe, TRAIN_LOG_FILE,
+    locked_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe, TRAIN_LOG_FILE,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result, TrainError};
@@ -487,10 +487,7 @@ impl DraftTrainer {
         let varmap = VarMap::new();
         let mut frozen = BTreeMap::new();
         {
-            let mut vars = varmap
-                .data()
-                .lock()
-                .map_err(|_| invalid("variable map lock poisoned"))?;
+            let mut vars = locked_vars(&varmap)?;
             for (name, shape) in expected_tensors(&model_cfg) {
                 let t = initial
                     .get(&name)
@@ -514,10 +511,7 @@ impl DraftTrainer {
         let model = Llama::from_var_builder(&model_cfg, vb, &frozen)?;
         let lm_head = match frozen.get(head_name) {
             Some(t) => t.clone(),
-            None => varmap
-                .data()
-                .lock()
-                .map_err(|_| invalid("variable map lock poisoned"))?
+            None => locked_vars(&varmap)?
                 .get(head_name)
                 .map(|v| v.as_tensor().clone())
                 .ok_or_else(|| invalid(format!("'{head_name}' is neither frozen nor trained")))?,
@@ -615,11 +609,7 @@ impl DraftTrainer {
     /// optimiser updates the variables in place.
     pub fn tensors(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
-        let vars = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| invalid("variable map lock poisoned"))?;
+        let vars = locked_vars(&self.varmap)?;
         for (name, v) in vars.iter() {
             let t = v.as_tensor().copy()?.detach().to_device(&Device::Cpu)?;
             out.insert(name.clone(), t);

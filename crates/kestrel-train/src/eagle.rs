@@ -42,7 +42,7 @@
 
 use crate::common::{
     check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
-    write_model_dir, ModelDirFiles, RankFiles, Recipe,
+    locked_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{invalid, Result};
@@ -683,10 +683,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
             }
         }
         if let Some(initial) = initial {
-            let mut data = varmap
-                .data()
-                .lock()
-                .map_err(|_| invalid("variable map lock poisoned"))?;
+            let mut data = locked_vars(&varmap)?;
             for (name, shape) in &expected {
                 let t = initial
                     .get(name)
@@ -862,11 +859,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
 
     /// The head's current weights under their checkpoint names (f32).
     pub fn tensors(&self) -> Result<BTreeMap<String, Tensor>> {
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| invalid("variable map lock poisoned"))?;
+        let data = locked_vars(&self.varmap)?;
         Ok(data
             .iter()
             .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
@@ -883,11 +876,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
 
     /// Sets every weight to `tensors`' (a [`Self::snapshot`] of this head).
     fn restore(&mut self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| invalid("variable map lock poisoned"))?;
+        let data = locked_vars(&self.varmap)?;
         for (name, var) in data.iter() {
             let t = tensors
                 .get(name)

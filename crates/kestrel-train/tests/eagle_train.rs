@@ -941,26 +941,30 @@ fn keeping_the_best_epoch_ends_on_the_epoch_the_log_ranks_first() {
     // At this learning rate the held-out score peaks before the last epoch.
     let mut cfg = train_cfg(6);
     cfg.recipe.lr = 1e-2;
-    let mut trainer = EagleTrainer::new(
-        &base,
-        hc.clone(),
-        HeadInit::Random { seed: 2 },
-        TrainConfig {
-            keep_best: true,
-            ..cfg.clone()
-        },
-    )
-    .unwrap();
-    let log = train(
-        &mut trainer,
-        &data,
-        &train_idx,
-        &val,
-        "random",
-        None,
-        &mut |_| {},
-    )
-    .unwrap();
+    let run = |keep_best: bool| {
+        let mut trainer = EagleTrainer::new(
+            &base,
+            hc.clone(),
+            HeadInit::Random { seed: 2 },
+            TrainConfig {
+                keep_best,
+                ..cfg.clone()
+            },
+        )
+        .unwrap();
+        let log = train(
+            &mut trainer,
+            &data,
+            &train_idx,
+            &val,
+            "random",
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+        (trainer, log)
+    };
+    let (trainer, log) = run(true);
     let kept = best_logged_epoch(&log);
     assert!(
         kept > 0 && kept < 6,
@@ -975,17 +979,7 @@ fn keeping_the_best_epoch_ends_on_the_epoch_the_log_ranks_first() {
     assert_eq!(now, logged, "the trainer's weights are not epoch {kept}'s");
 
     // Without it, the same run keeps no epoch and ends on the last.
-    let mut last = EagleTrainer::new(&base, hc, HeadInit::Random { seed: 2 }, cfg).unwrap();
-    let log = train(
-        &mut last,
-        &data,
-        &train_idx,
-        &val,
-        "random",
-        None,
-        &mut |_| {},
-    )
-    .unwrap();
+    let (last, log) = run(false);
     assert_eq!(log.kept_epoch, None);
     let (now, logged) = top1_now_and_logged(&last, &data, &val, &log, 6);
     assert_eq!(now, logged);
