@@ -122,6 +122,7 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
         "0.25",
         "--dtype",
         "float32",
+        "--keep_best",
     ]);
     assert!(out.status.success(), "spec-train draft: {}", stderr(&out));
     for f in [
@@ -141,6 +142,17 @@ fn a_distilled_draft_runs_draft_target_decoding_losslessly() {
     assert_eq!(epochs.len(), 5);
     let kl = |e: &serde_json::Value| e["val"]["kl"].as_f64().unwrap();
     assert!(kl(&epochs[4]) < kl(&epochs[0]), "held-out KL: {epochs:?}");
+    // --keep_best: the folder holds the epoch of the highest held-out agreement (the
+    // earliest of a tie).
+    let agreement = |e: &serde_json::Value| e["val"]["top1"].as_f64().unwrap();
+    let best = (1..5).fold(0, |b, e| {
+        if agreement(&epochs[e]) > agreement(&epochs[b]) {
+            e
+        } else {
+            b
+        }
+    });
+    assert_eq!(log["kept_epoch"], best, "{epochs:?}");
     assert!(log["command"].as_str().unwrap().contains("--num_layers 2"));
 
     // convert-checkpoint → spec-build → draft-target with the draft: plain greedy's tokens.

@@ -132,6 +132,15 @@ pub struct Recipe {
     /// Rows per chunk of vocabulary-sized logits (memory bound).
     pub logits_chunk: usize,
     pub seed: u64,
+    /// Save, and end with, the weights of the epoch with the best held-out score (each
+    /// trainer names its score; the starting weights count as epoch 0 and ties keep the
+    /// earlier) rather than the last epoch's: a fine-tune that drifts gives back the weights
+    /// it started from.
+    #[serde(default)]
+    pub keep_best: bool,
+    /// With `keep_best`: stop once this many epochs in a row have not beaten the best.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stop: Option<usize>,
 }
 
 impl Recipe {
@@ -151,6 +160,8 @@ impl Recipe {
             batch_size: 8,
             logits_chunk: 256,
             seed: 0,
+            keep_best: false,
+            early_stop: None,
         }
     }
 
@@ -168,6 +179,22 @@ impl Recipe {
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             return Err(invalid("--min_lr_ratio must lie in [0, 1]"));
+        }
+        match self.early_stop {
+            Some(0) => Err(invalid("--early_stop must be at least 1 epoch")),
+            Some(n) if !self.keep_best => Err(invalid(format!(
+                "--early_stop {n} needs --keep_best: a run cut short should write its best epoch, not its last"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Refuses `keep_best` without held-out sequences, the only judge of an epoch.
+    pub fn check_held_out(&self, val: &[usize]) -> Result<()> {
+        if self.keep_best && val.is_empty() {
+            return Err(invalid(
+                "keeping the best epoch needs held-out sequences to compare epochs on",
+            ));
         }
         Ok(())
     }
@@ -363,7 +390,7 @@ mod tests {
     #[test]
     fn both_trainers_refuse_a_bad_schedule_with_its_message() {
         let shape = "--batch_size and --logits_chunk must be at least 1 and --max_len at least 2";
-        let cases: [Case; 5] = [
+        let cases: [Case; 7] = [
             (
                 shape,
                 |c| c.recipe.batch_size = 0,
@@ -384,6 +411,16 @@ mod tests {
                 "--min_lr_ratio must lie in [0, 1]",
                 |c| c.recipe.min_lr_ratio = 1.5,
                 |c| c.recipe.min_lr_ratio = 1.5,
+            ),
+            (
+                "--early_stop 2 needs --keep_best: a run cut short should write its best epoch, not its last",
+                |c| c.recipe.early_stop = Some(2),
+                |c| c.recipe.early_stop = Some(2),
+            ),
+            (
+                "--early_stop must be at least 1 epoch",
+                |c| (c.recipe.keep_best, c.recipe.early_stop) = (true, Some(0)),
+                |c| (c.recipe.keep_best, c.recipe.early_stop) = (true, Some(0)),
             ),
         ];
         for (want, eagle, draft) in cases {
@@ -417,7 +454,11 @@ mod tests {
         let written = serde_json::to_value(&cfg).unwrap();
         let recipe = serde_json::to_value(&cfg.recipe).unwrap();
         for key in recipe.as_object().unwrap().keys() {
-            assert_eq!(written[key], saved[key], "{key}");
+            match saved.get(key) {
+                Some(value) => assert_eq!(&written[key], value, "{key}"),
+                // Added after that log was written: read as its default.
+                None => assert_eq!((key.as_str(), &written[key]), ("keep_best", &false.into())),
+            }
         }
         assert!(written.get("recipe").is_none());
         let draft = serde_json::to_value(DraftTrainConfig::default()).unwrap();

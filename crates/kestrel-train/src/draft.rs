@@ -30,7 +30,9 @@ use crate::common::{
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result, TrainError};
-use crate::train_loop::{log_initial, run_epochs, EpochEnd, EpochMeans, EpochTrainer, Schedule};
+use crate::train_loop::{
+    log_initial, run_epochs, BestEpoch, EpochEnd, EpochMeans, EpochTrainer, Schedule,
+};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use kestrel_core::ModelConfig;
@@ -619,6 +621,17 @@ impl DraftTrainer {
         }
         Ok(out)
     }
+
+    /// Sets every trained variable to its tensor in `tensors` (a [`Self::tensors`] snapshot).
+    fn restore(&mut self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+        for (name, var) in locked_vars(&self.varmap)?.iter() {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| invalid(format!("the saved weights lack tensor '{name}'")))?;
+            var.set(&t.to_device(var.device())?)?;
+        }
+        Ok(())
+    }
 }
 
 /// The HF `config.json` of a draft: its config plus `torch_dtype`.
@@ -730,6 +743,9 @@ pub struct DraftTrainLog {
     pub epochs: Vec<DraftEpochLog>,
     /// Training-batch means every tenth of an epoch: (step, loss, top1).
     pub steps: Vec<(usize, f64, f64)>,
+    /// With `keep_best`: the epoch whose weights were saved (0 = the starting draft).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_epoch: Option<usize>,
 }
 
 /// Where and how [`train_draft`] saves after every epoch.
@@ -763,13 +779,27 @@ pub fn train_draft(
     if train.is_empty() {
         return Err(invalid("no training sequences"));
     }
+    cfg.recipe.check_held_out(val)?;
     let t0 = Instant::now();
-    let tlog = match resume {
+    // The epoch whose weights the trainer starts from: a resumed folder holds its kept epoch
+    // (or its last, when it kept none).
+    let start_epoch = resume.as_ref().map_or(0, |p| {
+        p.kept_epoch
+            .or(p.epochs.last().map(|e| e.epoch))
+            .unwrap_or(0)
+    });
+    let mut v0 = None;
+    let mut tlog = match resume {
         Some(mut prior) => {
             let done = prior.epochs.last().map_or(0, |e| e.epoch);
             trainer.step = prior.epochs.last().map_or(0, |e| e.steps);
+            let from = if start_epoch == done {
+                String::new()
+            } else {
+                format!(" from epoch {start_epoch}'s weights, the ones it kept")
+            };
             log(&format!(
-                "resuming after epoch {done} (step {}): {} epochs to go",
+                "resuming after epoch {done} (step {}){from}: {} epochs to go",
                 trainer.step,
                 cfg.recipe.epochs.saturating_sub(done)
             ));
@@ -778,7 +808,7 @@ pub fn train_draft(
             prior
         }
         None => {
-            let v0 = val_means(trainer, data, val)?;
+            v0 = val_means(trainer, data, val)?;
             log_initial(init_name, v0.as_ref(), log);
             DraftTrainLog {
                 command,
@@ -799,9 +829,28 @@ pub fn train_draft(
                     seconds: t0.elapsed().as_secs_f64(),
                 }],
                 steps: Vec::new(),
+                kept_epoch: None,
             }
         }
     };
+    // With keep_best the starting weights are the first best: a resumed draft scored as it
+    // was saved (in its dtype), not as its log had it.
+    let start = match v0 {
+        Some(v) => Some(v),
+        None if cfg.recipe.keep_best => val_means(trainer, data, val)?,
+        None => None,
+    };
+    let best = match start {
+        Some(v) if cfg.recipe.keep_best => Some(BestEpoch::start(
+            AGREEMENT,
+            start_epoch,
+            v.top1,
+            trainer.tensors()?,
+        )),
+        _ => None,
+    };
+    // The folder holds the weights `best` starts from, or from now on the last epoch's.
+    tlog.kept_epoch = best.as_ref().map(|b| b.epoch);
     let first_epoch = tlog.epochs.last().map_or(0, |e| e.epoch) + 1;
     let schedule = Schedule {
         epochs: cfg.recipe.epochs,
@@ -815,10 +864,18 @@ pub fn train_draft(
         val,
         save,
         tlog,
+        best,
     };
     run_epochs(&mut run, data, train, &schedule, first_epoch, t0, log)?;
+    if let Some(best) = run.best {
+        run.trainer.restore(&best.tensors)?;
+        log(&best.kept());
+    }
     Ok(run.tlog)
 }
+
+/// What `keep_best` ranks a draft's epochs by: greedy agreement with the target.
+const AGREEMENT: &str = "held-out agreement";
 
 /// The held-out means of `trainer` over `val`; `None` without held-out sequences.
 fn val_means(
@@ -858,6 +915,7 @@ struct DraftRun<'r, 'p> {
     val: &'r [usize],
     save: Option<&'r DraftSaveOptions<'p>>,
     tlog: DraftTrainLog,
+    best: Option<BestEpoch>,
 }
 
 impl EpochTrainer for DraftRun<'_, '_> {
@@ -897,7 +955,14 @@ impl EpochTrainer for DraftRun<'_, '_> {
     fn step_log(&mut self) -> &mut Vec<(usize, f64, f64)> {
         &mut self.tlog.steps
     }
+    fn stop_early(&self) -> Option<String> {
+        self.best.as_ref()?.stop(self.trainer.cfg.recipe.early_stop)
+    }
     fn end_epoch(&mut self, end: EpochEnd<KdMeans>) -> Result<Option<String>> {
+        if let (Some(best), Some(val)) = (self.best.as_mut(), &end.val) {
+            best.offer(end.epoch, val.top1, || self.trainer.tensors())?;
+            self.tlog.kept_epoch = Some(best.epoch);
+        }
         self.tlog.epochs.push(DraftEpochLog {
             epoch: end.epoch,
             steps: end.steps,
@@ -911,15 +976,26 @@ impl EpochTrainer for DraftRun<'_, '_> {
             return Ok(None);
         };
         let text = serde_json::to_string_pretty(&self.tlog).expect("log serialises");
+        let last;
+        let tensors = match &self.best {
+            Some(best) => &best.tensors,
+            None => {
+                last = self.trainer.tensors()?;
+                &last
+            }
+        };
         save_draft(
             save.output_dir,
             &self.trainer.model_cfg,
-            &self.trainer.tensors()?,
+            tensors,
             save.dtype,
             &save.copy_files,
             &[(TRAIN_LOG_FILE, text)],
         )?;
-        Ok(Some(save.output_dir.display().to_string()))
+        Ok(Some(match &self.best {
+            Some(best) => best.saved(save.output_dir),
+            None => save.output_dir.display().to_string(),
+        }))
     }
 }
 

@@ -46,7 +46,9 @@ use crate::common::{
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{invalid, Result};
-use crate::train_loop::{log_initial, run_epochs, EpochEnd, EpochMeans, EpochTrainer, Schedule};
+use crate::train_loop::{
+    log_initial, run_epochs, BestEpoch, EpochEnd, EpochMeans, EpochTrainer, Schedule,
+};
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use kestrel_core::{EagleHeadConfig, Mapping, ModelConfig};
@@ -207,14 +209,6 @@ pub struct TrainConfig {
     /// the head's top-1 at draft depth `k` along the true continuation.
     #[serde(default = "one")]
     pub eval_steps: usize,
-    /// Save, and end with, the weights of the epoch whose held-out [`chain_score`] is the
-    /// highest (the starting head counts as epoch 0; ties keep the earlier), rather than the
-    /// last epoch's: a fine-tune that drifts gives back the head it started from.
-    #[serde(default)]
-    pub keep_best: bool,
-    /// With `keep_best`: stop once this many epochs in a row have not beaten the best.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub early_stop: Option<usize>,
 }
 
 fn one() -> usize {
@@ -236,8 +230,6 @@ impl Default for TrainConfig {
             ttt_steps: 1,
             ttt_decay: 1.0,
             eval_steps: 3,
-            keep_best: false,
-            early_stop: None,
         }
     }
 }
@@ -264,15 +256,6 @@ impl TrainConfig {
         }
         if !(self.ttt_decay >= 0.0 && self.ttt_decay.is_finite()) {
             return Err(invalid("--ttt_decay must be non-negative"));
-        }
-        match self.early_stop {
-            Some(0) => return Err(invalid("--early_stop must be at least 1 epoch")),
-            Some(n) if !self.keep_best => {
-                return Err(invalid(format!(
-                    "--early_stop {n} needs --keep_best: a run cut short should write its best epoch, not its last"
-                )))
-            }
-            _ => {}
         }
         Ok(())
     }
@@ -996,11 +979,7 @@ pub fn train(
     if train.is_empty() {
         return Err(invalid("no training sequences"));
     }
-    if cfg.keep_best && val.is_empty() {
-        return Err(invalid(
-            "keeping the best epoch needs held-out sequences to compare epochs on",
-        ));
-    }
+    cfg.recipe.check_held_out(val)?;
     let train_rows: usize = train
         .iter()
         .filter_map(|&s| window(data, s, cfg.max_len).map(|(_, e, f)| e - f))
@@ -1019,11 +998,12 @@ pub fn train(
     let v0 = val_means(trainer, data, val)?;
     log_initial(init_name, v0.as_ref(), log);
     let best = match &v0 {
-        Some(v) if cfg.keep_best => Some(BestEpoch {
-            epoch: 0,
-            score: v.chain_score(),
-            tensors: trainer.snapshot()?,
-        }),
+        Some(v) if cfg.recipe.keep_best => Some(BestEpoch::start(
+            CHAIN_SCORE,
+            0,
+            v.chain_score(),
+            trainer.snapshot()?,
+        )),
         _ => None,
     };
     let (v0, v0_deeper) = PassMeans::split(v0);
@@ -1051,26 +1031,17 @@ pub fn train(
         save,
         tlog,
         best,
-        epoch: 0,
     };
     run_epochs(&mut run, data, train, &schedule, 1, t0, log)?;
     if let Some(best) = run.best {
         run.trainer.restore(&best.tensors)?;
-        log(&format!(
-            "kept epoch {}'s weights: held-out chain score {:.3}, the best of epochs 0-{}",
-            best.epoch, best.score, run.epoch
-        ));
+        log(&best.kept());
     }
     Ok(run.tlog)
 }
 
-/// With `keep_best`: the epoch with the highest held-out chain score so far and a copy of
-/// its weights.
-struct BestEpoch {
-    epoch: usize,
-    score: f64,
-    tensors: BTreeMap<String, Tensor>,
-}
+/// What `keep_best` ranks a head's epochs by ([`PassMeans::chain_score`]).
+const CHAIN_SCORE: &str = "held-out chain score";
 
 /// Means of pass 1 and of the deeper passes of the unroll (`deeper[0]` = pass 2).
 struct PassMeans {
@@ -1161,8 +1132,6 @@ struct EagleRun<'r, 'b, 'a, 'p> {
     save: Option<&'r SaveOptions<'p>>,
     tlog: TrainLog,
     best: Option<BestEpoch>,
-    /// The last epoch finished.
-    epoch: usize,
 }
 
 impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
@@ -1202,25 +1171,11 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
         &mut self.tlog.steps
     }
     fn stop_early(&self) -> Option<String> {
-        let (best, patience) = (self.best.as_ref()?, self.trainer.cfg.early_stop?);
-        (self.epoch - best.epoch >= patience).then(|| {
-            format!(
-                "stopping early: {patience} epoch(s) without a better held-out chain score than epoch {}'s",
-                best.epoch
-            )
-        })
+        self.best.as_ref()?.stop(self.trainer.cfg.recipe.early_stop)
     }
     fn end_epoch(&mut self, end: EpochEnd<PassMeans>) -> Result<Option<String>> {
-        self.epoch = end.epoch;
         if let (Some(best), Some(val)) = (self.best.as_mut(), &end.val) {
-            let score = val.chain_score();
-            if score > best.score {
-                *best = BestEpoch {
-                    epoch: end.epoch,
-                    score,
-                    tensors: self.trainer.snapshot()?,
-                };
-            }
+            best.offer(end.epoch, val.chain_score(), || self.trainer.snapshot())?;
             self.tlog.kept_epoch = Some(best.epoch);
         }
         let (val, val_deeper) = PassMeans::split(end.val);
@@ -1254,12 +1209,7 @@ impl EpochTrainer for EagleRun<'_, '_, '_, '_> {
                     save.dtype,
                     &extra,
                 )?;
-                format!(
-                    "{} (epoch {}'s weights, the best held-out chain score so far: {:.3})",
-                    dir.display(),
-                    best.epoch,
-                    best.score
-                )
+                best.saved(dir)
             }
             None => {
                 self.trainer.save(dir, save.dtype, &extra)?;

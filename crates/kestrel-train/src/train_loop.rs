@@ -1,14 +1,19 @@
 //! The epoch loop that the EAGLE-head and draft-model trainers share: length-grouped
 //! batches, the learning-rate schedule, a step line (and a step-log entry) every tenth of an
-//! epoch, an epoch summary with the held-out means, and the trainer's own record and save
-//! after every epoch. Each trainer implements [`EpochTrainer`] with what differs: its batch,
-//! its step, its metrics, its log entry and its save.
+//! epoch, an epoch summary with the held-out means, the trainer's own record and save after
+//! every epoch, and with `keep_best` the best epoch so far ([`BestEpoch`]: what is saved,
+//! when to stop early). Each trainer implements [`EpochTrainer`] with what differs: its
+//! batch, its step, its metrics, its log entry, its save and the score its best epoch is
+//! ranked by.
 
 use crate::common::epoch_batches;
 use crate::dataset::FeatureDataset;
 use crate::error::Result;
+use candle_core::Tensor;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Instant;
 
 /// Means over the loss rows of an epoch or of a held-out evaluation, as the logs show them.
@@ -172,4 +177,84 @@ pub(crate) fn run_epochs<T: EpochTrainer>(
         }
     }
     Ok(())
+}
+
+/// With `keep_best` (`Recipe::keep_best`): the epoch with the best held-out score so far, by
+/// the score its trainer names, and a copy of its weights, which the trainer saves instead of
+/// the last epoch's and ends with.
+pub(crate) struct BestEpoch {
+    /// The score's name in log lines, e.g. "held-out chain score".
+    what: &'static str,
+    /// The epoch the run started from (its weights are the first best).
+    first: usize,
+    /// The last epoch finished.
+    last: usize,
+    pub epoch: usize,
+    score: f64,
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+impl BestEpoch {
+    /// The starting weights, epoch `epoch` of the log, with their held-out `score`.
+    pub fn start(
+        what: &'static str,
+        epoch: usize,
+        score: f64,
+        tensors: BTreeMap<String, Tensor>,
+    ) -> Self {
+        BestEpoch {
+            what,
+            first: epoch,
+            last: epoch,
+            epoch,
+            score,
+            tensors,
+        }
+    }
+
+    /// Records finished epoch `epoch`: its weights (`snapshot`) become the best when `score`
+    /// beats it (ties keep the earlier).
+    pub fn offer(
+        &mut self,
+        epoch: usize,
+        score: f64,
+        snapshot: impl FnOnce() -> Result<BTreeMap<String, Tensor>>,
+    ) -> Result<()> {
+        self.last = epoch;
+        if score > self.score {
+            self.tensors = snapshot()?;
+            (self.epoch, self.score) = (epoch, score);
+        }
+        Ok(())
+    }
+
+    /// The log's `saved …` text for the best weights written to `dir`.
+    pub fn saved(&self, dir: &Path) -> String {
+        format!(
+            "{} (epoch {}'s weights, the best {} so far: {:.3})",
+            dir.display(),
+            self.epoch,
+            self.what,
+            self.score
+        )
+    }
+
+    /// Why to stop when `patience` epochs in a row have not beaten the best; `None` to go on.
+    pub fn stop(&self, patience: Option<usize>) -> Option<String> {
+        let patience = patience?;
+        (self.last - self.epoch >= patience).then(|| {
+            format!(
+                "stopping early: {patience} epoch(s) without a better {} than epoch {}'s",
+                self.what, self.epoch
+            )
+        })
+    }
+
+    /// The log's last line: which epoch's weights the run kept.
+    pub fn kept(&self) -> String {
+        format!(
+            "kept epoch {}'s weights: {} {:.3}, the best of epochs {}-{}",
+            self.epoch, self.what, self.score, self.first, self.last
+        )
+    }
 }

@@ -408,3 +408,92 @@ fn layer_choices_are_checked_with_exact_messages() {
     .to_string();
     assert_eq!(e, "--kd_temperature 0 must be positive");
 }
+
+#[test]
+fn keep_best_gives_back_a_draft_training_made_worse_and_resumes_from_it() {
+    let t = tiny(false);
+    let data = greedy_data(&t.model, 40, 6, 24);
+    let (train_idx, val_idx) = split(data.len(), 0.25, 0);
+    let mut good = trainer(&t, 2, DraftInit::TargetLayers(vec![0, 3]), cfg(6));
+    let run = |tr: &mut DraftTrainer,
+               resume: Option<kestrel_train::draft::DraftTrainLog>,
+               save: Option<&DraftSaveOptions>| {
+        let mut lines = Vec::new();
+        let log = train_draft(
+            tr,
+            &data,
+            &train_idx,
+            &val_idx,
+            "layers",
+            None,
+            resume,
+            save,
+            &mut |l| lines.push(l.to_string()),
+        )
+        .unwrap();
+        (log, lines)
+    };
+    run(&mut good, None, None);
+    let good = good.tensors().unwrap();
+
+    // A step size that wrecks it: the first epoch that fails to beat it ends the run, and
+    // the folder and the trainer hold the draft it started from.
+    let mut wreck_cfg = cfg(3);
+    wreck_cfg.recipe.lr = 0.5;
+    wreck_cfg.recipe.grad_clip = 0.0;
+    wreck_cfg.recipe.keep_best = true;
+    wreck_cfg.recipe.early_stop = Some(1);
+    let start = |c: DraftTrainConfig| {
+        let student = initial_student(
+            t.model.config(),
+            &t.tensors,
+            2,
+            DraftInit::Tensors(good.clone()),
+        )
+        .unwrap();
+        DraftTrainer::new(draft_config(t.model.config(), 2), student, c, &Device::Cpu).unwrap()
+    };
+    let mut wrecked = start(wreck_cfg);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("draft");
+    let save = DraftSaveOptions {
+        output_dir: &dir,
+        dtype: DType::F32,
+        copy_files: vec![],
+    };
+    let (log, lines) = run(&mut wrecked, None, Some(&save));
+    let agreement = |e: usize| log.epochs[e].val.unwrap().top1;
+    assert_eq!(log.epochs.len(), 2, "epochs 0 and 1 only");
+    assert!(agreement(1) < agreement(0), "{:?}", log.epochs);
+    assert_eq!(log.kept_epoch, Some(0));
+    assert_eq!(
+        lines[lines.len() - 2..],
+        [
+            "stopping early: 1 epoch(s) without a better held-out agreement than epoch 0's"
+                .to_string(),
+            format!(
+                "kept epoch 0's weights: held-out agreement {:.3}, the best of epochs 0-1",
+                agreement(0)
+            )
+        ]
+    );
+    let (_, saved, rlog) = load_draft(&dir).unwrap();
+    let now = wrecked.tensors().unwrap();
+    for (name, want) in &good {
+        assert_eq!(max_diff(&now[name], want), 0.0, "trainer's {name}");
+        assert_eq!(max_diff(&saved[name], want), 0.0, "saved {name}");
+    }
+
+    // Resumed, the run goes on after epoch 1 from the weights the folder kept, epoch 0's.
+    let mut sane = cfg(2);
+    sane.recipe.keep_best = true;
+    let mut resumed = start(sane);
+    let (log2, lines2) = run(&mut resumed, rlog, Some(&save));
+    assert!(
+        lines2[0].starts_with("resuming after epoch 1 (step ")
+            && lines2[0].ends_with(") from epoch 0's weights, the ones it kept: 1 epochs to go"),
+        "{lines2:?}"
+    );
+    let epochs: Vec<usize> = log2.epochs.iter().map(|e| e.epoch).collect();
+    assert_eq!(epochs, vec![0, 1, 2]);
+}

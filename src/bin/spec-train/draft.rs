@@ -179,6 +179,7 @@ pub fn run_draft(args: &DraftArgs) -> Result<()> {
     let draft_cfg = draft_config(cfg, args.num_layers);
     let mut trainer = DraftTrainer::new(draft_cfg, student, tcfg.clone(), &device)?;
     let (train_idx, val_idx) = args.train.split(data.len());
+    args.train.check_held_out(&val_idx, data.len())?;
     eprintln!(
         "spec-train: {}-layer draft ({} trained parameters, init {init_name}); {} train / {} held-out sequences ({} answer tokens in all), {} epochs of {} steps",
         args.num_layers,

@@ -112,14 +112,6 @@ pub struct EagleArgs {
     /// Draft depths whose held-out top-1 is logged (at least --ttt_steps).
     #[arg(long, default_value_t = 3)]
     eval_steps: usize,
-    /// Write the epoch with the best held-out chain score (p1 + p1·p2 + … over the
-    /// --eval_steps depths' top-1; the starting head is epoch 0) instead of the last one, so a
-    /// fine-tune that drifts cannot leave a worse head than it started from.
-    #[arg(long)]
-    keep_best: bool,
-    /// With --keep_best: stop once this many epochs in a row have not beaten the best.
-    #[arg(long)]
-    early_stop: Option<usize>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -137,8 +129,6 @@ fn train_config(args: &EagleArgs) -> TrainConfig {
         ttt_steps: args.ttt_steps,
         ttt_decay: args.ttt_decay,
         eval_steps: args.eval_steps,
-        keep_best: args.keep_best,
-        early_stop: args.early_stop,
     }
 }
 
@@ -258,13 +248,7 @@ fn train_head(args: &EagleArgs, engine: &Engine, output_dir: &Path) -> Result<()
     head_cfg.feature_layers = layers;
     let tcfg = train_config(args);
     let (train_idx, val_idx) = args.train.split(data.len());
-    if args.keep_best && val_idx.is_empty() {
-        bail!(
-            "--keep_best compares epochs on held-out sequences, but --val_fraction {} holds out none of the {} sequences",
-            args.train.val_fraction,
-            data.len()
-        );
-    }
+    args.train.check_held_out(&val_idx, data.len())?;
     eprintln!(
         "spec-train: {} train / {} held-out sequences ({} answer tokens in all), {} epochs of {} steps, init {init_name}",
         train_idx.len(),

@@ -39,6 +39,16 @@ pub struct TrainArgs {
     /// Seed of prompt sampling, shuffling, the split (and an EAGLE head's feature noise).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Write the epoch with the best held-out score instead of the last one, the starting
+    /// weights counting as epoch 0 (a resumed draft's: the epoch they are), so a fine-tune
+    /// that drifts cannot leave worse weights than it started from. The score: an EAGLE
+    /// head's chain score p1 + p1·p2 + … over the --eval_steps depths' top-1; a draft's
+    /// greedy agreement.
+    #[arg(long)]
+    pub keep_best: bool,
+    /// With --keep_best: stop once this many epochs in a row have not beaten the best.
+    #[arg(long)]
+    pub early_stop: Option<usize>,
 }
 
 impl TrainArgs {
@@ -52,8 +62,21 @@ impl TrainArgs {
             batch_size: self.batch_size,
             logits_chunk: self.logits_chunk,
             seed: self.seed,
+            keep_best: self.keep_best,
+            early_stop: self.early_stop,
             ..Recipe::new(lr, warmup_steps, grad_clip)
         }
+    }
+
+    /// Refuses --keep_best when the split of `n` sequences held out none (`val`).
+    pub fn check_held_out(&self, val: &[usize], n: usize) -> Result<()> {
+        if self.keep_best && val.is_empty() {
+            bail!(
+                "--keep_best compares epochs on held-out sequences, but --val_fraction {} holds out none of the {n} sequences",
+                self.val_fraction
+            );
+        }
+        Ok(())
     }
 
     /// The (train, held-out) split of `n` sequences.
