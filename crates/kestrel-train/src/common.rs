@@ -374,6 +374,21 @@ pub(crate) fn locked_vars(
         .map_err(|_| invalid("variable map lock poisoned"))
 }
 
+/// Sets every variable of `varmap` to its tensor in `tensors` (a snapshot of them, on any
+/// device), in place.
+pub(crate) fn restore_vars(
+    varmap: &candle_nn::VarMap,
+    tensors: &BTreeMap<String, Tensor>,
+) -> Result<()> {
+    for (name, var) in locked_vars(varmap)?.iter() {
+        let t = tensors
+            .get(name)
+            .ok_or_else(|| invalid(format!("the saved weights lack tensor '{name}'")))?;
+        var.set(&t.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use crate::draft::DraftTrainConfig;

@@ -26,7 +26,7 @@
 
 use crate::common::{
     check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
-    locked_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe, TRAIN_LOG_FILE,
+    locked_vars, restore_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe, TRAIN_LOG_FILE,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{file_err, invalid, Result, TrainError};
@@ -624,13 +624,7 @@ impl DraftTrainer {
 
     /// Sets every trained variable to its tensor in `tensors` (a [`Self::tensors`] snapshot).
     fn restore(&mut self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
-        for (name, var) in locked_vars(&self.varmap)?.iter() {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| invalid(format!("the saved weights lack tensor '{name}'")))?;
-            var.set(&t.to_device(var.device())?)?;
-        }
-        Ok(())
+        restore_vars(&self.varmap, tensors)
     }
 }
 

@@ -42,7 +42,7 @@
 
 use crate::common::{
     check_save_dtype, clip_gradients, config_json_with_dtype, expected_for_save, load_expected,
-    locked_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe,
+    locked_vars, restore_vars, write_model_dir, ModelDirFiles, RankFiles, Recipe,
 };
 use crate::dataset::FeatureDataset;
 use crate::error::{invalid, Result};
@@ -859,14 +859,7 @@ impl<'b, 'a> EagleTrainer<'b, 'a> {
 
     /// Sets every weight to `tensors`' (a [`Self::snapshot`] of this head).
     fn restore(&mut self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
-        let data = locked_vars(&self.varmap)?;
-        for (name, var) in data.iter() {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| invalid(format!("the saved weights lack tensor '{name}'")))?;
-            var.set(t)?;
-        }
-        Ok(())
+        restore_vars(&self.varmap, tensors)
     }
 
     /// Writes the head in the published EAGLE layout (`config.json` + `model.safetensors`
@@ -1066,9 +1059,7 @@ impl PassMeans {
             None => (None, Vec::new()),
         }
     }
-}
 
-impl PassMeans {
     /// The tokens a greedy chain of the evaluated depths would accept on average if each
     /// depth's top-1 held independently: `p1 + p1·p2 + p1·p2·p3 + …`, the held-out proxy of
     /// the mean accepted length (less the bonus token) that `keep_best` maximises.
