@@ -213,7 +213,8 @@ impl BestEpoch {
     }
 
     /// Records finished epoch `epoch`: its weights (`snapshot`) become the best when `score`
-    /// beats it (ties keep the earlier).
+    /// beats it (ties keep the earlier; a NaN score, from weights that diverged, never wins,
+    /// and any number beats a NaN best).
     pub fn offer(
         &mut self,
         epoch: usize,
@@ -221,7 +222,7 @@ impl BestEpoch {
         snapshot: impl FnOnce() -> Result<BTreeMap<String, Tensor>>,
     ) -> Result<()> {
         self.last = epoch;
-        if score > self.score {
+        if score > self.score || (self.score.is_nan() && !score.is_nan()) {
             self.tensors = snapshot()?;
             (self.epoch, self.score) = (epoch, score);
         }
