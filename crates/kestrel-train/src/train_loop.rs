@@ -259,3 +259,39 @@ impl BestEpoch {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Epoch `e`'s stand-in weights: one tensor holding `e`.
+    fn weights(e: usize) -> Result<BTreeMap<String, Tensor>> {
+        let t = Tensor::new(&[e as f32], &candle_core::Device::Cpu)?;
+        Ok(BTreeMap::from([("w".to_string(), t)]))
+    }
+
+    fn kept_weights(best: &BestEpoch) -> f32 {
+        best.tensors["w"].to_vec1::<f32>().unwrap()[0]
+    }
+
+    #[test]
+    fn the_best_epoch_is_the_highest_score_the_earliest_of_a_tie_never_a_nan() {
+        let mut best = BestEpoch::start("score", 0, f64::NAN, weights(0).unwrap());
+        best.offer(1, 0.3, || weights(1)).unwrap();
+        assert_eq!((best.epoch, kept_weights(&best)), (1, 1.0));
+        best.offer(2, f64::NAN, || weights(2)).unwrap();
+        best.offer(3, 0.3, || weights(3)).unwrap();
+        assert_eq!((best.epoch, kept_weights(&best)), (1, 1.0));
+        assert_eq!(best.stop(Some(3)), None);
+        assert_eq!(
+            best.stop(Some(2)).as_deref(),
+            Some("stopping early: 2 epoch(s) without a better score than epoch 1's")
+        );
+        assert_eq!(best.stop(None), None);
+        best.offer(4, 0.5, || weights(4)).unwrap();
+        assert_eq!(
+            best.kept(),
+            "kept epoch 4's weights: score 0.500, the best of epochs 0-4"
+        );
+    }
+}
