@@ -73,6 +73,7 @@ pub(crate) fn swiglu_cpu(gu: &Tensor) -> Result<Tensor> {
 fn swiglu<T: Silu>(gu: &Tensor, rows: usize, i: usize) -> Result<Tensor> {
     let gu = gu.contiguous()?;
     let mut out = vec![T::from_f32(0.0); rows * i];
+    let silu = T::silu();
     cpu_slice::<T, _>(&gu, |v| {
         // Tasks are whole rows (`split` keeps them multiples of i).
         split(&mut out, i, |at, o| {
@@ -80,7 +81,7 @@ fn swiglu<T: Silu>(gu: &Tensor, rows: usize, i: usize) -> Result<Tensor> {
                 let row = &v[(at / i + r) * 2 * i..][..2 * i];
                 let (gate, up) = row.split_at(i);
                 for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-                    *o = T::from_f32(g.silu() * u.to_f32());
+                    *o = T::from_f32(silu(g) * u.to_f32());
                 }
             }
         });
@@ -98,14 +99,15 @@ fn silu_rounded<T: Rounded>(g: T) -> T {
     T::from_f32(g / T::from_f32(one + e).to_f32())
 }
 
-/// [`silu_rounded`] as SwiGLU takes it, in f32.
+/// [`silu_rounded`] as SwiGLU takes it, in f32: a function fetched once per call, so the
+/// element loop does no table initialisation check.
 trait Silu: Rounded {
-    fn silu(self) -> f32;
+    fn silu() -> impl Fn(Self) -> f32 + Sync;
 }
 
 impl Silu for f32 {
-    fn silu(self) -> f32 {
-        silu_rounded(self)
+    fn silu() -> impl Fn(f32) -> f32 + Sync {
+        silu_rounded::<f32>
     }
 }
 
@@ -115,14 +117,14 @@ impl Silu for f32 {
 macro_rules! silu_by_table {
     ($t:ty) => {
         impl Silu for $t {
-            fn silu(self) -> f32 {
+            fn silu() -> impl Fn($t) -> f32 + Sync {
                 static TABLE: std::sync::OnceLock<Vec<$t>> = std::sync::OnceLock::new();
                 let table = TABLE.get_or_init(|| {
                     (0..=u16::MAX)
                         .map(|b| silu_rounded(<$t>::from_bits(b)))
                         .collect()
                 });
-                table[self.to_bits() as usize].to_f32()
+                move |g: $t| table[g.to_bits() as usize].to_f32()
             }
         }
     };
