@@ -113,6 +113,10 @@ pub struct BenchArgs {
     /// may start while the one before it finishes), or `off`, to measure what it saves.
     #[arg(long, default_value = "on")]
     pub dependent_launch: String,
+    /// Where a replayed CUDA graph's activations live: `arena` (one buffer per model, sized
+    /// to its steps) or `driver` (CUDA's graph memory pool, 32 MiB at a time), to compare.
+    #[arg(long, default_value = "arena")]
+    pub graph_memory: String,
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]
     pub eagle_draft_vocab: Option<usize>,
@@ -510,6 +514,10 @@ pub struct BenchReport {
     /// Whether Kestrel's kernels were launched with programmatic dependent launch
     /// (`--dependent_launch on` and a GPU of compute capability 9.0 or later).
     pub dependent_launch: bool,
+    /// `--graph_memory`: where replayed graphs kept their activations (`arena` or `driver`).
+    pub graph_memory: String,
+    /// Device bytes of the step graphs' arenas at the end (target, head and draft).
+    pub cuda_graph_arena_bytes: usize,
     /// Why a graph capture failed and graphs were turned off, if one did.
     pub cuda_graph_failure: Option<String>,
     /// `--eagle_draft_vocab N`: EAGLE modes drafted from N tokens, described.
@@ -765,6 +773,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         "--dependent_launch",
         &args.dependent_launch,
     )?);
+    kestrel_runtime::device::set_graph_arena(match args.graph_memory.as_str() {
+        "arena" => true,
+        "driver" => false,
+        other => bail!("--graph_memory {other}: expected arena or driver"),
+    });
     let device_sampling = on_off("--device_sampling", &args.device_sampling)?;
     kestrel_runtime::device::set_device_sampling(device_sampling);
     let draft_on_device = on_off("--draft_on_device", &args.draft_on_device)?;
@@ -1197,6 +1210,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         max_output_len: args.max_output_len,
         cuda_graphs: device.is_cuda() && !args.no_cuda_graphs,
         dependent_launch: kestrel_runtime::device::dependent_launch_on(&device)?,
+        graph_memory: args.graph_memory.clone(),
+        cuda_graph_arena_bytes: engine.cuda_graph_arena_bytes()
+            + draft.as_ref().map_or(0, Engine::cuda_graph_arena_bytes),
         sampling,
         device_sampling: device.is_cuda() && device_sampling,
         draft_on_device,

@@ -20,16 +20,26 @@ use candle_core::{Device, Result, Tensor, WithDType};
 
 #[cfg(feature = "cuda")]
 mod imp {
+    use crate::graph_arena::relocate;
+    use crate::RelocationStats;
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    use candle_core::cuda::cudarc::driver::{CudaGraph, DeviceRepr};
+    use candle_core::cuda::cudarc::driver::sys::{self, CUstreamCaptureMode};
+    use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
     use candle_core::cuda::{CudaDType, WrapErr};
     use candle_core::{
         bail, CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Result, Tensor, WithDType,
     };
+    use std::sync::Arc;
 
     /// A captured step, replayed with [`StepGraph::launch`].
-    pub struct StepGraph(CudaGraph);
+    pub struct StepGraph {
+        exec: sys::CUgraphExec,
+        stream: Arc<CudaStream>,
+        /// Where the step's activations live when they were moved out of the driver's graph
+        /// pool (kept alive for as long as the graph may run).
+        _arena: Option<Arc<CudaSlice<u8>>>,
+        relocation: Option<RelocationStats>,
+    }
 
     // SAFETY: a CUDA graph may be launched from any thread as long as calls on it are
     // serialised; `launch` takes `&mut self`, so Rust's borrow rules serialise them.
@@ -37,7 +47,51 @@ mod imp {
 
     impl StepGraph {
         pub fn launch(&mut self) -> Result<()> {
-            self.0.launch().w()
+            self.stream.context().bind_to_thread().w()?;
+            // SAFETY: `exec` is a live instantiation on this stream's context; the memory it
+            // touches (weights, KV pools, input buffers, the arena) outlives it.
+            unsafe { sys::cuGraphLaunch(self.exec, self.stream.cu_stream()).result() }.w()
+        }
+
+        /// What moving the step's allocations into its arena did; None when the driver's
+        /// graph pool serves them ([`set_graph_arena`](crate::set_graph_arena) off).
+        pub fn relocation(&self) -> Option<RelocationStats> {
+            self.relocation
+        }
+    }
+
+    impl Drop for StepGraph {
+        fn drop(&mut self) {
+            let ctx = self.stream.context();
+            // SAFETY: destroyed once; a replay still running completes first (CUDA defers it).
+            ctx.record_err(unsafe { sys::cuGraphExecDestroy(self.exec).result() });
+        }
+    }
+
+    /// The buffer a model's captured steps keep their activations in. Its steps run one at a
+    /// time on one stream and keep nothing past their end, so all can share it; a step that
+    /// needs more than it holds gets a bigger one, and the graphs captured before keep theirs.
+    #[derive(Default)]
+    pub struct GraphArena(Option<Arc<CudaSlice<u8>>>);
+
+    impl GraphArena {
+        /// A buffer of at least `bytes` (rounded up to 1 MiB, so that a few larger steps do
+        /// not each grow it).
+        fn at_least(&mut self, stream: &Arc<CudaStream>, bytes: u64) -> Result<Arc<CudaSlice<u8>>> {
+            if let Some(buf) = self.0.as_ref().filter(|b| b.len() as u64 >= bytes) {
+                return Ok(buf.clone());
+            }
+            let size = bytes.div_ceil(1 << 20) << 20;
+            // SAFETY: the arena is written by a step before it is read (it holds what the
+            // step allocated), like the allocations it replaces.
+            let buf = Arc::new(unsafe { stream.alloc::<u8>(size as usize) }.w()?);
+            self.0 = Some(buf.clone());
+            Ok(buf)
+        }
+
+        /// Bytes held now.
+        pub fn bytes(&self) -> usize {
+            self.0.as_ref().map_or(0, |b| b.len())
         }
     }
 
@@ -53,8 +107,19 @@ mod imp {
         Ok(f())
     }
 
+    /// Destroys a graph template when dropped (it is not needed once instantiated).
+    struct Template(sys::CUgraph);
+
+    impl Drop for Template {
+        fn drop(&mut self) {
+            // SAFETY: a graph this module created, destroyed once.
+            unsafe { sys::cuGraphDestroy(self.0) };
+        }
+    }
+
     pub fn capture<R, E: From<candle_core::Error>>(
         device: &Device,
+        arena: &mut GraphArena,
         f: impl FnOnce() -> std::result::Result<R, E>,
     ) -> std::result::Result<(StepGraph, R), E> {
         let dev = cuda(device)?;
@@ -65,14 +130,51 @@ mod imp {
             .w()?;
         let result = f();
         // The capture always ends, so a failed closure leaves the stream usable.
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).w();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture this function began on this stream.
+        let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph).result() };
+        let template = (!graph.is_null()).then(|| Template(graph));
         let r = result?;
-        match graph? {
-            Some(g) => Ok((StepGraph(g), r)),
-            None => {
-                Err(candle_core::Error::Msg("CUDA graph capture recorded nothing".into()).into())
-            }
+        ended.w()?;
+        let Some(template) = template else {
+            return Err(
+                candle_core::Error::Msg("CUDA graph capture recorded nothing".into()).into(),
+            );
+        };
+        let (kept, relocation) = if crate::graph_arena() {
+            let mut kept = None;
+            // SAFETY: the template was just captured on this context and is not instantiated;
+            // the arena it is given is kept by the StepGraph for as long as it exists.
+            let stats = unsafe {
+                relocate(template.0, |bytes| {
+                    let buf = arena.at_least(&stream, bytes)?;
+                    let (base, _sync) = buf.device_ptr(&stream);
+                    kept = Some(buf.clone());
+                    Ok(base)
+                })
+            }?;
+            (kept, stats)
+        } else {
+            (None, None)
+        };
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: instantiates the template on the current context.
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, template.0, 0).result() }.w()?;
+        if relocation.is_some() {
+            // Capturing reserved graph-pool memory for the allocation nodes since removed:
+            // give back what no graph uses.
+            // SAFETY: a plain driver call on the stream's device.
+            unsafe { sys::cuDeviceGraphMemTrim(stream.context().cu_device()).result() }.w()?;
         }
+        Ok((
+            StepGraph {
+                exec,
+                stream,
+                _arena: kept,
+                relocation,
+            },
+            r,
+        ))
     }
 
     struct Upload<'a, T> {
@@ -127,7 +229,7 @@ mod imp {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::StepGraph;
+pub use imp::{GraphArena, StepGraph};
 
 /// A captured step (this build has no CUDA: none can exist).
 #[cfg(not(feature = "cuda"))]
@@ -137,6 +239,24 @@ pub struct StepGraph(());
 impl StepGraph {
     pub fn launch(&mut self) -> Result<()> {
         crate::no_cuda("CUDA graphs")
+    }
+
+    pub fn relocation(&self) -> Option<crate::RelocationStats> {
+        None
+    }
+}
+
+/// The buffer a model's captured steps keep their activations in (this build has no CUDA:
+/// it stays empty).
+#[cfg(not(feature = "cuda"))]
+#[derive(Default)]
+pub struct GraphArena(());
+
+#[cfg(not(feature = "cuda"))]
+impl GraphArena {
+    /// Bytes held now.
+    pub fn bytes(&self) -> usize {
+        0
     }
 }
 
@@ -155,18 +275,22 @@ pub fn with_upload_cache<R>(device: &Device, f: impl FnOnce() -> R) -> Result<R>
 }
 
 /// Records what `f` launches on `device`'s stream as a graph instead of running it; returns
-/// the graph and `f`'s result (tensors whose contents exist only once the graph runs).
+/// the graph and `f`'s result (tensors whose contents exist only once the graph runs). With
+/// [`set_graph_arena`](crate::set_graph_arena) on (the default), what the step allocates is
+/// moved into `arena`, which the graph keeps alive (`graph_arena.rs`), so a replay takes no
+/// memory from the driver's graph pool.
 pub fn capture<R, E: From<candle_core::Error>>(
     device: &Device,
+    arena: &mut GraphArena,
     f: impl FnOnce() -> std::result::Result<R, E>,
 ) -> std::result::Result<(StepGraph, R), E> {
     #[cfg(feature = "cuda")]
     {
-        imp::capture(device, f)
+        imp::capture(device, arena, f)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (device, f);
+        let _ = (device, arena, f);
         crate::no_cuda("CUDA graphs").map_err(E::from)
     }
 }

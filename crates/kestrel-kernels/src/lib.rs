@@ -25,7 +25,8 @@
 //!   rows, EAGLE's node outputs and token pool), so that candle's indexing module, and the
 //!   device memory its loading takes, stays out of the process; candle's ops on the CPU.
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
-//!   through [`upload_into`].
+//!   through [`upload_into`]; what the step allocates is moved into a [`GraphArena`] its
+//!   model's graphs share (`graph_arena.rs`), so replays take nothing from the driver's pool.
 //! - [`open_cuda`] / [`limit_thread_stack`]: a device whose context's per-thread stack is cut
 //!   to what these kernels need.
 //! - [`set_dependent_launch`]: programmatic dependent launch on Hopper (on by default), which
@@ -41,15 +42,34 @@ use candle_core::{DType, Device, Result, Tensor};
 mod cuda;
 mod gemv_quant;
 mod graph;
+mod graph_arena;
 #[cfg(feature = "cuda")]
 mod launch;
 mod rows;
 mod stack;
 
 pub use gemv_quant::{QuantGemvWeights, QUANT_GEMV_BLOCK, QUANT_GEMV_ROWS};
-pub use graph::{capture, upload_into, with_upload_cache, StepGraph, UploadElem};
+pub use graph::{capture, upload_into, with_upload_cache, GraphArena, StepGraph, UploadElem};
+pub use graph_arena::RelocationStats;
 pub use rows::{gather_rows, scatter_rows};
 pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_BYTES};
+
+/// Whether captured steps keep their allocations in their model's arena (see
+/// [`set_graph_arena`]).
+static GRAPH_ARENA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Where the memory a captured step allocates comes from at replay, for every later capture
+/// of this process: the model's arena (on, the default: `graph_arena.rs`) or the driver's
+/// graph memory pool, which reserves 32 MiB at a time (off, to compare the two in one process:
+/// `spec-bench --graph_memory driver`). Outputs do not change either way.
+pub fn set_graph_arena(enabled: bool) {
+    GRAPH_ARENA.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_graph_arena`] leaves the arena on.
+pub fn graph_arena() -> bool {
+    GRAPH_ARENA.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Whether kernels launched on Hopper carry programmatic dependent launch (see
 /// [`set_dependent_launch`]).

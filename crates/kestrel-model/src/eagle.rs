@@ -247,6 +247,11 @@ impl EagleHead {
         self.graphs.activity()
     }
 
+    /// See [`Llama::cuda_graph_arena_bytes`].
+    pub fn cuda_graph_arena_bytes(&self) -> usize {
+        self.graphs.arena_bytes()
+    }
+
     /// Decoder layers of the head (the layers of its KV cache).
     pub fn num_layers(&self) -> usize {
         self.layers.len()

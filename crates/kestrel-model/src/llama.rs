@@ -481,6 +481,16 @@ impl Llama {
     pub fn cuda_graph_activity(&self) -> GraphActivity {
         self.graphs.activity()
     }
+
+    /// Device bytes the step graphs keep their activations in (their shared arena).
+    pub fn cuda_graph_arena_bytes(&self) -> usize {
+        self.graphs.arena_bytes()
+    }
+
+    /// What moving each captured step's allocations into the arena did.
+    pub fn cuda_graph_relocations(&self) -> Vec<kestrel_kernels::RelocationStats> {
+        self.graphs.relocations()
+    }
     pub fn dtype(&self) -> DType {
         self.dtype
     }

@@ -12,7 +12,7 @@
 use crate::error::Result;
 use crate::step::{GraphInputs, GraphLayout, Step};
 use candle_core::{DType, Device, Tensor, TensorId};
-use kestrel_kernels::StepGraph;
+use kestrel_kernels::{GraphArena, StepGraph};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -72,6 +72,8 @@ struct Graphs {
     entries: HashMap<GraphLayout, Captured>,
     /// Steps seen per layout not captured yet.
     seen: HashMap<GraphLayout, u32>,
+    /// Where the captured steps keep their activations.
+    arena: GraphArena,
 }
 
 /// A model's step graphs. Cloning a model gives the clone none of them (they write the
@@ -107,6 +109,7 @@ impl StepGraphs {
         if !enabled {
             g.entries.clear();
             g.seen.clear();
+            g.arena = GraphArena::default();
         }
     }
 
@@ -123,6 +126,21 @@ impl StepGraphs {
     /// Captured graphs held now.
     pub fn count(&self) -> usize {
         self.lock().entries.len()
+    }
+
+    /// What moving each captured step's allocations into the arena did (graphs captured with
+    /// the driver's pool instead have none).
+    pub fn relocations(&self) -> Vec<kestrel_kernels::RelocationStats> {
+        let g = self.lock();
+        g.entries
+            .values()
+            .filter_map(|c| c.graph.relocation())
+            .collect()
+    }
+
+    /// Device bytes of the arena the captured steps keep their activations in.
+    pub fn arena_bytes(&self) -> usize {
+        self.lock().arena.bytes()
     }
 
     pub fn activity(&self) -> GraphActivity {
@@ -190,7 +208,7 @@ impl StepGraphs {
         };
         let out = kestrel_kernels::with_upload_cache(device, run)??;
         let kept = out.zeros_like()?;
-        let captured = kestrel_kernels::capture(device, || {
+        let captured = kestrel_kernels::capture(device, &mut g.arena, || {
             kept.slice_set(&run()?, 0, 0)?;
             Ok::<(), crate::error::ModelError>(())
         });

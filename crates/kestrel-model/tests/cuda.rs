@@ -281,6 +281,18 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
             // step, replayed by the 9 after.
             assert_eq!(graphed.cuda_graph_count(), 1, "{what}");
             assert_eq!(eager.cuda_graph_count(), 0, "{what}");
+            // Its activations were moved out of the driver's graph pool into the model's
+            // arena, every allocation with its free.
+            let moved = graphed.cuda_graph_relocations();
+            assert_eq!(moved.len(), 1, "{what}: {moved:?}");
+            assert!(
+                moved[0].allocations > 0 && moved[0].nodes_rewritten > 0,
+                "{what}: {moved:?}"
+            );
+            assert!(
+                graphed.cuda_graph_arena_bytes() as u64 >= moved[0].arena_bytes,
+                "{what}"
+            );
             assert_eq!(got, want, "{what}: greedy tokens differ");
             assert_same_bits(&got_h, &want_h, &what);
         }
@@ -759,11 +771,16 @@ fn smollm2_loads_into_its_weights_chunks_and_steps_within_one_more() {
     let (graph_used, graph_reserved) = graph_pool_bytes(&dev);
     eprintln!(
         "after 5 graphed decode steps {:.1} MiB above the start; the graph memory pool: \
-         {:.1} MiB in use, {:.1} MiB reserved",
+         {:.1} MiB in use, {:.1} MiB reserved; the step's arena {:.2} MiB; the graph: {:?}",
         mib(graphed),
         mib(graph_used),
-        mib(graph_reserved)
+        mib(graph_reserved),
+        mib(m.cuda_graph_arena_bytes() as u64),
+        m.cuda_graph_relocations()
     );
+    // The captured step keeps its activations in the model's arena, so the driver's graph
+    // pool (32 MiB at a time) holds nothing.
+    assert_eq!((graph_used, graph_reserved), (0, 0));
     // The steps' activations fit in one pool chunk; candle's indexing module, which took
     // ~90 MiB at the first step before the row gathers became Kestrel's, must not load.
     assert!(

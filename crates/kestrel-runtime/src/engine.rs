@@ -118,6 +118,15 @@ impl Engine {
         }
     }
 
+    /// Device bytes the step graphs of the model and the head keep their activations in.
+    pub fn cuda_graph_arena_bytes(&self) -> usize {
+        self.model.cuda_graph_arena_bytes()
+            + self
+                .eagle
+                .as_ref()
+                .map_or(0, |h| h.cuda_graph_arena_bytes())
+    }
+
     /// Why CUDA graphs were turned off after a failed capture (model or head), if they were.
     pub fn cuda_graph_failure(&self) -> Option<String> {
         self.model

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Captured steps' activations in their model's arena (the default) against the driver's graph
+# memory pool (`--graph_memory driver`), in one call: the GPU tests (graphs equal eager steps,
+# bit for bit, through the arena), SmolLM2's memory runs (tools/gpu/memory_h200.sh, which has
+# a graphs_driver run too), then spec-bench with each setting alternated (ROUNDS, default 2)
+# on random weights, bf16, graphs, batch 1, 128-token prompts, 64 tokens: Llama-2-7B plain and
+# verify:8/16/64 (issue 6's roofline fraction and verification ratios), SmolLM2 plain and
+# verify:8. Needs spec-bench and the test binaries (kernels-gpu, model-cuda) staged.
+#   bash tools/gpu/graph_arena_h200.sh [test memory bench]
+# Results: $OUT/graph_arena/*.json and the summary in $OUT/graph_arena.txt.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/session-env.sh"
+R=$OUT/graph_arena; mkdir -p $R
+for what in ${@:-test memory bench}; do
+  case $what in
+  test) run_gpu_tests | grep -v " ok$" | tee -a $OUT/graph_arena.txt ;;
+  memory) bash "$here/memory_h200.sh" | tee -a $OUT/graph_arena.txt ;;
+  bench)
+    for r in $(seq 1 ${ROUNDS:-2}); do
+      for memory in arena driver; do
+        for shape in ${SHAPES:-llama2-7b:verify:8,verify:16,verify:64 smollm2-135m:verify:8}; do
+          name=${shape%%:*}_${memory}_$r
+          $B/spec-bench --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 \
+            --prompt_len 128 --max_output_len 64 --num_prompts 4 --batch_sizes 1 \
+            --modes plain,${shape#*:} --graph_memory $memory --output_json $R/$name.json \
+            > $R/$name.log 2>&1 || tail -3 $R/$name.log
+        done
+      done
+    done
+    python3 - "$R" <<'PY' | tee -a $OUT/graph_arena.txt
+import glob, json, os, sys
+d = sys.argv[1]
+print(f"{'run':28s} {'mode':10s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'peak MiB':>8s} {'arena MiB':>9s} {'digest':>18s}")
+for path in sorted(glob.glob(os.path.join(d, "*.json"))):
+    rep = json.load(open(path))
+    for res in rep["results"]:
+        v = (res.get("verify") or {}).get("ratio") or 0
+        print(f"{os.path.basename(path)[:-5]:28s} {res['mode']:10s} {res.get('tokens_per_s') or 0:7.0f}"
+              f" {res['step_latency_ms']:8.3f} {res['roofline_fraction']:8.3f} {v:6.2f}"
+              f" {(res.get('peak_memory_bytes') or 0) / 2**20:8.1f} {rep.get('cuda_graph_arena_bytes', 0) / 2**20:9.2f}"
+              f" {res.get('output_digest') or '':>18s}")
+    if rep.get("cuda_graph_failure"):
+        print("  graph failure:", rep["cuda_graph_failure"])
+PY
+    ;;
+  esac
+done
