@@ -108,6 +108,8 @@ pub struct RelocationStats {
     /// Edges between kernels that let the second start before the first ends
     /// (programmatic dependent launch), before and after the surgery.
     pub programmatic_edges: (usize, usize),
+    /// Edges added to join a removed node's neighbours: full, programmatic.
+    pub joined_edges: (usize, usize),
 }
 
 #[cfg(feature = "cuda")]
@@ -121,6 +123,13 @@ mod surgery {
     };
     use candle_core::{bail, Result};
     use std::collections::{HashMap, HashSet};
+
+    /// Whether `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for kernels joined across a removed
+    /// allocation to keep dependent launch (an experiment; read once).
+    fn join_programmatic() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("KESTREL_GRAPH_JOIN_PROGRAMMATIC").as_deref() == Ok("1"))
+    }
 
     fn check(r: CUresult, what: &str) -> Result<()> {
         match r {
@@ -313,9 +322,10 @@ mod surgery {
         Ok(changed)
     }
 
+    /// The nodes `node` depends on (`before`) or that depend on it. Edge data is fetched too,
+    /// though unused: without it the driver refuses to list programmatic edges.
     unsafe fn neighbours(node: CUgraphNode, before: bool) -> Result<Vec<CUgraphNode>> {
-        let get = |out: *mut CUgraphNode, n: &mut usize| {
-            let data = std::ptr::null_mut();
+        let get = |out: *mut CUgraphNode, data: *mut CUgraphEdgeData, n: &mut usize| {
             if before {
                 sys::cuGraphNodeGetDependencies_v2(node, out, data, n)
             } else {
@@ -323,35 +333,88 @@ mod surgery {
             }
         };
         let mut n = 0usize;
+        let none = std::ptr::null_mut();
         check(
-            get(std::ptr::null_mut(), &mut n),
+            get(none, std::ptr::null_mut(), &mut n),
             "listing a node's neighbours",
         )?;
         let mut out = vec![std::ptr::null_mut(); n];
-        check(get(out.as_mut_ptr(), &mut n), "listing a node's neighbours")?;
+        let mut data = vec![std::mem::zeroed::<CUgraphEdgeData>(); n];
+        check(
+            get(out.as_mut_ptr(), data.as_mut_ptr(), &mut n),
+            "listing a node's neighbours",
+        )?;
         out.truncate(n);
         Ok(out)
     }
 
-    /// Removes `node`, making each of its successors depend fully on each of its predecessors.
-    unsafe fn bypass(graph: CUgraph, node: CUgraphNode) -> Result<()> {
+    /// Whether `node` is one of Kestrel's kernels, all of which wait for their predecessor
+    /// (`griddepcontrol.wait`) before they touch anything but weights.
+    unsafe fn is_kestrel_kernel(node: CUgraphNode) -> Result<bool> {
+        if node_type(node)? != CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            return Ok(false);
+        }
+        let mut params = std::mem::zeroed::<sys::CUDA_KERNEL_NODE_PARAMS>();
+        check(
+            sys::cuGraphKernelNodeGetParams_v2(node, &mut params),
+            "reading a kernel node",
+        )?;
+        if params.func.is_null() {
+            return Ok(false);
+        }
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        check(
+            sys::cuFuncGetName(&mut name, params.func),
+            "reading a kernel's name",
+        )?;
+        Ok(!name.is_null()
+            && std::ffi::CStr::from_ptr(name)
+                .to_bytes()
+                .starts_with(b"kestrel_"))
+    }
+
+    /// Removes `node`, making each of its successors depend on each of its predecessors:
+    /// fully, or through `programmatic` (an edge data the capture made for dependent launch)
+    /// where a kernel is followed by one of Kestrel's, which waits for it before reading
+    /// anything it wrote. Returns the edges added: full, programmatic.
+    unsafe fn bypass(
+        graph: CUgraph,
+        node: CUgraphNode,
+        programmatic: Option<CUgraphEdgeData>,
+    ) -> Result<(usize, usize)> {
         let before = neighbours(node, true)?;
         let after = neighbours(node, false)?;
+        let mut added = (0, 0);
         for &p in &before {
             let existing = neighbours(p, false)?;
+            let from_kernel = node_type(p)? == CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
             for &s in after.iter().filter(|s| !existing.contains(s)) {
+                let data = match programmatic {
+                    Some(d) if from_kernel && is_kestrel_kernel(s)? => {
+                        added.1 += 1;
+                        &d as *const CUgraphEdgeData
+                    }
+                    _ => {
+                        added.0 += 1;
+                        std::ptr::null()
+                    }
+                };
                 check(
-                    sys::cuGraphAddDependencies_v2(graph, &p, &s, std::ptr::null(), 1),
+                    sys::cuGraphAddDependencies_v2(graph, &p, &s, data, 1),
                     "joining a removed node's neighbours",
                 )?;
             }
         }
-        check(sys::cuGraphDestroyNode(node), "removing an allocation node")
+        check(sys::cuGraphDestroyNode(node), "removing an allocation node")?;
+        Ok(added)
+    }
+
+    fn is_programmatic(data: &CUgraphEdgeData) -> bool {
+        data.type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
     }
 
     fn programmatic(edges: &[Edge]) -> usize {
-        let kind = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
-        edges.iter().filter(|(_, _, d)| d.type_ == kind).count()
+        edges.iter().filter(|(_, _, d)| is_programmatic(d)).count()
     }
 
     /// Moves `graph`'s allocations into an arena at device address `base` of at least the
@@ -437,8 +500,14 @@ mod surgery {
             };
             stats.nodes_rewritten += rewritten as usize;
         }
+        // Joined kernels keep dependent launch when the capture gave any edge of that kind
+        // (Hopper, dependent launch on) and `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for it.
+        let template = edges.iter().map(|e| e.2).find(is_programmatic);
+        let programmatic_joins = template.filter(|_| join_programmatic());
         for node in memory_nodes {
-            bypass(graph, node)?;
+            let (full, programmatic) = bypass(graph, node, programmatic_joins)?;
+            stats.joined_edges.0 += full;
+            stats.joined_edges.1 += programmatic;
         }
         let (_, edges) = nodes_and_edges(graph)?;
         stats.programmatic_edges.1 = programmatic(&edges);
