@@ -141,11 +141,12 @@ mod imp {
                 candle_core::Error::Msg("CUDA graph capture recorded nothing".into()).into(),
             );
         };
-        let (kept, relocation) = if crate::graph_arena() {
-            let mut kept = None;
-            // SAFETY: the template was just captured on this context and is not instantiated;
-            // the arena it is given is kept by the StepGraph for as long as it exists.
-            let stats = unsafe {
+        let mut template = template;
+        let (mut kept, mut relocation) = (None, None);
+        if crate::graph_arena() {
+            // SAFETY: the template was just captured on this context; the arena its copy is
+            // given is kept by the StepGraph for as long as it exists.
+            let copy = unsafe {
                 relocate(template.0, |bytes| {
                     let buf = arena.at_least(&stream, bytes)?;
                     let (base, _sync) = buf.device_ptr(&stream);
@@ -153,10 +154,11 @@ mod imp {
                     Ok(base)
                 })
             }?;
-            (kept, stats)
-        } else {
-            (None, None)
-        };
+            if let Some((graph, stats)) = copy {
+                template = Template(graph);
+                relocation = Some(stats);
+            }
+        }
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: instantiates the template on the current context.
         unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, template.0, 0).result() }.w()?;

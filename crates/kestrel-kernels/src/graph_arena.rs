@@ -5,10 +5,11 @@
 //! nodes. At replay the driver serves those from its graph memory pool, which reserves 32 MiB
 //! at a time: on SmolLM2 that is 12% of the weights, for well under 1 MiB of activations, and
 //! the difference between issue 6's memory bound and missing it. After capture,
-//! [`relocate`] gives every allocation an offset in an arena (allocations live at the same
-//! time never share bytes), points each kernel, memset and memcpy node that uses one at its
-//! place in the arena, and removes the allocation and free nodes, joining their predecessors
-//! to their successors by full dependencies, so the order of everything else is unchanged.
+//! `relocate` gives every allocation an offset in an arena (allocations live at the same
+//! time never share bytes) and copies the graph without its allocation and free nodes, each
+//! kernel, memset and memcpy node that used one pointed at its place in the arena and each
+//! node that followed a removed one made to depend fully on that node's predecessors, so the
+//! order of everything else is unchanged.
 //!
 //! The planning ([`plan_offsets`], [`Allocation::place`], [`relocate_words`]) is plain
 //! arithmetic, tested without a GPU; the graph surgery needs CUDA.
@@ -99,7 +100,8 @@ pub fn relocate_words<E>(
 pub struct RelocationStats {
     /// Nodes of the captured graph.
     pub nodes: usize,
-    /// Allocation nodes moved into the arena (each with its free node, both removed).
+    /// Allocation nodes moved into the arena (each with its free node, both left out of the
+    /// copy that is instantiated).
     pub allocations: usize,
     /// The arena bytes the step needs.
     pub arena_bytes: u64,
@@ -108,7 +110,7 @@ pub struct RelocationStats {
     /// Edges between kernels that let the second start before the first ends
     /// (programmatic dependent launch), before and after the surgery.
     pub programmatic_edges: (usize, usize),
-    /// Edges added to join a removed node's neighbours: full, programmatic.
+    /// Edges that join a removed node's neighbours in the copy: full, programmatic.
     pub joined_edges: (usize, usize),
 }
 
@@ -117,12 +119,16 @@ pub(crate) use surgery::relocate;
 
 #[cfg(feature = "cuda")]
 mod surgery {
+    //! The driver allows no node of a graph holding allocation nodes to be removed, so the
+    //! step is copied, node by node in its order, into a new graph without them.
+
     use super::{plan_offsets, relocate_words, Allocation, RelocationStats};
     use candle_core::cuda::cudarc::driver::sys::{
         self, CUgraph, CUgraphEdgeData, CUgraphNode, CUgraphNodeType, CUresult,
     };
     use candle_core::{bail, Result};
     use std::collections::{HashMap, HashSet};
+    use CUgraphNodeType::*;
 
     /// Whether `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for kernels joined across a removed
     /// allocation to keep dependent launch (an experiment; read once).
@@ -179,17 +185,18 @@ mod surgery {
 
     /// The nodes in dependency order when each depends on the one before it (what capturing
     /// one stream gives), else None.
-    fn chain_order(nodes: &[CUgraphNode], edges: &[Edge]) -> Option<Vec<usize>> {
-        let index: HashMap<CUgraphNode, usize> =
-            nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-        let mut indegree = vec![0usize; nodes.len()];
+    fn chain_order(
+        nodes: &[CUgraphNode],
+        incoming: &[Vec<(usize, CUgraphEdgeData)>],
+    ) -> Option<Vec<usize>> {
+        let mut indegree: Vec<usize> = incoming.iter().map(Vec::len).collect();
         let mut next: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
         let mut pairs = HashSet::new();
-        for (f, t, _) in edges {
-            let (f, t) = (index[f], index[t]);
-            indegree[t] += 1;
-            next[f].push(t);
-            pairs.insert((f, t));
+        for (t, from) in incoming.iter().enumerate() {
+            for &(f, _) in from {
+                next[f].push(t);
+                pairs.insert((f, t));
+            }
         }
         let mut ready: Vec<usize> = (0..nodes.len()).filter(|&i| indegree[i] == 0).collect();
         let mut order = Vec::with_capacity(nodes.len());
@@ -208,7 +215,7 @@ mod surgery {
     }
 
     unsafe fn node_type(node: CUgraphNode) -> Result<CUgraphNodeType> {
-        let mut t = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        let mut t = CU_GRAPH_NODE_TYPE_EMPTY;
         check(
             sys::cuGraphNodeGetType(node, &mut t),
             "reading a node's type",
@@ -234,11 +241,25 @@ mod surgery {
         }
     }
 
-    /// Points the kernel node at the arena; returns whether it used any allocation.
-    unsafe fn rewrite_kernel(
+    /// A graph being built, destroyed unless handed over.
+    struct Building(CUgraph);
+
+    impl Drop for Building {
+        fn drop(&mut self) {
+            if !self.0.is_null() {
+                // SAFETY: a graph this module created, destroyed once.
+                unsafe { sys::cuGraphDestroy(self.0) };
+            }
+        }
+    }
+
+    /// Copies kernel `node` into `graph`, parameters relocated, launch attributes kept;
+    /// returns the copy and whether any parameter moved.
+    unsafe fn copy_kernel(
+        graph: CUgraph,
         node: CUgraphNode,
         mut relocate: impl FnMut(u64) -> Result<Option<u64>>,
-    ) -> Result<bool> {
+    ) -> Result<(CUgraphNode, bool)> {
         let mut params = std::mem::zeroed::<sys::CUDA_KERNEL_NODE_PARAMS>();
         check(
             sys::cuGraphKernelNodeGetParams_v2(node, &mut params),
@@ -247,52 +268,57 @@ mod surgery {
         if params.kernelParams.is_null() {
             bail!("CUDA graph surgery: a captured kernel passes its parameters as `extra`");
         }
-        let sizes = param_sizes(&params)?;
-        let mut values: Vec<Vec<u8>> = Vec::with_capacity(sizes.len());
+        let mut values: Vec<Vec<u8>> = Vec::new();
         let mut changed = false;
-        for (i, &size) in sizes.iter().enumerate() {
+        for (i, size) in param_sizes(&params)?.into_iter().enumerate() {
             let src = *params.kernelParams.add(i) as *const u8;
             let mut bytes = std::slice::from_raw_parts(src, size).to_vec();
             changed |= relocate_words(&mut bytes, &mut relocate)?;
             values.push(bytes);
         }
-        if changed {
-            let mut pointers: Vec<*mut std::ffi::c_void> =
-                values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-            params.kernelParams = pointers.as_mut_ptr();
-            params.extra = std::ptr::null_mut();
-            check(
-                sys::cuGraphKernelNodeSetParams_v2(node, &params),
-                "rewriting a kernel node",
-            )?;
-        }
-        Ok(changed)
+        let mut pointers: Vec<*mut std::ffi::c_void> =
+            values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        params.kernelParams = pointers.as_mut_ptr();
+        params.extra = std::ptr::null_mut();
+        let mut copy = std::ptr::null_mut();
+        check(
+            sys::cuGraphAddKernelNode_v2(&mut copy, graph, std::ptr::null(), 0, &params),
+            "copying a kernel node",
+        )?;
+        check(
+            sys::cuGraphKernelNodeCopyAttributes(copy, node),
+            "copying a kernel's attributes",
+        )?;
+        Ok((copy, changed))
     }
 
-    unsafe fn rewrite_memset(
+    unsafe fn copy_memset(
+        graph: CUgraph,
         node: CUgraphNode,
+        ctx: sys::CUcontext,
         mut relocate: impl FnMut(u64) -> Result<Option<u64>>,
-    ) -> Result<bool> {
+    ) -> Result<(CUgraphNode, bool)> {
         let mut p = std::mem::zeroed::<sys::CUDA_MEMSET_NODE_PARAMS>();
         check(
             sys::cuGraphMemsetNodeGetParams(node, &mut p),
             "reading a memset node",
         )?;
-        let Some(dst) = relocate(p.dst)? else {
-            return Ok(false);
-        };
-        p.dst = dst;
+        let moved = relocate(p.dst)?;
+        p.dst = moved.unwrap_or(p.dst);
+        let mut copy = std::ptr::null_mut();
         check(
-            sys::cuGraphMemsetNodeSetParams(node, &p),
-            "rewriting a memset node",
+            sys::cuGraphAddMemsetNode(&mut copy, graph, std::ptr::null(), 0, &p, ctx),
+            "copying a memset node",
         )?;
-        Ok(true)
+        Ok((copy, moved.is_some()))
     }
 
-    unsafe fn rewrite_memcpy(
+    unsafe fn copy_memcpy(
+        graph: CUgraph,
         node: CUgraphNode,
+        ctx: sys::CUcontext,
         mut relocate: impl FnMut(u64) -> Result<Option<u64>>,
-    ) -> Result<bool> {
+    ) -> Result<(CUgraphNode, bool)> {
         use sys::CUmemorytype::{CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED};
         let mut p = std::mem::zeroed::<sys::CUDA_MEMCPY3D>();
         check(
@@ -313,45 +339,59 @@ mod surgery {
                 changed = true;
             }
         }
-        if changed {
-            check(
-                sys::cuGraphMemcpyNodeSetParams(node, &p),
-                "rewriting a memcpy node",
-            )?;
-        }
-        Ok(changed)
+        let mut copy = std::ptr::null_mut();
+        check(
+            sys::cuGraphAddMemcpyNode(&mut copy, graph, std::ptr::null(), 0, &p, ctx),
+            "copying a memcpy node",
+        )?;
+        Ok((copy, changed))
     }
 
-    /// The nodes `node` depends on (`before`) or that depend on it. Edge data is fetched too,
-    /// though unused: without it the driver refuses to list programmatic edges.
-    unsafe fn neighbours(node: CUgraphNode, before: bool) -> Result<Vec<CUgraphNode>> {
-        let get = |out: *mut CUgraphNode, data: *mut CUgraphEdgeData, n: &mut usize| {
-            if before {
-                sys::cuGraphNodeGetDependencies_v2(node, out, data, n)
-            } else {
-                sys::cuGraphNodeGetDependentNodes_v2(node, out, data, n)
+    /// Copies a node that touches no memory: empty, event record or event wait.
+    unsafe fn copy_plain(
+        graph: CUgraph,
+        node: CUgraphNode,
+        kind: CUgraphNodeType,
+    ) -> Result<CUgraphNode> {
+        let mut copy = std::ptr::null_mut();
+        let none = std::ptr::null();
+        let mut event = std::ptr::null_mut();
+        match kind {
+            CU_GRAPH_NODE_TYPE_EMPTY => check(
+                sys::cuGraphAddEmptyNode(&mut copy, graph, none, 0),
+                "copying an empty node",
+            )?,
+            CU_GRAPH_NODE_TYPE_EVENT_RECORD => {
+                check(
+                    sys::cuGraphEventRecordNodeGetEvent(node, &mut event),
+                    "reading an event node",
+                )?;
+                check(
+                    sys::cuGraphAddEventRecordNode(&mut copy, graph, none, 0, event),
+                    "copying an event node",
+                )?
             }
-        };
-        let mut n = 0usize;
-        let none = std::ptr::null_mut();
-        check(
-            get(none, std::ptr::null_mut(), &mut n),
-            "listing a node's neighbours",
-        )?;
-        let mut out = vec![std::ptr::null_mut(); n];
-        let mut data = vec![std::mem::zeroed::<CUgraphEdgeData>(); n];
-        check(
-            get(out.as_mut_ptr(), data.as_mut_ptr(), &mut n),
-            "listing a node's neighbours",
-        )?;
-        out.truncate(n);
-        Ok(out)
+            CU_GRAPH_NODE_TYPE_WAIT_EVENT => {
+                check(
+                    sys::cuGraphEventWaitNodeGetEvent(node, &mut event),
+                    "reading an event node",
+                )?;
+                check(
+                    sys::cuGraphAddEventWaitNode(&mut copy, graph, none, 0, event),
+                    "copying an event node",
+                )?
+            }
+            other => bail!(
+                "CUDA graph surgery: a captured step holds a {other:?} node, which it cannot copy"
+            ),
+        }
+        Ok(copy)
     }
 
     /// Whether `node` is one of Kestrel's kernels, all of which wait for their predecessor
     /// (`griddepcontrol.wait`) before they touch anything but weights.
     unsafe fn is_kestrel_kernel(node: CUgraphNode) -> Result<bool> {
-        if node_type(node)? != CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+        if node_type(node)? != CU_GRAPH_NODE_TYPE_KERNEL {
             return Ok(false);
         }
         let mut params = std::mem::zeroed::<sys::CUDA_KERNEL_NODE_PARAMS>();
@@ -373,117 +413,112 @@ mod surgery {
                 .starts_with(b"kestrel_"))
     }
 
-    /// Removes `node`, making each of its successors depend on each of its predecessors:
-    /// fully, or through `programmatic` (an edge data the capture made for dependent launch)
-    /// where a kernel is followed by one of Kestrel's, which waits for it before reading
-    /// anything it wrote. Returns the edges added: full, programmatic.
-    unsafe fn bypass(
-        graph: CUgraph,
-        node: CUgraphNode,
-        programmatic: Option<CUgraphEdgeData>,
-    ) -> Result<(usize, usize)> {
-        let before = neighbours(node, true)?;
-        let after = neighbours(node, false)?;
-        let mut added = (0, 0);
-        for &p in &before {
-            let existing = neighbours(p, false)?;
-            let from_kernel = node_type(p)? == CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
-            for &s in after.iter().filter(|s| !existing.contains(s)) {
-                let data = match programmatic {
-                    Some(d) if from_kernel && is_kestrel_kernel(s)? => {
-                        added.1 += 1;
-                        &d as *const CUgraphEdgeData
-                    }
-                    _ => {
-                        added.0 += 1;
-                        std::ptr::null()
-                    }
-                };
-                check(
-                    sys::cuGraphAddDependencies_v2(graph, &p, &s, data, 1),
-                    "joining a removed node's neighbours",
-                )?;
-            }
-        }
-        check(sys::cuGraphDestroyNode(node), "removing an allocation node")?;
-        Ok(added)
-    }
-
     fn is_programmatic(data: &CUgraphEdgeData) -> bool {
         data.type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
     }
 
-    fn programmatic(edges: &[Edge]) -> usize {
-        edges.iter().filter(|(_, _, d)| is_programmatic(d)).count()
-    }
-
-    /// Moves `graph`'s allocations into an arena at device address `base` of at least the
-    /// returned `arena_bytes`, which `arena` gives once it knows the size. Returns None (the
-    /// graph untouched) when the nodes do not form a chain, where allocations' lifetimes are
-    /// not a simple order; capturing one stream always gives a chain.
+    /// A copy of `graph` without its allocation and free nodes: every allocation placed in an
+    /// arena of the returned stats' `arena_bytes`, whose device address `arena` gives once it
+    /// knows the size, and every node that used one pointed there. A node that depended on a
+    /// removed one depends fully on that node's predecessors instead (the capture's order,
+    /// and the completion an allocation waited for, kept). Returns None (the graph to be
+    /// used as it is) when its nodes do not form a chain, where allocations' lifetimes are not
+    /// a simple order; capturing one stream always gives a chain.
     ///
     /// # Safety
-    /// `graph` is a valid, not yet instantiated graph of the current context; the arena
-    /// returned by `arena` must outlive every instantiation of it.
+    /// `graph` is a valid graph of the current context; the arena `arena` returns must
+    /// outlive every instantiation of the copy.
     pub(crate) unsafe fn relocate(
         graph: CUgraph,
         arena: impl FnOnce(u64) -> Result<u64>,
-    ) -> Result<Option<RelocationStats>> {
-        use CUgraphNodeType::*;
+    ) -> Result<Option<(CUgraph, RelocationStats)>> {
         let (nodes, edges) = nodes_and_edges(graph)?;
-        let Some(order) = chain_order(&nodes, &edges) else {
+        let index: HashMap<CUgraphNode, usize> =
+            nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let mut incoming: Vec<Vec<(usize, CUgraphEdgeData)>> = vec![Vec::new(); nodes.len()];
+        for (f, t, d) in &edges {
+            incoming[index[t]].push((index[f], *d));
+        }
+        let Some(order) = chain_order(&nodes, &incoming) else {
             return Ok(None);
         };
+        let programmatic_before = edges.iter().filter(|e| is_programmatic(&e.2)).count();
         let mut stats = RelocationStats {
             nodes: nodes.len(),
-            programmatic_edges: (programmatic(&edges), 0),
             ..Default::default()
         };
+        let kinds = nodes
+            .iter()
+            .map(|&n| node_type(n))
+            .collect::<Result<Vec<_>>>()?;
+        let mut position = vec![0usize; nodes.len()];
         let mut allocs: Vec<Allocation> = Vec::new();
         let mut open: HashMap<u64, usize> = HashMap::new();
-        let mut memory_nodes = Vec::new();
-        let mut users = Vec::new();
-        for (position, &i) in order.iter().enumerate() {
-            let node = nodes[i];
-            match node_type(node)? {
+        let mut removed = vec![false; nodes.len()];
+        for (at, &i) in order.iter().enumerate() {
+            position[i] = at;
+            match kinds[i] {
                 CU_GRAPH_NODE_TYPE_MEM_ALLOC => {
                     let mut p = std::mem::zeroed::<sys::CUDA_MEM_ALLOC_NODE_PARAMS>();
-                    check(sys::cuGraphMemAllocNodeGetParams(node, &mut p), "reading an allocation")?;
+                    check(
+                        sys::cuGraphMemAllocNodeGetParams(nodes[i], &mut p),
+                        "reading an allocation",
+                    )?;
                     open.insert(p.dptr, allocs.len());
-                    allocs.push(Allocation { start: p.dptr, bytes: p.bytesize as u64, alloc: position, free: usize::MAX });
-                    memory_nodes.push(node);
+                    allocs.push(Allocation {
+                        start: p.dptr,
+                        bytes: p.bytesize as u64,
+                        alloc: at,
+                        free: usize::MAX,
+                    });
+                    removed[i] = true;
                 }
                 CU_GRAPH_NODE_TYPE_MEM_FREE => {
                     let mut dptr = 0u64;
-                    check(sys::cuGraphMemFreeNodeGetParams(node, &mut dptr), "reading a free")?;
+                    check(
+                        sys::cuGraphMemFreeNodeGetParams(nodes[i], &mut dptr),
+                        "reading a free",
+                    )?;
                     let Some(a) = open.remove(&dptr) else {
                         bail!("a captured step frees memory allocated before its capture (a tensor made outside the step dropped inside it)")
                     };
-                    allocs[a].free = position;
-                    memory_nodes.push(node);
+                    allocs[a].free = at;
+                    removed[i] = true;
                 }
-                t @ (CU_GRAPH_NODE_TYPE_KERNEL | CU_GRAPH_NODE_TYPE_MEMSET | CU_GRAPH_NODE_TYPE_MEMCPY) => {
-                    users.push((node, t, position))
-                }
-                CU_GRAPH_NODE_TYPE_EMPTY | CU_GRAPH_NODE_TYPE_EVENT_RECORD | CU_GRAPH_NODE_TYPE_WAIT_EVENT => {}
-                other => bail!("CUDA graph surgery: a captured step holds a {other:?} node, which it cannot relocate"),
+                _ => {}
             }
         }
         if !open.is_empty() {
             bail!("a captured step keeps {} allocation(s) past its end (a tensor made inside the step outlives it)", open.len());
         }
         stats.allocations = allocs.len();
-        if allocs.is_empty() {
-            return Ok(Some(stats));
-        }
         let (offsets, bytes) = plan_offsets(&allocs);
         stats.arena_bytes = bytes;
-        let base = arena(bytes)?;
-        for (node, kind, position) in users {
+        let base = if bytes > 0 { arena(bytes)? } else { 0 };
+        let mut ctx = std::ptr::null_mut();
+        check(
+            sys::cuCtxGetCurrent(&mut ctx),
+            "reading the current context",
+        )?;
+        let mut copy = Building(std::ptr::null_mut());
+        check(sys::cuGraphCreate(&mut copy.0, 0), "creating a graph")?;
+        // Kernels joined across a removed node keep dependent launch only as the experiment
+        // asks, and only where the capture made such edges (Hopper, dependent launch on).
+        let join_as = edges
+            .iter()
+            .map(|e| e.2)
+            .find(is_programmatic)
+            .filter(|_| join_programmatic());
+        let mut copies: Vec<CUgraphNode> = vec![std::ptr::null_mut(); nodes.len()];
+        for &i in &order {
+            if removed[i] {
+                continue;
+            }
+            let at = position[i];
             let relocate = |address: u64| -> Result<Option<u64>> {
                 let mut inside = false;
                 for (a, &offset) in allocs.iter().zip(&offsets) {
-                    if let Some(new) = a.place(address, position, offset, base) {
+                    if let Some(new) = a.place(address, at, offset, base) {
                         return Ok(Some(new));
                     }
                     inside |= address >= a.start && address < a.start + a.bytes;
@@ -493,25 +528,60 @@ mod surgery {
                 }
                 Ok(None)
             };
-            let rewritten = match kind {
-                CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => rewrite_kernel(node, relocate)?,
-                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => rewrite_memset(node, relocate)?,
-                _ => rewrite_memcpy(node, relocate)?,
+            let (node, rewritten) = match kinds[i] {
+                CU_GRAPH_NODE_TYPE_KERNEL => copy_kernel(copy.0, nodes[i], relocate)?,
+                CU_GRAPH_NODE_TYPE_MEMSET => copy_memset(copy.0, nodes[i], ctx, relocate)?,
+                CU_GRAPH_NODE_TYPE_MEMCPY => copy_memcpy(copy.0, nodes[i], ctx, relocate)?,
+                kind => (copy_plain(copy.0, nodes[i], kind)?, false),
             };
             stats.nodes_rewritten += rewritten as usize;
+            copies[i] = node;
+            // Predecessors: kept ones as they were, removed ones replaced by theirs (joined).
+            let mut deps: Vec<(usize, Option<CUgraphEdgeData>)> = Vec::new();
+            let mut stack: Vec<(usize, Option<CUgraphEdgeData>)> =
+                incoming[i].iter().map(|&(p, d)| (p, Some(d))).collect();
+            let mut walked = HashSet::new();
+            while let Some((p, d)) = stack.pop() {
+                if !removed[p] {
+                    match deps.iter_mut().find(|(q, _)| *q == p) {
+                        Some(entry) if d.is_none() => entry.1 = None,
+                        Some(_) => {}
+                        None => deps.push((p, d)),
+                    }
+                } else if walked.insert(p) {
+                    stack.extend(incoming[p].iter().map(|&(pp, _)| (pp, None)));
+                }
+            }
+            for (p, d) in deps {
+                let data = match d {
+                    Some(d) => d,
+                    None => match join_as {
+                        Some(j)
+                            if kinds[p] == CU_GRAPH_NODE_TYPE_KERNEL
+                                && is_kestrel_kernel(nodes[i])? =>
+                        {
+                            stats.joined_edges.1 += 1;
+                            j
+                        }
+                        _ => {
+                            stats.joined_edges.0 += 1;
+                            std::mem::zeroed()
+                        }
+                    },
+                };
+                check(
+                    sys::cuGraphAddDependencies_v2(copy.0, &copies[p], &node, &data, 1),
+                    "adding a dependency",
+                )?;
+            }
         }
-        // Joined kernels keep dependent launch when the capture gave any edge of that kind
-        // (Hopper, dependent launch on) and `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for it.
-        let template = edges.iter().map(|e| e.2).find(is_programmatic);
-        let programmatic_joins = template.filter(|_| join_programmatic());
-        for node in memory_nodes {
-            let (full, programmatic) = bypass(graph, node, programmatic_joins)?;
-            stats.joined_edges.0 += full;
-            stats.joined_edges.1 += programmatic;
-        }
-        let (_, edges) = nodes_and_edges(graph)?;
-        stats.programmatic_edges.1 = programmatic(&edges);
-        Ok(Some(stats))
+        let (_, new_edges) = nodes_and_edges(copy.0)?;
+        stats.programmatic_edges = (
+            programmatic_before,
+            new_edges.iter().filter(|e| is_programmatic(&e.2)).count(),
+        );
+        let graph = std::mem::replace(&mut copy.0, std::ptr::null_mut());
+        Ok(Some((graph, stats)))
     }
 }
 
