@@ -114,6 +114,62 @@ pub struct RelocationStats {
     pub joined_edges: (usize, usize),
 }
 
+/// The nodes in dependency order when each depends on the one before it (what capturing
+/// one stream gives), else None. `incoming[i]`: node i's predecessors (and edge data).
+pub fn chain_order<D>(incoming: &[Vec<(usize, D)>]) -> Option<Vec<usize>> {
+    let n = incoming.len();
+    let mut indegree: Vec<usize> = incoming.iter().map(Vec::len).collect();
+    let mut next: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut pairs = std::collections::HashSet::new();
+    for (t, from) in incoming.iter().enumerate() {
+        for (f, _) in from {
+            next[*f].push(t);
+            pairs.insert((*f, t));
+        }
+    }
+    let mut ready: Vec<usize> = (0..n).filter(|&i| indegree[i] == 0).collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(i) = ready.pop() {
+        order.push(i);
+        for &t in &next[i] {
+            indegree[t] -= 1;
+            if indegree[t] == 0 {
+                ready.push(t);
+            }
+        }
+    }
+    let chain = order.len() == n && order.windows(2).all(|w| pairs.contains(&(w[0], w[1])));
+    chain.then_some(order)
+}
+
+/// Node `i`'s predecessors once the `removed` nodes are gone: a kept predecessor with its
+/// edge's data, a removed one replaced by its own predecessors (recursively) with None, to be
+/// joined by a full dependency, as the removed node waited for them. A node reached both
+/// ways is joined.
+pub fn joined_predecessors<D: Copy>(
+    incoming: &[Vec<(usize, D)>],
+    removed: &[bool],
+    i: usize,
+) -> Vec<(usize, Option<D>)> {
+    let mut deps: Vec<(usize, Option<D>)> = Vec::new();
+    let mut stack: Vec<(usize, Option<D>)> =
+        incoming[i].iter().map(|&(p, d)| (p, Some(d))).collect();
+    let mut walked = std::collections::HashSet::new();
+    while let Some((p, d)) = stack.pop() {
+        if !removed[p] {
+            match deps.iter_mut().find(|(q, _)| *q == p) {
+                Some(entry) if d.is_none() => entry.1 = None,
+                Some(_) => {}
+                None => deps.push((p, d)),
+            }
+        } else if walked.insert(p) {
+            stack.extend(incoming[p].iter().map(|&(pp, _)| (pp, None)));
+        }
+    }
+    deps.sort_by_key(|(p, _)| *p);
+    deps
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) use surgery::relocate;
 
@@ -122,12 +178,13 @@ mod surgery {
     //! The driver allows no node of a graph holding allocation nodes to be removed, so the
     //! step is copied, node by node in its order, into a new graph without them.
 
-    use super::{plan_offsets, relocate_words, Allocation, RelocationStats};
+    use super::{chain_order, joined_predecessors, plan_offsets, relocate_words};
+    use super::{Allocation, RelocationStats};
     use candle_core::cuda::cudarc::driver::sys::{
         self, CUgraph, CUgraphEdgeData, CUgraphNode, CUgraphNodeType, CUresult,
     };
     use candle_core::{bail, Result};
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashMap;
     use CUgraphNodeType::*;
 
     /// Whether `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for kernels joined across a removed
@@ -181,37 +238,6 @@ mod surgery {
         )?;
         let edges = (0..e).map(|i| (from[i], to[i], data[i])).collect();
         Ok((nodes, edges))
-    }
-
-    /// The nodes in dependency order when each depends on the one before it (what capturing
-    /// one stream gives), else None.
-    fn chain_order(
-        nodes: &[CUgraphNode],
-        incoming: &[Vec<(usize, CUgraphEdgeData)>],
-    ) -> Option<Vec<usize>> {
-        let mut indegree: Vec<usize> = incoming.iter().map(Vec::len).collect();
-        let mut next: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
-        let mut pairs = HashSet::new();
-        for (t, from) in incoming.iter().enumerate() {
-            for &(f, _) in from {
-                next[f].push(t);
-                pairs.insert((f, t));
-            }
-        }
-        let mut ready: Vec<usize> = (0..nodes.len()).filter(|&i| indegree[i] == 0).collect();
-        let mut order = Vec::with_capacity(nodes.len());
-        while let Some(i) = ready.pop() {
-            order.push(i);
-            for &t in &next[i] {
-                indegree[t] -= 1;
-                if indegree[t] == 0 {
-                    ready.push(t);
-                }
-            }
-        }
-        let chain =
-            order.len() == nodes.len() && order.windows(2).all(|w| pairs.contains(&(w[0], w[1])));
-        chain.then_some(order)
     }
 
     unsafe fn node_type(node: CUgraphNode) -> Result<CUgraphNodeType> {
@@ -439,7 +465,7 @@ mod surgery {
         for (f, t, d) in &edges {
             incoming[index[t]].push((index[f], *d));
         }
-        let Some(order) = chain_order(&nodes, &incoming) else {
+        let Some(order) = chain_order(&incoming) else {
             return Ok(None);
         };
         let programmatic_before = edges.iter().filter(|e| is_programmatic(&e.2)).count();
@@ -536,22 +562,7 @@ mod surgery {
             };
             stats.nodes_rewritten += rewritten as usize;
             copies[i] = node;
-            // Predecessors: kept ones as they were, removed ones replaced by theirs (joined).
-            let mut deps: Vec<(usize, Option<CUgraphEdgeData>)> = Vec::new();
-            let mut stack: Vec<(usize, Option<CUgraphEdgeData>)> =
-                incoming[i].iter().map(|&(p, d)| (p, Some(d))).collect();
-            let mut walked = HashSet::new();
-            while let Some((p, d)) = stack.pop() {
-                if !removed[p] {
-                    match deps.iter_mut().find(|(q, _)| *q == p) {
-                        Some(entry) if d.is_none() => entry.1 = None,
-                        Some(_) => {}
-                        None => deps.push((p, d)),
-                    }
-                } else if walked.insert(p) {
-                    stack.extend(incoming[p].iter().map(|&(pp, _)| (pp, None)));
-                }
-            }
+            let deps = joined_predecessors(&incoming, &removed, i);
             for (p, d) in deps {
                 let data = match d {
                     Some(d) => d,
@@ -705,6 +716,51 @@ mod tests {
             "one past the end"
         );
         assert_eq!(first.place(0x6fff, 3, 0, 0x10_0000), None);
+    }
+
+    #[test]
+    fn one_streams_capture_is_a_chain_and_a_fork_is_not() {
+        // 2 → 0 → 1 → 3 (listed out of order, one edge doubled as another kind).
+        let chain = vec![
+            vec![(2, 'd')],
+            vec![(0, 'd'), (0, 'p')],
+            vec![],
+            vec![(1, 'p')],
+        ];
+        assert_eq!(chain_order(&chain), Some(vec![2, 0, 1, 3]));
+        // 0 → 1, 0 → 2, both → 3: no order in which each depends on the one before.
+        let fork = vec![
+            vec![],
+            vec![(0, 'd')],
+            vec![(0, 'd')],
+            vec![(1, 'd'), (2, 'd')],
+        ];
+        assert_eq!(chain_order(&fork), None);
+        let cycle = vec![vec![(1, 'd')], vec![(0, 'd')]];
+        assert_eq!(chain_order(&cycle), None);
+    }
+
+    #[test]
+    fn a_removed_nodes_predecessors_are_joined_in_its_place() {
+        // k0 → alloc(1) → k2 -p-> k3 → free(4) → alloc(5) → k6, and k0 -p-> k2 directly too.
+        let incoming = vec![
+            vec![],
+            vec![(0, 'd')],
+            vec![(1, 'd'), (0, 'p')],
+            vec![(2, 'p')],
+            vec![(3, 'd')],
+            vec![(4, 'd')],
+            vec![(5, 'd')],
+        ];
+        let removed = [false, true, false, false, true, true, false];
+        // Reached through the allocation too, k0 → k2 becomes a full dependency.
+        assert_eq!(joined_predecessors(&incoming, &removed, 2), vec![(0, None)]);
+        assert_eq!(
+            joined_predecessors(&incoming, &removed, 3),
+            vec![(2, Some('p'))]
+        );
+        assert_eq!(joined_predecessors(&incoming, &removed, 6), vec![(3, None)]);
+        assert_eq!(joined_predecessors(&incoming, &removed, 0), vec![]);
     }
 
     #[test]
