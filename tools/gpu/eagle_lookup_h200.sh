@@ -49,14 +49,6 @@ for run in 1 2; do
     --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len $MAX_LEN --batch_sizes $BATCHES \
     --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
 done
-python3 - "$E" <<'PY' | tee "$OUT/$NAME.txt"
-import json, sys
-for run in ["1", "2"]:
-    print(f"== run {run}")
-    print(f"{'mode':66s} {'batch':>5s} {'tok/s':>8s} {'step ms':>8s} {'draft ms':>8s} {'tau':>5s} {'vs plain':>8s} same_as_plain")
-    for r in json.load(open(f"{sys.argv[1]}/{run}.json"))["results"]:
-        mode = r['mode'].replace('heads/smollm2-eagle/', '')
-        print(f"{mode:66s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r.get('step_latency_ms') or 0:8.3f}"
-              f" {1e3 * (r.get('draft_s') or 0) / max(r['steps'] or 1, 1):8.3f} {r['mean_accepted_len'] or 0:5.2f} {r.get('speedup_vs_plain') or 0:8.2f} {r['same_output_as_plain']}")
-PY
+python3 "$here/bench_table.py" --columns "run,mode,batch,tok/s,step ms,draft ms,tau,vs plain,same" \
+  $E/1.json $E/2.json | tee "$OUT/$NAME.txt"
 tar -C $E -czf "$OUT/$NAME.tar.gz" 1.json 2.json

@@ -38,16 +38,8 @@ for what in ${@:-probe test bench}; do
         done
       done
     done
-    python3 - "$R" <<'PY' | tee -a $OUT/gemv_ab.txt
-import glob, json, os, sys
-d = sys.argv[1]
-print(f"{'run':40s} {'mode':12s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'digest':>18s}")
-for path in sorted(glob.glob(os.path.join(d, "*.json"))):
-    for res in json.load(open(path))["results"]:
-        v = (res.get("verify") or {}).get("ratio") or 0
-        print(f"{os.path.basename(path)[:-5]:40s} {res['mode']:12s} {res.get('tokens_per_s') or 0:7.0f}"
-              f" {res['step_latency_ms']:8.3f} {res['roofline_fraction']:8.3f} {v:6.2f} {res.get('output_digest') or '':>18s}")
-PY
+    python3 "$here/bench_table.py" --columns "run,mode,tok/s,step ms,roofline,verify,digest" $R |
+      tee -a $OUT/gemv_ab.txt
     ;;
   esac
 done

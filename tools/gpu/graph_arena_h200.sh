@@ -37,21 +37,8 @@ for what in ${@:-test memory bench}; do
         done
       done
     done
-    python3 - "$R" <<'PY' | tee -a $OUT/graph_arena.txt
-import glob, json, os, sys
-d = sys.argv[1]
-print(f"{'run':28s} {'mode':10s} {'tok/s':>7s} {'step ms':>8s} {'roofline':>8s} {'verify':>6s} {'peak MiB':>8s} {'arena MiB':>9s} {'digest':>18s}")
-for path in sorted(glob.glob(os.path.join(d, "*.json"))):
-    rep = json.load(open(path))
-    for res in rep["results"]:
-        v = (res.get("verify") or {}).get("ratio") or 0
-        print(f"{os.path.basename(path)[:-5]:28s} {res['mode']:10s} {res.get('tokens_per_s') or 0:7.0f}"
-              f" {res['step_latency_ms']:8.3f} {res['roofline_fraction']:8.3f} {v:6.2f}"
-              f" {(res.get('peak_memory_bytes') or 0) / 2**20:8.1f} {rep.get('cuda_graph_arena_bytes', 0) / 2**20:9.2f}"
-              f" {res.get('output_digest') or '':>18s}")
-    if rep.get("cuda_graph_failure"):
-        print("  graph failure:", rep["cuda_graph_failure"])
-PY
+    python3 "$here/bench_table.py" --columns "run,mode,tok/s,step ms,roofline,verify,peak MiB,arena MiB,digest" \
+      $R | tee -a $OUT/graph_arena.txt
     ;;
   esac
 done

@@ -27,13 +27,8 @@ if [ "${1:-}" = sampled ]; then
       --temperature 0.8 --top_p 0.9 --random_seed 3 --prompt_lookup_corpus heads/smollm2-ngram/corpus.safetensors \
       --modes "plain,prompt_lookup:4,prompt_lookup:4:3:corpus" --output_json "$E/sampled_$run.json" > /dev/null || echo "spec-bench failed"
   done
-  python3 - "$E" <<'PY' | tee "$OUT/prompt_lookup_sampled.txt"
-import json, sys
-for run in ["1", "2"]:
-    print(f"== sampled, run {run}")
-    for r in json.load(open(f"{sys.argv[1]}/sampled_{run}.json"))["results"]:
-        print(f"{r['mode']:28s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r['mean_accepted_len'] or 0:5.2f} {r['output_digest']}")
-PY
+  python3 "$here/bench_table.py" --columns "run,mode,batch,tok/s,tau,digest" $E/sampled_1.json \
+    $E/sampled_2.json | tee "$OUT/prompt_lookup_sampled.txt"
   exit 0
 fi
 CORPUS=heads/smollm2-ngram/corpus.safetensors
@@ -43,13 +38,6 @@ for run in 1 2; do
     --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1,4 \
     --modes "$MODES" --eagle_draft_vocab 4096 --prompt_lookup_corpus $CORPUS --output_json "$E/$run.json" > /dev/null || echo "spec-bench $run failed"
 done
-python3 - "$E" <<'PY' | tee "$OUT/prompt_lookup.txt"
-import json, sys
-for run in ["1", "2"]:
-    print(f"== run {run}")
-    print(f"{'mode':44s} {'batch':>5s} {'tok/s':>8s} {'step ms':>8s} {'tau':>5s} same_as_plain")
-    for r in json.load(open(f"{sys.argv[1]}/{run}.json"))["results"]:
-        print(f"{r['mode']:44s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r.get('step_latency_ms') or 0:8.3f}"
-              f" {r['mean_accepted_len'] or 0:5.2f} {r['same_output_as_plain']}")
-PY
+python3 "$here/bench_table.py" --columns "run,mode,batch,tok/s,step ms,tau,same" $E/1.json $E/2.json |
+  tee "$OUT/prompt_lookup.txt"
 tar -C $E -czf "$OUT/prompt_lookup.tar.gz" 1.json 2.json

@@ -24,12 +24,6 @@ $B/spec-bench --engine_dir $E/eng_e16 --device cuda:0 \
   --prompts tools/gpu/mt_bench_first20.jsonl --num_prompts 20 --max_output_len 128 --batch_sizes 1,4 \
   --modes "plain,eagle1:$HEAD/tree_h200.json,eagle1:small_8,eagle1:mc_sim_7b_63,eagle2:4:4:1,eagle2:10" \
   --eagle_draft_vocab 4096 --output_json "$E/rows.json" > /dev/null || echo "spec-bench failed"
-python3 - "$E/rows.json" <<'PY' | tee "$OUT/rows.txt"
-import json, sys
-mib = 1 << 20
-print(f"{'mode':44s} {'batch':>5s} {'tok/s':>8s} {'tau':>5s} {'peak MiB':>8s} {'overhead':>8s} same_as_plain")
-for r in json.load(open(sys.argv[1]))["results"]:
-    print(f"{r['mode']:44s} {r['batch_size']:5d} {r['tokens_per_s'] or 0:8.1f} {r['mean_accepted_len'] or 0:5.2f}"
-          f" {(r['peak_memory_bytes'] or 0) / mib:8.1f} {r['memory_overhead_fraction'] or 0:8.2f} {r['same_output_as_plain']}")
-PY
+python3 "$here/bench_table.py" --columns "mode,batch,tok/s,tau,peak MiB,overhead,same" $E/rows.json |
+  tee "$OUT/rows.txt"
 tar -C $E -czf "$OUT/rows.tar.gz" rows.json

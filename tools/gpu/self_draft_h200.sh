@@ -87,18 +87,5 @@ for what in ${@:-test 7b}; do
     ;;
   esac
 done
-python3 - "$R" <<'PY' | tee -a $T
-import glob, json, os, sys
-d = sys.argv[1]
-print(f"{'run':8s} {'mode':16s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'step ms':>8s} {'draft ms':>8s} {'verify':>6s} {'same':>5s} {'load s':>6s}")
-for path in sorted(glob.glob(os.path.join(d, "*.json"))):
-    rep = json.load(open(path))
-    for r in rep["results"]:
-        v = (r.get("verify") or {}).get("ratio") or 0
-        steps = r.get("steps") or 0
-        draft_ms = 1000 * r.get("draft_s", 0) / steps if steps else 0
-        print(f"{os.path.basename(path)[:-5]:8s} {r['mode']:16s} {r.get('tokens_per_s') or 0:7.0f}"
-              f" {r.get('speedup_vs_plain') or 0:8.2f} {r.get('mean_accepted_len') or 0:5.2f}"
-              f" {r['step_latency_ms']:8.3f} {draft_ms:8.3f} {v:6.2f} {str(r.get('same_output_as_plain')):>5s}"
-              f" {rep.get('load_s', 0):6.1f}")
-PY
+python3 "$here/bench_table.py" --columns "run,mode,tok/s,vs plain,tau,step ms,draft ms,verify,same,load s" \
+  $R | tee -a $T
