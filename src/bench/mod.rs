@@ -115,7 +115,7 @@ pub struct BenchArgs {
     pub dependent_launch: String,
     /// Where a replayed CUDA graph's activations live: `arena` (one buffer per model, sized
     /// to its steps) or `driver` (CUDA's graph memory pool, 32 MiB at a time), to compare.
-    #[arg(long, default_value = "driver")]
+    #[arg(long, default_value = "arena")]
     pub graph_memory: String,
     /// EAGLE modes draft from N tokens only (spec-run --eagle_draft_vocab).
     #[arg(long)]

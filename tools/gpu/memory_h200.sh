@@ -3,7 +3,7 @@
 # (bf16, plain, batch 1, one 128-token prompt, 64 tokens) with graphs and without, with
 # Kestrel's kernels and with candle's ops only, and under the driver's and cuBLAS's knobs
 # (every kernel module loaded at start; no cuBLAS workspace), and with graphs whose
-# activations come from the model's arena instead of the driver's graph pool. Prints, per
+# activations come from the driver's graph pool instead of the model's arena. Prints, per
 # run, the level after loading and the run's peak above the pre-load level; then, if
 # model-cuda is staged, its memory test's level after each first use. Needs only spec-bench staged
 # (tools/gpu/stage.sh with it in the slot). Results: $OUT/memory.txt, the JSON reports in
@@ -19,7 +19,7 @@ bench() { # name, env assignments (space-separated, may be empty), prompt and ou
     --copy_bytes 268435456 --output_json "$M/memory_$name.json" "$@" > /dev/null || echo "$name failed"
 }
 bench graphs "" 128 64
-bench graphs_arena "" 128 64 --graph_memory arena
+bench graphs_driver "" 128 64 --graph_memory driver
 bench eager "" 128 64 --no_cuda_graphs
 bench candle_ops "" 128 64 --no_cuda_graphs --cuda_kernels none
 bench eager_modules CUDA_MODULE_LOADING=EAGER 128 64 --no_cuda_graphs
@@ -33,7 +33,7 @@ python3 - $M <<'PY' | tee "$OUT/memory.txt"
 import json, os, sys
 mib = 1 << 20
 print(f"{'run':22s} {'weights':>8s} {'KV used':>8s} {'after load':>10s} {'peak':>8s} {'overhead':>8s} {'stack B':>7s}  (MiB above the pre-load level)")
-for name in ["graphs", "graphs_arena", "eager", "candle_ops", "eager_modules", "no_cublas_workspace",
+for name in ["graphs", "graphs_driver", "eager", "candle_ops", "eager_modules", "no_cublas_workspace",
              "small_cublas_workspace", "prefill_only", "short_prompt", "short_prefill_only"]:
     path = os.path.join(sys.argv[1], f"memory_{name}.json")
     if not os.path.exists(path):

@@ -278,7 +278,7 @@ pub fn with_upload_cache<R>(device: &Device, f: impl FnOnce() -> R) -> Result<R>
 
 /// Records what `f` launches on `device`'s stream as a graph instead of running it; returns
 /// the graph and `f`'s result (tensors whose contents exist only once the graph runs). With
-/// [`set_graph_arena`](crate::set_graph_arena) on, what the step allocates is
+/// [`set_graph_arena`](crate::set_graph_arena) on (the default), what the step allocates is
 /// moved into `arena`, which the graph keeps alive (`graph_arena.rs`), so a replay takes no
 /// memory from the driver's graph pool.
 pub fn capture<R, E: From<candle_core::Error>>(

@@ -56,13 +56,12 @@ pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_
 
 /// Whether captured steps keep their allocations in their model's arena (see
 /// [`set_graph_arena`]).
-static GRAPH_ARENA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static GRAPH_ARENA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Where the memory a captured step allocates comes from at replay, for every later capture
-/// of this process: the model's arena (on: `graph_arena.rs`) or the driver's graph memory
-/// pool, which reserves 32 MiB at a time (off, the default until the arena has run on a GPU:
-/// `spec-bench --graph_memory arena|driver` compares the two). Outputs do not change either
-/// way.
+/// of this process: the model's arena (on, the default: `graph_arena.rs`) or the driver's
+/// graph memory pool, which reserves 32 MiB at a time (off, to compare the two in one process:
+/// `spec-bench --graph_memory driver`). Outputs do not change either way.
 pub fn set_graph_arena(enabled: bool) {
     GRAPH_ARENA.store(enabled, std::sync::atomic::Ordering::Relaxed);
 }

@@ -13,10 +13,7 @@ use kestrel_model::{CudaKernels, Llama, OutputRows, PagedKvCache, SeqId, SeqInpu
 const SEED: u64 = 23;
 
 /// The device as the runtime opens it (the per-thread stack cut to Kestrel's need).
-/// The device, with captured steps' activations in their model's arena
-/// (`kestrel_kernels::set_graph_arena`), which these tests check.
 fn gpu() -> Device {
-    kestrel_kernels::set_graph_arena(true);
     kestrel_kernels::open_cuda(0)
         .expect("these tests need a CUDA device (built with --features cuda)")
 }

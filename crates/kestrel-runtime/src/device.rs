@@ -3,8 +3,8 @@
 
 use crate::error::{Result, RuntimeError};
 pub use candle_core::Device;
-/// Where replayed CUDA graphs keep their activations: their model's arena or the driver's
-/// graph pool (the default).
+/// Where replayed CUDA graphs keep their activations: their model's arena (the default) or
+/// the driver's graph pool.
 pub use kestrel_kernels::set_graph_arena;
 /// The context's per-thread stack limit, which decides a fixed share of device memory.
 pub use kestrel_kernels::thread_stack_limit;
