@@ -147,7 +147,7 @@ mod imp {
             // SAFETY: the template was just captured on this context; the arena its copy is
             // given is kept by the StepGraph for as long as it exists.
             let copy = unsafe {
-                relocate(template.0, |bytes| {
+                relocate(template.0, crate::dependent_launch_on(device)?, |bytes| {
                     let buf = arena.at_least(&stream, bytes)?;
                     let (base, _sync) = buf.device_ptr(&stream);
                     kept = Some(buf.clone());

@@ -449,13 +449,15 @@ mod surgery {
     /// removed one depends fully on that node's predecessors instead (the capture's order,
     /// and the completion an allocation waited for, kept). Returns None (the graph to be
     /// used as it is) when its nodes do not form a chain, where allocations' lifetimes are not
-    /// a simple order; capturing one stream always gives a chain.
+    /// a simple order; capturing one stream always gives a chain. `dependent_launch`: whether
+    /// the step's kernels were launched with programmatic dependent launch (Hopper, on).
     ///
     /// # Safety
     /// `graph` is a valid graph of the current context; the arena `arena` returns must
     /// outlive every instantiation of the copy.
     pub(crate) unsafe fn relocate(
         graph: CUgraph,
+        dependent_launch: bool,
         arena: impl FnOnce(u64) -> Result<u64>,
     ) -> Result<Option<(CUgraph, RelocationStats)>> {
         let (nodes, edges) = nodes_and_edges(graph)?;
@@ -529,12 +531,15 @@ mod surgery {
         let mut copy = Building(std::ptr::null_mut());
         check(sys::cuGraphCreate(&mut copy.0, 0), "creating a graph")?;
         // Kernels joined across a removed node keep dependent launch only as the experiment
-        // asks, and only where the capture made such edges (Hopper, dependent launch on).
-        let join_as = edges
-            .iter()
-            .map(|e| e.2)
-            .find(is_programmatic)
-            .filter(|_| join_programmatic());
+        // asks, where their launches asked for it. The edge is built here: the capture makes
+        // none where an allocation sits between two kernels, which is before every Kestrel
+        // kernel (its output is allocated just before it launches).
+        let join_as = (dependent_launch && join_programmatic()).then(|| {
+            let mut data = std::mem::zeroed::<CUgraphEdgeData>();
+            data.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+            data.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+            data
+        });
         let mut copies: Vec<CUgraphNode> = vec![std::ptr::null_mut(); nodes.len()];
         for &i in &order {
             if removed[i] {
