@@ -8,8 +8,11 @@
 //! `relocate` gives every allocation an offset in an arena (allocations live at the same
 //! time never share bytes) and copies the graph without its allocation and free nodes, each
 //! kernel, memset and memcpy node that used one pointed at its place in the arena and each
-//! node that followed a removed one made to depend fully on that node's predecessors, so the
-//! order of everything else is unchanged.
+//! node that followed a removed one made to depend on that node's predecessors, so the order
+//! of everything else is unchanged. Those joins are full dependencies, except that a Kestrel
+//! kernel after a kernel gets a programmatic one under dependent launch: every Kestrel kernel
+//! waits for its predecessor (`griddepcontrol.wait`) before it reads anything but weights, and
+//! the capture itself made no such edge, since an allocation sat between every two kernels.
 //!
 //! The planning ([`plan_offsets`], [`Allocation::place`], [`relocate_words`]) is plain
 //! arithmetic, tested without a GPU; the graph surgery needs CUDA.
@@ -186,13 +189,6 @@ mod surgery {
     use candle_core::{bail, Result};
     use std::collections::HashMap;
     use CUgraphNodeType::*;
-
-    /// Whether `KESTREL_GRAPH_JOIN_PROGRAMMATIC=1` asks for kernels joined across a removed
-    /// allocation to keep dependent launch (an experiment; read once).
-    fn join_programmatic() -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("KESTREL_GRAPH_JOIN_PROGRAMMATIC").as_deref() == Ok("1"))
-    }
 
     fn check(r: CUresult, what: &str) -> Result<()> {
         match r {
@@ -530,11 +526,12 @@ mod surgery {
         )?;
         let mut copy = Building(std::ptr::null_mut());
         check(sys::cuGraphCreate(&mut copy.0, 0), "creating a graph")?;
-        // Kernels joined across a removed node keep dependent launch only as the experiment
-        // asks, where their launches asked for it. The edge is built here: the capture makes
-        // none where an allocation sits between two kernels, which is before every Kestrel
-        // kernel (its output is allocated just before it launches).
-        let join_as = (dependent_launch && join_programmatic()).then(|| {
+        // A Kestrel kernel joined to a kernel across a removed node keeps dependent launch
+        // where its launch asked for it. The edge is built here: the capture makes none where
+        // an allocation sits between two kernels, which is before every Kestrel kernel (its
+        // output is allocated just before it launches), so in graphs dependent launch only
+        // takes effect through these joins.
+        let join_as = dependent_launch.then(|| {
             let mut data = std::mem::zeroed::<CUgraphEdgeData>();
             data.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
             data.type_ = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;

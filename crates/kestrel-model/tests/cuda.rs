@@ -781,6 +781,13 @@ fn smollm2_loads_into_its_weights_chunks_and_steps_within_one_more() {
     // The captured step keeps its activations in the model's arena, so the driver's graph
     // pool (32 MiB at a time) holds nothing.
     assert_eq!((graph_used, graph_reserved), (0, 0));
+    // Under dependent launch, the kernels joined across the removed allocations keep it:
+    // Kestrel's kernels follow kernels through programmatic edges, which the capture alone
+    // never made (an allocation sat before every Kestrel kernel).
+    if kestrel_kernels::dependent_launch_on(&dev).unwrap() {
+        let stats = m.cuda_graph_relocations();
+        assert!(stats[0].programmatic_edges.1 > 0, "{stats:?}");
+    }
     // The steps' activations fit in one pool chunk; candle's indexing module, which took
     // ~90 MiB at the first step before the row gathers became Kestrel's, must not load.
     assert!(
