@@ -6,8 +6,9 @@
 //! nothing. With `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` a kernel's blocks may
 //! become resident while its predecessor runs, load their weights, and wait in `pdl_enter`
 //! (kernels.cu) for the predecessor's results. The attribute needs the `compute_90` PTX, whose
-//! kernels carry the `griddepcontrol` instructions; CUDA graphs captured from such launches
-//! keep the programmatic edges.
+//! kernels carry the `griddepcontrol` instructions. Captured in a CUDA graph such a launch
+//! gets no programmatic edge, because its stream predecessor is its output's allocation;
+//! `graph_arena.rs` adds the edges when it copies the graph without the allocations.
 //!
 //! cudarc's launch builder calls `cuLaunchKernelEx` without attributes, so [`Args`] packs the
 //! kernel parameters itself. candle runs one stream per device, where cudarc tracks no events,
