@@ -442,8 +442,9 @@ mod surgery {
     /// A copy of `graph` without its allocation and free nodes: every allocation placed in an
     /// arena of the returned stats' `arena_bytes`, whose device address `arena` gives once it
     /// knows the size, and every node that used one pointed there. A node that depended on a
-    /// removed one depends fully on that node's predecessors instead (the capture's order,
-    /// and the completion an allocation waited for, kept). Returns None (the graph to be
+    /// removed one depends on that node's predecessors instead (the capture's order, and the
+    /// completion an allocation waited for, kept): fully, or, under `dependent_launch`, a
+    /// Kestrel kernel after a kernel programmatically. Returns None (the graph to be
     /// used as it is) when its nodes do not form a chain, where allocations' lifetimes are not
     /// a simple order; capturing one stream always gives a chain. `dependent_launch`: whether
     /// the step's kernels were launched with programmatic dependent launch (Hopper, on).
