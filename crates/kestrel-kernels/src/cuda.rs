@@ -1055,6 +1055,20 @@ fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (La
 /// The ring's depth changes no warp's order of blocks, so no bits.
 const GEMV_DEEP_RING_MAX_BLOCKS_PER_SM: usize = 2;
 
+/// 128-byte lines of each weight row past its warps' rings that a one-row gemv block asks L2
+/// for before it waits for the kernel ahead (`gemv_rows_to_l2` in kernels.cu): 0 (off) unless
+/// `KESTREL_GEMV_L2_LINES` says otherwise. Read once.
+fn gemv_row_l2_lines() -> i32 {
+    static LINES: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *LINES.get_or_init(|| {
+        std::env::var("KESTREL_GEMV_L2_LINES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &i32| n >= 0)
+            .unwrap_or(0)
+    })
+}
+
 /// The one-row tensor-core kernel for `n` columns (`gemv_launch` gives 16 a block).
 fn gemv_row_kernel(dev: &CudaDevice, n: usize) -> Result<&'static str> {
     let deep =
@@ -1294,7 +1308,11 @@ impl Gemv {
                     &dev,
                     &gemv_kernel_name(kernel, m, k, std::mem::size_of::<T>(), sfx),
                 )?;
-                let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                let (cfg, mut split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
+                if kernel.starts_with("kestrel_gemv_row_mma") {
+                    // The one-row kernel takes no split: its last argument is the L2 prefetch.
+                    split = gemv_row_l2_lines();
+                }
                 let mut b = func.builder();
                 b.arg(&xv);
                 b.arg(&wv);
