@@ -977,11 +977,13 @@ __device__ __forceinline__ void gemv_rows_to_l2(const T *__restrict__ w, const i
 
 template <typename T, int DEPTH>
 __device__ void gemv_row_mma(const T *__restrict__ x, const T *__restrict__ w,
-                             T *__restrict__ y, const int N, const int K, const int l2_lines) {
+                             T *__restrict__ y, const int N, const int K, const int l2) {
     if constexpr (sizeof(T) == 2) {
         GemvMma<T, 1, false, DEPTH> g{};
         g.prefetch(w, N, K, GEMV_MMA);
-        if (l2_lines > 0) gemv_rows_to_l2<T, DEPTH>(w, N, K, l2_lines);
+        // l2 = lines | blocks << 8 (cuda.rs, gemv_row_l2_arg): the first `blocks` blocks ask.
+        if ((l2 & 255) > 0 && (int)blockIdx.x < (l2 >> 8))
+            gemv_rows_to_l2<T, DEPTH>(w, N, K, l2 & 255);
         pdl_enter(); // the weights are on their way; x is the previous kernel's
         g.finish(x, y, 1, N, K, GEMV_MMA);
     } else {
