@@ -1055,34 +1055,6 @@ fn gemv_launch(n: usize, k: usize, elem_bytes: usize, stage_bytes: usize) -> (La
 /// The ring's depth changes no warp's order of blocks, so no bits.
 const GEMV_DEEP_RING_MAX_BLOCKS_PER_SM: usize = 2;
 
-/// The one-row gemv's L2 prefetch argument (`gemv_rows_to_l2` in kernels.cu): 128-byte lines
-/// of each weight row past its warps' rings that a block asks L2 for before it waits for the
-/// kernel ahead (`KESTREL_GEMV_L2_LINES`, at most 255; 0 = off, the default) in the low 8
-/// bits, and above them the blocks that do so: those of the first wave (every multiprocessor
-/// full), the only ones resident while the kernel ahead runs, or every block under
-/// `KESTREL_GEMV_L2_ALL=1`. Read once.
-fn gemv_row_l2_arg(func: &crate::launch::Kernel, dev: &CudaDevice) -> Result<i32> {
-    static LINES: std::sync::OnceLock<(i32, bool)> = std::sync::OnceLock::new();
-    let (lines, all) = *LINES.get_or_init(|| {
-        let lines = std::env::var("KESTREL_GEMV_L2_LINES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n: &i32| (0..=255).contains(n))
-            .unwrap_or(0);
-        (lines, std::env::var("KESTREL_GEMV_L2_ALL").as_deref() == Ok("1"))
-    });
-    if lines == 0 {
-        return Ok(0);
-    }
-    let blocks = if all {
-        1 << 22
-    } else {
-        (crate::launch::multiprocessors(dev)? * func.resident_blocks((GEMV_WARPS * 32) as u32)?)
-            .min(1 << 22)
-    };
-    Ok(((blocks as i32) << 8) | lines)
-}
-
 /// The one-row tensor-core kernel for `n` columns (`gemv_launch` gives 16 a block).
 fn gemv_row_kernel(dev: &CudaDevice, n: usize) -> Result<&'static str> {
     let deep =
@@ -1322,11 +1294,7 @@ impl Gemv {
                     &dev,
                     &gemv_kernel_name(kernel, m, k, std::mem::size_of::<T>(), sfx),
                 )?;
-                let (cfg, mut split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
-                if kernel.starts_with("kestrel_gemv_row_mma") {
-                    // The one-row kernel takes no split: its last argument is the L2 prefetch.
-                    split = gemv_row_l2_arg(&func, &dev)?;
-                }
+                let (cfg, split) = gemv_launch(n, k, std::mem::size_of::<T>(), stage);
                 let mut b = func.builder();
                 b.arg(&xv);
                 b.arg(&wv);

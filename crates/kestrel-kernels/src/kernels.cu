@@ -958,32 +958,12 @@ __device__ void gemv(const T *__restrict__ x, const T *__restrict__ w, T *__rest
 // serves grids of up to 2 blocks a multiprocessor, where one block of K a warp leaves the
 // memory idle between requests (cuda.rs, gemv_row_kernel): on Llama-2-7B's o_proj and
 // down_proj 7% and 9% less time, on its bigger q/k/v and gate_up 3% more.
-// l2_lines: 128-byte lines of each of the block's 16 weight rows, past the blocks of K the
-// warps' rings load, that the block asks L2 for before it waits (`prefetch.global.L2`): with
-// dependent launch inside graphs a block is resident while the kernel before it (attention, a
-// norm) leaves the memory idle, and those lines then arrive from L2. No arithmetic changes.
-template <typename T, int DEPTH>
-__device__ __forceinline__ void gemv_rows_to_l2(const T *__restrict__ w, const int N, const int K,
-                                                const int l2_lines) {
-    constexpr int LINE = 128 / sizeof(T);
-    const int start = DEPTH * GEMV_WARPS * MMA_KB;
-    const int lines = min(l2_lines, max(0, (K - start) / LINE));
-    const int n0 = blockIdx.x * 16;
-    for (int i = threadIdx.x; i < 16 * lines; i += blockDim.x) {
-        const T *p = w + (size_t)min(n0 + i % 16, N - 1) * K + start + (i / 16) * LINE;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-}
-
 template <typename T, int DEPTH>
 __device__ void gemv_row_mma(const T *__restrict__ x, const T *__restrict__ w,
-                             T *__restrict__ y, const int N, const int K, const int l2) {
+                             T *__restrict__ y, const int N, const int K) {
     if constexpr (sizeof(T) == 2) {
         GemvMma<T, 1, false, DEPTH> g{};
         g.prefetch(w, N, K, GEMV_MMA);
-        // l2 = lines | blocks << 8 (cuda.rs, gemv_row_l2_arg): the first `blocks` blocks ask.
-        if ((l2 & 255) > 0 && (int)blockIdx.x < (l2 >> 8))
-            gemv_rows_to_l2<T, DEPTH>(w, N, K, l2 & 255);
         pdl_enter(); // the weights are on their way; x is the previous kernel's
         g.finish(x, y, 1, N, K, GEMV_MMA);
     } else {
@@ -1415,12 +1395,12 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         gemv<T, 1>(x, w, y, M, N, K, split);                                                    \
     }                                                                                           \
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_row_mma_##SUFFIX(                      \
-        const T *x, const T *w, T *y, const int, const int N, const int K, const int l2) {       \
-        gemv_row_mma<T, MMA_DEPTH_PLAIN>(x, w, y, N, K, l2);                                    \
+        const T *x, const T *w, T *y, const int, const int N, const int K, const int) {          \
+        gemv_row_mma<T, MMA_DEPTH_PLAIN>(x, w, y, N, K);                                        \
     }                                                                                           \
     extern "C" __global__ void GEMV_BOUNDS kestrel_gemv_row_mma_deep_##SUFFIX(                 \
-        const T *x, const T *w, T *y, const int, const int N, const int K, const int l2) {       \
-        gemv_row_mma<T, MMA_DEPTH_DEEP_ROW>(x, w, y, N, K, l2);                                 \
+        const T *x, const T *w, T *y, const int, const int N, const int K, const int) {          \
+        gemv_row_mma<T, MMA_DEPTH_DEEP_ROW>(x, w, y, N, K);                                     \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) kestrel_gemv_tiled_##SUFFIX( \
         const T *x, const T *w, T *y, float *parts, const int M, const int N, const int K,      \
