@@ -26,6 +26,6 @@ wait
 # leaves them out when only inference runs.
 if [ "${TRAIN_DATA:-1}" != 0 ]; then
   cp "${SHARED:-../shared}"/data/sharegpt/{ShareGPT_V3_filtered_1000.json,sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json} \
-    "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/${slots[2]}/"
+    "${SHARED:-../shared}/data/gsm8k/train.jsonl" "$D/${slots[2]:-$last}/"
 fi
 for s in "${slots[@]}"; do echo "$s: $(du -cb "$D/$s"/* | tail -1)"; done
