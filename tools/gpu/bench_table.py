@@ -21,22 +21,27 @@ def per_step(result, seconds_key):
     return 1000 * (result.get(seconds_key) or 0) / steps if steps else 0
 
 
+def number(key, digits, scale=1, of_report=False):
+    """A right-aligned column of a result's (or its report's) numeric field, 0 where absent."""
+    return (">", lambda run, rep, r: f"{((rep if of_report else r).get(key) or 0) / scale:.{digits}f}")
+
+
 # name: (alignment, the text of one result: f(run name, report, result)).
 COLUMNS = {
     "run": ("<", lambda run, rep, r: run),
     "mode": ("<", lambda run, rep, r: r["mode"].replace("heads/smollm2-eagle/", "")),
     "batch": (">", lambda run, rep, r: f"{r['batch_size']}"),
-    "tok/s": (">", lambda run, rep, r: f"{r.get('tokens_per_s') or 0:.1f}"),
-    "vs plain": (">", lambda run, rep, r: f"{r.get('speedup_vs_plain') or 0:.2f}"),
-    "tau": (">", lambda run, rep, r: f"{r.get('mean_accepted_len') or 0:.2f}"),
-    "step ms": (">", lambda run, rep, r: f"{r.get('step_latency_ms') or 0:.3f}"),
+    "tok/s": number("tokens_per_s", 1),
+    "vs plain": number("speedup_vs_plain", 2),
+    "tau": number("mean_accepted_len", 2),
+    "step ms": number("step_latency_ms", 3),
     "draft ms": (">", lambda run, rep, r: f"{per_step(r, 'draft_s'):.3f}"),
-    "roofline": (">", lambda run, rep, r: f"{r.get('roofline_fraction') or 0:.3f}"),
+    "roofline": number("roofline_fraction", 3),
     "verify": (">", lambda run, rep, r: f"{(r.get('verify') or {}).get('ratio') or 0:.2f}"),
-    "peak MiB": (">", lambda run, rep, r: f"{(r.get('peak_memory_bytes') or 0) / MIB:.1f}"),
-    "overhead": (">", lambda run, rep, r: f"{r.get('memory_overhead_fraction') or 0:.2f}"),
-    "arena MiB": (">", lambda run, rep, r: f"{(rep.get('cuda_graph_arena_bytes') or 0) / MIB:.2f}"),
-    "load s": (">", lambda run, rep, r: f"{rep.get('load_s') or 0:.1f}"),
+    "peak MiB": number("peak_memory_bytes", 1, MIB),
+    "overhead": number("memory_overhead_fraction", 2),
+    "arena MiB": number("cuda_graph_arena_bytes", 2, MIB, of_report=True),
+    "load s": number("load_s", 1, of_report=True),
     "same": (">", lambda run, rep, r: str(r.get("same_output_as_plain"))),
     "digest": (">", lambda run, rep, r: r.get("output_digest") or ""),
 }
