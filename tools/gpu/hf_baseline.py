@@ -3,8 +3,10 @@ random weights (LlamaConfig -> LlamaForCausalLM, nothing downloaded), random tok
 greedy decoding, in two flavours:
 
   eager     model.generate with the default dynamic cache
-  compiled  static KV cache + torch.compile(model.forward, mode="reduce-overhead") (CUDA graphs),
-            the recipe of HF's "LLM inference optimization" guide
+  compiled  static KV cache + the decode step through torch.compile(mode="reduce-overhead")
+            (CUDA graphs), the recipe of HF's "LLM inference optimization" guide: generate's
+            own compile_config from transformers 4.48 on, model.forward wrapped before
+            (each record's "compile" says which)
 
 For each (mode, batch size) it prints one JSON record: tokens/s after the first token, ms per
 decode step, time to first token. Needs only torch and transformers, and runs offline.
@@ -18,6 +20,7 @@ import sys
 import time
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # The HF configs of the checkpoints spec-bench's --random_weights names (same table as
@@ -73,6 +76,27 @@ def timed_generate(model, ids, new_tokens, device, **kw):
     return time.perf_counter() - t, out
 
 
+def compile_step(model):
+    """Static KV cache + the decode step through torch.compile(mode="reduce-overhead").
+
+    transformers 4.48 and later compile the decode step inside generate() once the cache is
+    static (GenerationConfig.compile_config; its default is this recipe), and wrapping
+    model.forward on top breaks there: the wrapped graphs' replays overwrite the static
+    cache's tensors that the previous replay returned, which newer torch refuses. Older
+    versions need the wrap, as HF's guide for them shows.
+    """
+    model.generation_config.cache_implementation = "static"
+    try:
+        from transformers.generation.configuration_utils import CompileConfig
+    except ImportError:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        return "wrapped forward"
+    model.generation_config.compile_config = CompileConfig(
+        fullgraph=True, dynamic=False, backend="inductor", mode="reduce-overhead"
+    )
+    return "generate's own compile_config"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -111,9 +135,9 @@ def main():
     gen = torch.Generator().manual_seed(a.seed)
     records = []
     for mode in modes:
+        how = "none"
         if mode == "compiled":
-            model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            how = compile_step(model)
         for b in batches:
             ids = torch.randint(0, vocab, (b, a.prompt_len), generator=gen).to(device)
             with torch.inference_mode():
@@ -137,6 +161,8 @@ def main():
                 if device.type == "cuda"
                 else "cpu",
                 "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "compile": how,
                 "prompt_len": a.prompt_len,
                 "new_tokens": new,
                 # After each sequence's first token, as spec-bench counts.
