@@ -191,17 +191,8 @@ int main() {
             for (int n = 0; n < s.n; ++n)
                 depths_agree &= __bfloat16_as_ushort(c[n]) == __bfloat16_as_ushort(b[n]);
         }
-        double e_ship = 0, e_std = 0;
-        for (int n = 0; n < s.n; ++n) {
-            double ref = 0, mag = 0;
-            for (int k = 0; k < s.k; ++k) {
-                const double p = (double)__bfloat162float(hw[(size_t)n * s.k + k]) * __bfloat162float(hx[k]);
-                ref += p;
-                mag += fabs(p);
-            }
-            e_ship = fmax(e_ship, fabs(__bfloat162float(a[n]) - ref) / mag);
-            e_std = fmax(e_std, fabs(__bfloat162float(b[n]) - ref) / mag);
-        }
+        const std::vector<double> err = max_rel_errors(hw, hx, {&a, &b}, s.n, s.k);
+        const double e_ship = err[0], e_std = err[1];
         printf("%-8s %5.1f | %5.1f %5.1f | %5.1f %5.1f | %5.1f %5.1f | %.2e %.2e%s\n", s.name, t_st, t_ship, t_deep,
                t_std[0], t_std[1], t_std[2], t_std[3], e_ship, e_std, depths_agree ? "" : "  VARIANTS DIFFER");
         for (int i = 0; i < copies; ++i) CK(cudaFree(w[i]));

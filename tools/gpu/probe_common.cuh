@@ -3,6 +3,7 @@
 // is measured against), and weights filled with a hash of their index.
 #pragma once
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
 #include <cuda_bf16.h>
 #include <vector>
@@ -74,3 +75,22 @@ struct ProbeShape {
 constexpr ProbeShape PROJECTIONS[] = {{"qkv", 12288, 4096},  {"o_proj", 4096, 4096}, {"gate_up", 22016, 4096},
                                       {"down", 4096, 11008}, {"s_qkv", 960, 576},    {"s_o", 576, 576},
                                       {"s_gu", 3072, 576},   {"s_down", 576, 1536}};
+
+// Largest error of each output `y[n]` of `w [n, k] · x` against a double reference, relative to
+// the sum of its terms' magnitudes (the bf16 output's rounding is ~4e-3 of that), over outputs
+// `ys` (several kernels' outputs, one error each).
+inline std::vector<double> max_rel_errors(const std::vector<bf16> &w, const std::vector<bf16> &x,
+                                          const std::vector<const std::vector<bf16> *> &ys, int n, int k) {
+    std::vector<double> worst(ys.size(), 0.0);
+    for (int r = 0; r < n; ++r) {
+        double ref = 0, mag = 0;
+        for (int i = 0; i < k; ++i) {
+            const double p = (double)__bfloat162float(w[(size_t)r * k + i]) * __bfloat162float(x[i]);
+            ref += p;
+            mag += fabs(p);
+        }
+        for (size_t j = 0; j < ys.size(); ++j)
+            worst[j] = fmax(worst[j], fabs(__bfloat162float((*ys[j])[r]) - ref) / mag);
+    }
+    return worst;
+}

@@ -51,6 +51,11 @@ fn step_after_context(
     logits
 }
 
+/// Token 42 at position 100 after the context, the last row's logits (a decode or draft step).
+fn one_token_step(model: &Llama, cache: &mut PagedKvCache, seq: SeqId) -> candle_core::Tensor {
+    step_after_context(model, cache, seq, &[42], &[100], OutputRows::Last)
+}
+
 fn bench(c: &mut Criterion) {
     let dtype: DType = std::env::var("KESTREL_BENCH_DTYPE")
         .ok()
@@ -80,16 +85,7 @@ fn bench(c: &mut Criterion) {
     group.sample_size(20);
     group.throughput(Throughput::Elements(1));
     group.bench_function("decode_b1_ctx100", |b| {
-        b.iter(|| {
-            black_box(step_after_context(
-                &model,
-                &mut cache,
-                seq,
-                &[42],
-                &[100],
-                OutputRows::Last,
-            ))
-        })
+        b.iter(|| black_box(one_token_step(&model, &mut cache, seq)))
     });
 
     // A tree verification's cost over the decode step above: T chained tokens, every row's
@@ -143,23 +139,9 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let mut timed = std::time::Duration::ZERO;
             for _ in 0..iters {
-                black_box(step_after_context(
-                    &model,
-                    &mut cache,
-                    seq,
-                    &[42],
-                    &[100],
-                    OutputRows::Last,
-                ));
+                black_box(one_token_step(&model, &mut cache, seq));
                 let start = std::time::Instant::now();
-                black_box(step_after_context(
-                    &draft,
-                    &mut cache,
-                    seq,
-                    &[42],
-                    &[100],
-                    OutputRows::Last,
-                ));
+                black_box(one_token_step(&draft, &mut cache, seq));
                 timed += start.elapsed();
             }
             timed
