@@ -33,16 +33,13 @@ constexpr int CHAINS = 8;        // = GEMV_WARPS: the one-row kernel's warps are
 constexpr int SLAB_STRIPS = 8;   // strips (16 rows) a tiled block takes by default: a warp each
 static_assert(CHAINS == GEMV_WARPS, "row_partials_to_y adds one partial a warp");
 
-__host__ __device__ inline int chain_begin(const int kt, const int c) { return kt * c / CHAINS; }
-
 // Chains as the shipped one-row kernel deals K out: blocks of 4 k16 tiles (64 k), block b to
-// chain b mod CHAINS, so a block's 8 warps read 8 adjacent blocks at a time (INTERLEAVED), or
-// CHAINS contiguous runs of tiles. n-th tile of chain c, and the chain's length.
-template <bool INTERLEAVED> __device__ __forceinline__ int chain_tile(const int kt, const int c, const int n) {
-    return INTERLEAVED ? 4 * (c + CHAINS * (n / 4)) + n % 4 : chain_begin(kt, c) + n;
-}
-template <bool INTERLEAVED> __device__ __forceinline__ int chain_len(const int kt, const int c) {
-    return INTERLEAVED ? 4 * max(0, (kt / 4 - c + CHAINS - 1) / CHAINS) : chain_begin(kt, c + 1) - chain_begin(kt, c);
+// chain b mod CHAINS, so a block's 8 warps read 8 adjacent blocks at a time (contiguous runs
+// of tiles a chain were slower: build 2, commit 2110b72). n-th tile of chain c, and the
+// chain's length.
+__device__ __forceinline__ int chain_tile(const int c, const int n) { return 4 * (c + CHAINS * (n / 4)) + n % 4; }
+__device__ __forceinline__ int chain_len(const int kt, const int c) {
+    return 4 * max(0, (kt / 4 - c + CHAINS - 1) / CHAINS);
 }
 
 // w [N, K] row-major → tile (strip s, k16 kc) at uint4 (s·KT + kc)·32 + lane: lane (g, t)'s
@@ -74,24 +71,24 @@ __global__ void x_to_frag(const bf16 *__restrict__ x, uint2 *__restrict__ xf, co
 // M rows (x in x_to_frag's order); grid (slabs of 128 rows, CHAINS), clusters of CHAINS
 // blocks along y, 8 warps. Writes y [M, N].
 // The chains' products of a slab of S strips for M rows, each warp one strip's (in acc).
-template <int M, int DEPTH, bool IL, int S, bool B_AHEAD = false>
+template <int M, int DEPTH, int S, bool B_AHEAD = false>
 __device__ __forceinline__ void slab_chain(const uint2 *__restrict__ xf, const uint4 *__restrict__ wf,
                                            const int N, const int K, float (*acc)[4]) {
     constexpr int G = M / 8;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int kt = K / 16, c = blockIdx.y, s = blockIdx.x * S + warp;
-    const int len = chain_len<IL>(kt, c);
+    const int len = chain_len(kt, c);
     if (16 * s >= N) return;
     const uint4 *src = wf + ((size_t)s * kt) * 32 + lane;
     uint4 ring[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d)
-        if (d < len) ring[d] = __ldg(src + (size_t)chain_tile<IL>(kt, c, d) * 32);
+        if (d < len) ring[d] = __ldg(src + (size_t)chain_tile(c, d) * 32);
     // B_AHEAD: the next tile's B fragments are requested before this tile's MMAs (Nsight
     // Compute put 72% of a warp's cycles in waits on the B loads issued just before them).
     uint2 bnext[G];
     auto load_b = [&](const int n) {
-        const uint2 *xs = xf + (size_t)chain_tile<IL>(kt, c, n) * G * 32 + lane;
+        const uint2 *xs = xf + (size_t)chain_tile(c, n) * G * 32 + lane;
 #pragma unroll
         for (int j = 0; j < G; ++j) bnext[j] = __ldg(xs + j * 32);
     };
@@ -101,24 +98,18 @@ __device__ __forceinline__ void slab_chain(const uint2 *__restrict__ xf, const u
         for (int d = 0; d < DEPTH; ++d) {
             const int n = n0 + d;
             if (n < len) {
-                const int kc = chain_tile<IL>(kt, c, n);
                 const unsigned a[4] = {ring[d].x, ring[d].y, ring[d].z, ring[d].w};
+                if (!B_AHEAD) load_b(n);
                 uint2 bcur[G];
-                if (B_AHEAD) {
 #pragma unroll
-                    for (int j = 0; j < G; ++j) bcur[j] = bnext[j];
-                    if (n + 1 < len) load_b(n + 1);
-                } else {
-                    const uint2 *xs = xf + (size_t)kc * G * 32 + lane;
-#pragma unroll
-                    for (int j = 0; j < G; ++j) bcur[j] = __ldg(xs + j * 32);
-                }
+                for (int j = 0; j < G; ++j) bcur[j] = bnext[j];
+                if (B_AHEAD && n + 1 < len) load_b(n + 1);
 #pragma unroll
                 for (int j = 0; j < G; ++j) {
                     const unsigned b[2] = {bcur[j].x, bcur[j].y};
                     mma16816<bf16>(acc[j], a, b);
                 }
-                if (n + DEPTH < len) ring[d] = __ldg(src + (size_t)chain_tile<IL>(kt, c, n + DEPTH) * 32);
+                if (n + DEPTH < len) ring[d] = __ldg(src + (size_t)chain_tile(c, n + DEPTH) * 32);
             }
         }
     }
@@ -130,7 +121,7 @@ template <int M, int DEPTH, int S, bool B_AHEAD = false>
 __global__ void __launch_bounds__(S * WARP) tiled_frag_parts(const uint2 *__restrict__ xf, const uint4 *__restrict__ wf,
                                                              float *__restrict__ parts, const int N, const int K) {
     float acc[M / 8][4] = {};
-    slab_chain<M, DEPTH, true, S, B_AHEAD>(xf, wf, N, K, acc);
+    slab_chain<M, DEPTH, S, B_AHEAD>(xf, wf, N, K, acc);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const int n = (blockIdx.x * S + warp) * 16 + g;
     float *p = parts + (size_t)blockIdx.y * M * N;
@@ -157,17 +148,16 @@ __global__ void reduce_parts(const float *__restrict__ parts, bf16 *__restrict__
     y[i] = __float2bfloat16(total);
 }
 
-template <int M, int DEPTH, bool IL, int S = SLAB_STRIPS>
+template <int M, int DEPTH, int S = SLAB_STRIPS>
 __global__ void __cluster_dims__(1, CHAINS, 1) __launch_bounds__(S * WARP)
     tiled_frag(const uint2 *__restrict__ xf, const uint4 *__restrict__ wf, bf16 *__restrict__ y,
                const int N, const int K) {
     constexpr int G = M / 8;
-    constexpr int SLAB_STRIPS = S;
-    __shared__ float part[SLAB_STRIPS * 16][M];
+    __shared__ float part[S * 16][M];
     cg::cluster_group cluster = cg::this_cluster();
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     float acc[G][4] = {};
-    slab_chain<M, DEPTH, IL, S>(xf, wf, N, K, acc);
+    slab_chain<M, DEPTH, S>(xf, wf, N, K, acc);
 #pragma unroll
     for (int j = 0; j < G; ++j) {
         part[16 * warp + g][8 * j + 2 * t] = acc[j][0];
@@ -177,10 +167,10 @@ __global__ void __cluster_dims__(1, CHAINS, 1) __launch_bounds__(S * WARP)
     }
     cluster.sync();
     // Block c adds slice c of the slab's outputs over the chains, in chain order.
-    constexpr int OUTS = SLAB_STRIPS * 16 * M, SLICE = OUTS / CHAINS;
+    constexpr int OUTS = S * 16 * M, SLICE = OUTS / CHAINS;
     const int rank = cluster.block_rank();
     for (int o = rank * SLICE + threadIdx.x; o < (rank + 1) * SLICE; o += blockDim.x) {
-        const int r = o / M, m = o % M, n = blockIdx.x * SLAB_STRIPS * 16 + r;
+        const int r = o / M, m = o % M, n = blockIdx.x * S * 16 + r;
         float total = 0.f;
 #pragma unroll
         for (int q = 0; q < CHAINS; ++q) total += cluster.map_shared_rank(&part[0][0], q)[o];
@@ -189,10 +179,10 @@ __global__ void __cluster_dims__(1, CHAINS, 1) __launch_bounds__(S * WARP)
     cluster.sync(); // no block leaves while another reads its partials
 }
 
-template <int M, int DEPTH, bool IL = true, int S = SLAB_STRIPS>
+template <int M, int DEPTH, int S = SLAB_STRIPS>
 void launch_tiled(const uint2 *xf, const uint4 *wf, bf16 *y, int N, int K) {
     const dim3 grid((N + S * 16 - 1) / (S * 16), CHAINS);
-    tiled_frag<M, DEPTH, IL, S><<<grid, S * WARP>>>(xf, wf, y, N, K);
+    tiled_frag<M, DEPTH, S><<<grid, S * WARP>>>(xf, wf, y, N, K);
 }
 
 template <int M, int DEPTH, int S, bool B_AHEAD = false>
@@ -301,7 +291,7 @@ int main() {
         const float t_x2 = time([&](int i) { row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[i], y1, s.n, s.k); });
         const int xthreads = s.k / 16 * (MR / 8) * 32;
         x_to_frag<<<(xthreads + 255) / 256, 256>>>(x, xf, MR, s.k);
-        const float t_c8 = time([&](int i) { launch_tiled<64, 4, true, 8>(xf, wf[i], yt, s.n, s.k); });
+        const float t_c8 = time([&](int i) { launch_tiled<64, 4, 8>(xf, wf[i], yt, s.n, s.k); });
         const float t_b8 = time([&](int i) { launch_parts<64, 4, 8, true>(xf, wf[i], parts, yp, s.n, s.k); });
         const float t_b4 = time([&](int i) { launch_parts<64, 4, 4, true>(xf, wf[i], parts, yp, s.n, s.k); });
         const float t_p8 = time([&](int i) { launch_parts<64, 4, 8>(xf, wf[i], parts, yp, s.n, s.k); });
@@ -310,7 +300,7 @@ int main() {
         CK(cudaDeviceSynchronize());
         // Bits: every one of the 64 rows through row_frag_x alone against the tiled product, and
         // the two ways to add the chains.
-        launch_tiled<64, 4, true, 8>(xf, wf[0], yt, s.n, s.k);
+        launch_tiled<64, 4, 8>(xf, wf[0], yt, s.n, s.k);
         launch_parts<64, 4, 4, true>(xf, wf[0], parts, yp, s.n, s.k);
         std::vector<bf16> tiled((size_t)MR * s.n), viamem((size_t)MR * s.n), one(s.n), ship(s.n);
         CK(cudaMemcpy(tiled.data(), yt, (size_t)MR * s.n * 2, cudaMemcpyDeviceToHost));
