@@ -13,24 +13,32 @@
 //              2 16-byte loads; the chains' partial sums added in chain order (as the shipped
 //              one-row path adds its warps'). (Session 45's first builds, commit 25a832d, took
 //              x a word per MMA and chains of contiguous tiles: 10-40% slower than shipped.)
-//   tiled_frag M rows (M/8 MMAs a tile on the same A fragment): a block S strips × one chain,
-//              a cluster of CHAINS blocks one slab; the rows' B fragments come from a
-//              fragment-ordered copy of x through L1 (the block's warps read the same ones);
-//              the chains' partials meet in distributed shared memory, added in chain order.
-//   tiled_frag_parts + reduce_parts: the same products, the partials through global memory;
-//              B_AHEAD requests the next tile's B fragments before this tile's MMAs.
+//   tiled_frag_parts M rows (M/8 MMAs a tile on the same A fragment): a block S strips × one
+//              chain; the rows' B fragments from a fragment-ordered copy of x through L1 (the
+//              block's warps read the same ones); each chain's partials to global memory and
+//              reduce_parts adds them in chain order. B_AHEAD requests the next tile's B
+//              fragments before this tile's MMAs. (Session 45 also had the chains meet in a
+//              cluster's distributed shared memory: no faster; commit d578880.)
+//   wg_frag    64 rows on Hopper's warpgroup MMA: a warpgroup takes 4 strips (64 weight rows)
+//              and runs chains one after another, adding each chain's sums into a running total
+//              in chain order, so with all 8 chains in one block no partials leave it. A comes
+//              straight from the fragment order into registers (wgmma's register A of a warp
+//              is mma.sync's A fragment), a ring of DEPTH 64-k blocks ahead; B (the rows) is
+//              staged a 64-k block at a time (8 KiB) in wgmma's core-matrix layout by cp.async,
+//              STAGES deep, shared by the block's WGS warpgroups. SPLIT blocks share a strip
+//              group's chains when there are too few groups to fill the GPU; their partials
+//              meet in reduce_split.
 // Same chain, same MMAs, same order: a row's output has the same bits at 1 row as at 64
 // (checked, every row), and is as accurate as the shipped kernel (checked against double).
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o frag_probe tools/gpu/frag_probe.cu && ./frag_probe
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o frag_probe tools/gpu/frag_probe.cu && ./frag_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
 #include "probe_row_sum.cuh"
+#include "probe_wgmma.cuh"
 #include <cmath>
-#include <cooperative_groups.h>
-namespace cg = cooperative_groups;
+#include <string>
 
 constexpr int CHAINS = 8;        // = GEMV_WARPS: the one-row kernel's warps are the chains
-constexpr int SLAB_STRIPS = 8;   // strips (16 rows) a tiled block takes by default: a warp each
 static_assert(CHAINS == GEMV_WARPS, "row_partials_to_y adds one partial a warp");
 
 // Chains as the shipped one-row kernel deals K out: blocks of 4 k16 tiles (64 k), block b to
@@ -68,8 +76,6 @@ __global__ void x_to_frag(const bf16 *__restrict__ x, uint2 *__restrict__ xf, co
     xf[idx] = make_uint2(x32[8 * kc + t], x32[8 * kc + t + 4]);
 }
 
-// M rows (x in x_to_frag's order); grid (slabs of 128 rows, CHAINS), clusters of CHAINS
-// blocks along y, 8 warps. Writes y [M, N].
 // The chains' products of a slab of S strips for M rows, each warp one strip's (in acc).
 template <int M, int DEPTH, int S, bool B_AHEAD = false>
 __device__ __forceinline__ void slab_chain(const uint2 *__restrict__ xf, const uint4 *__restrict__ wf,
@@ -148,43 +154,6 @@ __global__ void reduce_parts(const float *__restrict__ parts, bf16 *__restrict__
     y[i] = __float2bfloat16(total);
 }
 
-template <int M, int DEPTH, int S = SLAB_STRIPS>
-__global__ void __cluster_dims__(1, CHAINS, 1) __launch_bounds__(S * WARP)
-    tiled_frag(const uint2 *__restrict__ xf, const uint4 *__restrict__ wf, bf16 *__restrict__ y,
-               const int N, const int K) {
-    constexpr int G = M / 8;
-    __shared__ float part[S * 16][M];
-    cg::cluster_group cluster = cg::this_cluster();
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
-    float acc[G][4] = {};
-    slab_chain<M, DEPTH, S>(xf, wf, N, K, acc);
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-        part[16 * warp + g][8 * j + 2 * t] = acc[j][0];
-        part[16 * warp + g][8 * j + 2 * t + 1] = acc[j][1];
-        part[16 * warp + g + 8][8 * j + 2 * t] = acc[j][2];
-        part[16 * warp + g + 8][8 * j + 2 * t + 1] = acc[j][3];
-    }
-    cluster.sync();
-    // Block c adds slice c of the slab's outputs over the chains, in chain order.
-    constexpr int OUTS = S * 16 * M, SLICE = OUTS / CHAINS;
-    const int rank = cluster.block_rank();
-    for (int o = rank * SLICE + threadIdx.x; o < (rank + 1) * SLICE; o += blockDim.x) {
-        const int r = o / M, m = o % M, n = blockIdx.x * S * 16 + r;
-        float total = 0.f;
-#pragma unroll
-        for (int q = 0; q < CHAINS; ++q) total += cluster.map_shared_rank(&part[0][0], q)[o];
-        if (n < N) y[(size_t)m * N + n] = __float2bfloat16(total);
-    }
-    cluster.sync(); // no block leaves while another reads its partials
-}
-
-template <int M, int DEPTH, int S = SLAB_STRIPS>
-void launch_tiled(const uint2 *xf, const uint4 *wf, bf16 *y, int N, int K) {
-    const dim3 grid((N + S * 16 - 1) / (S * 16), CHAINS);
-    tiled_frag<M, DEPTH, S><<<grid, S * WARP>>>(xf, wf, y, N, K);
-}
-
 template <int M, int DEPTH, int S, bool B_AHEAD = false>
 void launch_parts(const uint2 *xf, const uint4 *wf, float *parts, bf16 *y, int N, int K) {
     const dim3 grid((N + S * 16 - 1) / (S * 16), CHAINS);
@@ -240,30 +209,270 @@ __global__ void GEMV_BOUNDS row_frag_x(const uint4 *__restrict__ xr, const uint4
     row_partials_to_y(acc, y, 16 * s, N);
 }
 
+// x [64, K] → wgmma's B, a 64-k block at a time: [block b][tile j (4)][k half c (2)][row n (64)]
+// [8 values] = x[n][64b + 16j + 8c + e], so a block is one contiguous 8 KiB copy and tile j's
+// descriptor has leading (k half) offset 1,024 and stride (8 rows) 128.
+__global__ void x_to_wg(const bf16 *__restrict__ x, bf16 *__restrict__ xw, const int K) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 64 * K) return;
+    const int e = i % 8, n = (i / 8) % 64, c = (i / 512) % 2, j = (i / 1024) % 4, b = i / 4096;
+    xw[i] = x[(size_t)n * K + 64 * b + 16 * j + 8 * c + e];
+}
+
+constexpr int WG_BLOCK_U4 = 512; // a 64-k block of the 64 rows in uint4
+
+// Chains [c0, c1) of a block's walk, as the one-row kernel deals them: chain c's 64-k blocks
+// c, c + CHAINS, …; then chain c + 1's.
+struct ChainWalk {
+    int c, b;
+    __device__ ChainWalk(const int c0, const int c1, const int nb) : c(c0), b(c0) { skip(c1, nb); }
+    __device__ void skip(const int c1, const int nb) {
+        while (c < c1 && b >= nb) b = ++c;
+    }
+    __device__ void next(const int c1, const int nb) {
+        b += CHAINS;
+        skip(c1, nb);
+    }
+};
+
+// A chain's end in the wg builds: the first block of a strip group adds its chains into the
+// running total (in chain order); the others' chains go to their own slots of parts. The
+// accumulator restarts from zero.
+__device__ __forceinline__ void wg_frag_chain_done(float *acc, float *total, float *parts, const int chain,
+                                                   const bool first, const bool active, const int N, const int n0) {
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        if (first)
+            total[e] += acc[e];
+        else if (active)
+            parts[((size_t)chain * 64 + 8 * (e / 4) + 2 * (lane & 3) + e % 2) * N + n0 + (lane >> 2) + 8 * ((e / 2) % 2)] =
+                acc[e];
+        acc[e] = 0.f;
+    }
+}
+
+// The first block's total: y itself when it took every chain, else slot 0 of parts.
+__device__ __forceinline__ void wg_frag_finish(const float *total, bf16 *y, float *parts, const int split,
+                                               const bool writes, const int N, const int n0) {
+    if (!writes) return;
+    if (split == 1) {
+        wg_store(total, y, 64, N, 0, n0);
+        return;
+    }
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int e = 0; e < 32; ++e)
+        parts[((size_t)8 * (e / 4) + 2 * (lane & 3) + e % 2) * N + n0 + (lane >> 2) + 8 * ((e / 2) % 2)] = total[e];
+}
+
+// Grid (strip groups / WGS, SPLIT), WGS warpgroups a block; STAGES × 8 KiB of dynamic shared
+// memory. With SPLIT = 1 writes y [64, N]; else parts [CHAINS][64][N]: slot 0 the first block's
+// running total, slot c chain c's sums for the other blocks' chains (reduce_split adds them).
+template <int DEPTH, int STAGES, int WGS>
+__global__ void __launch_bounds__(WGS * 128) wg_frag(const uint4 *__restrict__ xw, const uint4 *__restrict__ wf,
+                                                     bf16 *__restrict__ y, float *__restrict__ parts, const int N,
+                                                     const int K, const int split) {
+    extern __shared__ uint4 wg_stage[];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int kt = K / 16, nb = kt / 4;
+    const int n0 = ((blockIdx.x * WGS + warp / 4) * 4 + warp % 4) * 16; // the warp's strip
+    const bool active = (blockIdx.x * WGS + warp / 4) * 64 < N;        // N is a multiple of 64
+    const int c0 = blockIdx.y * CHAINS / split, c1 = (blockIdx.y + 1) * CHAINS / split;
+    int blocks = 0;
+    for (int c = c0; c < c1; ++c) blocks += max(0, (nb - c + CHAINS - 1) / CHAINS);
+    const uint4 *wsrc = wf + (size_t)(n0 / 16) * kt * 32 + lane;
+    ChainWalk a_walk(c0, c1, nb), b_walk(c0, c1, nb), walk(c0, c1, nb);
+    int staged = 0;
+    auto load_b = [&]() {
+        if (b_walk.c < c1) {
+            uint4 *s = wg_stage + (staged % STAGES) * WG_BLOCK_U4;
+            const uint4 *src = xw + (size_t)b_walk.b * WG_BLOCK_U4;
+            for (int r = threadIdx.x; r < WG_BLOCK_U4; r += WGS * 128) cp_async16(s + r, src + r);
+            b_walk.next(c1, nb);
+        }
+        ++staged;
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    uint4 ring[DEPTH][4];
+    auto load_a = [&](uint4 *v) {
+        if (a_walk.c < c1) {
+            if (active)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[j] = __ldg(wsrc + (size_t)(4 * a_walk.b + j) * 32);
+            a_walk.next(c1, nb);
+        }
+    };
+    for (int s = 0; s < STAGES - 1; ++s) load_b();
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; ++d) load_a(ring[d]);
+    float acc[32], total[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
+    for (int i0 = 0; i0 < blocks; i0 += DEPTH) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int i = i0 + d;
+            if (i >= blocks) break;
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads(); // block i's rows are in; every warp's MMAs on block i - 1 are done
+            load_b();
+            load_a(ring[(d + DEPTH - 1) % DEPTH]);
+            if (active) {
+                const uint4 *s = wg_stage + (i % STAGES) * WG_BLOCK_U4;
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned a[4] = {ring[d][j].x, ring[d][j].y, ring[d][j].z, ring[d][j].w};
+                    wgmma_rs_n64(acc, a, wg_smem_desc(s + j * 128, 1024, 128));
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            }
+            const int chain = walk.c;
+            walk.next(c1, nb);
+            if (walk.c != chain) wg_frag_chain_done(acc, total, parts, chain, c0 == 0, active, N, n0);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    wg_frag_finish(total, y, parts, split, c0 == 0 && active, N, n0);
+}
+
+// Build 6: wg_frag with the weights staged too. Build 5's register ring (192 registers, two
+// warpgroups a multiprocessor) kept too few bytes in flight; here each stage holds a 64-k block
+// of the rows (8 KiB) and of each warp's strip (2 KiB a warp, [warp][tile][lane]), copied by
+// cp.async STAGES - 1 blocks ahead, and a warp reads its A fragments back with one 16-byte
+// shared load a tile just before its MMAs.
+template <int STAGES, int WGS>
+__global__ void __launch_bounds__(WGS * 128) wg_frag_staged(const uint4 *__restrict__ xw, const uint4 *__restrict__ wf,
+                                                            bf16 *__restrict__ y, float *__restrict__ parts,
+                                                            const int N, const int K, const int split) {
+    constexpr int STAGE_U4 = WG_BLOCK_U4 + WGS * 4 * 4 * WARP; // rows, then the warps' strips
+    extern __shared__ uint4 wg_stage[];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int kt = K / 16, nb = kt / 4;
+    const int n0 = ((blockIdx.x * WGS + warp / 4) * 4 + warp % 4) * 16;
+    const bool active = (blockIdx.x * WGS + warp / 4) * 64 < N;
+    const int c0 = blockIdx.y * CHAINS / split, c1 = (blockIdx.y + 1) * CHAINS / split;
+    int blocks = 0;
+    for (int c = c0; c < c1; ++c) blocks += max(0, (nb - c + CHAINS - 1) / CHAINS);
+    const uint4 *wsrc = wf + (size_t)(n0 / 16) * kt * 32 + lane;
+    ChainWalk load_walk(c0, c1, nb), walk(c0, c1, nb);
+    int staged = 0;
+    auto load = [&]() {
+        if (load_walk.c < c1) {
+            uint4 *s = wg_stage + (staged % STAGES) * STAGE_U4;
+            const uint4 *src = xw + (size_t)load_walk.b * WG_BLOCK_U4;
+            for (int r = threadIdx.x; r < WG_BLOCK_U4; r += WGS * 128) cp_async16(s + r, src + r);
+            if (active)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    cp_async16(s + WG_BLOCK_U4 + (warp * 4 + j) * WARP + lane, wsrc + (size_t)(4 * load_walk.b + j) * 32);
+            load_walk.next(c1, nb);
+        }
+        ++staged;
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    for (int s = 0; s < STAGES - 1; ++s) load();
+    float acc[32], total[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
+    for (int i = 0; i < blocks; ++i) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads(); // block i is in; every warp's MMAs on block i - 1 are done
+        load();
+        if (active) {
+            const uint4 *s = wg_stage + (i % STAGES) * STAGE_U4;
+            uint4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] = s[WG_BLOCK_U4 + (warp * 4 + j) * WARP + lane];
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                wgmma_rs_n64(acc, a, wg_smem_desc(s + j * 128, 1024, 128));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        }
+        const int chain = walk.c;
+        walk.next(c1, nb);
+        if (walk.c != chain) wg_frag_chain_done(acc, total, parts, chain, c0 == 0, active, N, n0);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    wg_frag_finish(total, y, parts, split, c0 == 0 && active, N, n0);
+}
+
+// y = slot 0 (chains [0, first)) + chain first's sums + …, in chain order.
+__global__ void reduce_split(const float *__restrict__ parts, bf16 *__restrict__ y, const int MN, const int first) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= MN) return;
+    float total = 0.f + parts[i];
+    for (int q = first; q < CHAINS; ++q) total += parts[(size_t)q * MN + i];
+    y[i] = __float2bfloat16(total);
+}
+
+template <int DEPTH, int STAGES, int WGS>
+void launch_wg(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, int N, int K, int split) {
+    const dim3 grid((N / 64 + WGS - 1) / WGS, split);
+    wg_frag<DEPTH, STAGES, WGS><<<grid, WGS * 128, STAGES * WG_BLOCK_U4 * 16>>>(xw, wf, y, parts, N, K, split);
+    if (split > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / split);
+}
+
+template <int STAGES, int WGS>
+void launch_wg_staged(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, int N, int K, int split) {
+    constexpr int bytes = STAGES * (WG_BLOCK_U4 + WGS * 4 * 4 * WARP) * 16;
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(wg_frag_staged<STAGES, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        sized = true;
+    }
+    const dim3 grid((N / 64 + WGS - 1) / WGS, split);
+    wg_frag_staged<STAGES, WGS><<<grid, WGS * 128, bytes>>>(xw, wf, y, parts, N, K, split);
+    if (split > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / split);
+}
+
+// The 64-row builds timed against each other: build 4's best (mma.sync, B a tile ahead, 4 strips a
+// block, partials through memory) and wg_frag's shapes <DEPTH, STAGES, WGS> × SPLIT.
+struct WgConfig {
+    const char *name;
+    void (*launch)(const uint4 *, const uint4 *, float *, bf16 *, int, int, int);
+    int split;
+};
+constexpr WgConfig WG_CONFIGS[] = {
+    {"wg3.4.1/1", launch_wg<3, 4, 1>, 1},        {"st4.1/1", launch_wg_staged<4, 1>, 1},
+    {"st6.1/1", launch_wg_staged<6, 1>, 1},      {"st6.1/2", launch_wg_staged<6, 1>, 2},
+    {"st6.1/8", launch_wg_staged<6, 1>, 8},      {"st8.1/2", launch_wg_staged<8, 1>, 2},
+    {"st4.2/1", launch_wg_staged<4, 2>, 1},      {"st4.2/4", launch_wg_staged<4, 2>, 4},
+};
+constexpr int N_WG = sizeof(WG_CONFIGS) / sizeof(WG_CONFIGS[0]);
+
 int main() {
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     constexpr int MR = 64;
     const int KMAX = 11008, NMAX = 22016;
-    bf16 *x = random_bf16((size_t)MR * KMAX, 7), *y0, *y1, *yt, *yp;
+    bf16 *x = random_bf16((size_t)MR * KMAX, 7), *y0, *y1, *yp, *xw;
     uint2 *xf;
     uint4 *xr;
     float *parts;
     unsigned *sink;
     CK(cudaMalloc(&y0, NMAX * 2));
     CK(cudaMalloc(&y1, NMAX * 2));
-    CK(cudaMalloc(&yt, (size_t)MR * NMAX * 2));
     CK(cudaMalloc(&yp, (size_t)MR * NMAX * 2));
     CK(cudaMalloc(&xf, (size_t)MR * KMAX * 2));
+    CK(cudaMalloc(&xw, (size_t)MR * KMAX * 2));
     CK(cudaMalloc(&xr, (size_t)KMAX * 2));
     CK(cudaMalloc(&parts, (size_t)CHAINS * MR * NMAX * 4));
     CK(cudaMalloc(&sink, 4));
     LaunchTimer timer;
     const int reps = 60;
-    printf("us a launch: stream | shipped row_mma, row_mma_deep | fragment one row, x in block order, ring 1, "
-           "2 blocks | 64 rows: cluster 8 strips a block; partials through memory + add, 8 / "
-           "4 strips; the same with B a tile ahead, 8 / 4 strips | best 64 ÷ stream | bits: one row = 64 rows, cluster = through memory | max err/|terms|: shipped, "
-           "frag\n");
+    printf("us a launch: stream | one row: shipped row_mma, fragment | 64 rows: build 4 (mma.sync, 4 strips, B "
+           "ahead)");
+    for (const auto &c : WG_CONFIGS) printf(", %s", c.name);
+    printf(" | best 64 / stream | bits: each config's 64 rows = one row alone | max err/|terms|: shipped, frag\n");
     for (auto s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
@@ -283,38 +492,43 @@ int main() {
         const float t_ship = time([&](int i) {
             kestrel_gemv_row_mma_bf16<<<strips, GEMV_WARPS * WARP>>>(x, w[i], y0, 1, s.n, s.k, GEMV_MMA);
         });
-        const float t_deep = time([&](int i) {
-            kestrel_gemv_row_mma_deep_bf16<<<strips, GEMV_WARPS * WARP>>>(x, w[i], y0, 1, s.n, s.k, GEMV_MMA);
-        });
         x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x, reinterpret_cast<unsigned *>(xr), s.k);
-        const float t_x1 = time([&](int i) { row_frag_x<1><<<strips, GEMV_WARPS * WARP>>>(xr, wf[i], y1, s.n, s.k); });
         const float t_x2 = time([&](int i) { row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[i], y1, s.n, s.k); });
         const int xthreads = s.k / 16 * (MR / 8) * 32;
         x_to_frag<<<(xthreads + 255) / 256, 256>>>(x, xf, MR, s.k);
-        const float t_c8 = time([&](int i) { launch_tiled<64, 4, 8>(xf, wf[i], yt, s.n, s.k); });
-        const float t_b8 = time([&](int i) { launch_parts<64, 4, 8, true>(xf, wf[i], parts, yp, s.n, s.k); });
+        x_to_wg<<<(MR * s.k + 255) / 256, 256>>>(x, xw, s.k);
         const float t_b4 = time([&](int i) { launch_parts<64, 4, 4, true>(xf, wf[i], parts, yp, s.n, s.k); });
-        const float t_p8 = time([&](int i) { launch_parts<64, 4, 8>(xf, wf[i], parts, yp, s.n, s.k); });
-        const float t_p4 = time([&](int i) { launch_parts<64, 4, 4>(xf, wf[i], parts, yp, s.n, s.k); });
+        float t_wg[N_WG];
+        for (int c = 0; c < N_WG; ++c)
+            t_wg[c] = time([&](int i) {
+                WG_CONFIGS[c].launch(reinterpret_cast<const uint4 *>(xw), wf[i], parts, yp, s.n, s.k,
+                                     WG_CONFIGS[c].split);
+            });
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
-        // Bits: every one of the 64 rows through row_frag_x alone against the tiled product, and
-        // the two ways to add the chains.
-        launch_tiled<64, 4, 8>(xf, wf[0], yt, s.n, s.k);
-        launch_parts<64, 4, 4, true>(xf, wf[0], parts, yp, s.n, s.k);
-        std::vector<bf16> tiled((size_t)MR * s.n), viamem((size_t)MR * s.n), one(s.n), ship(s.n);
-        CK(cudaMemcpy(tiled.data(), yt, (size_t)MR * s.n * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(viamem.data(), yp, (size_t)MR * s.n * 2, cudaMemcpyDeviceToHost));
-        bool same = true, same_ways = true;
-        for (size_t i = 0; i < tiled.size(); ++i)
-            same_ways &= __bfloat16_as_ushort(tiled[i]) == __bfloat16_as_ushort(viamem[i]);
+        // Bits: every one of the 64 rows through row_frag_x alone against each 64-row build.
+        std::vector<bf16> alone((size_t)MR * s.n), many((size_t)MR * s.n), one(s.n), ship(s.n);
         for (int m = 0; m < MR; ++m) {
             x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x + (size_t)m * s.k, reinterpret_cast<unsigned *>(xr), s.k);
             row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[0], y1, s.n, s.k);
-            CK(cudaMemcpy(one.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
-            for (int n = 0; n < s.n; ++n)
-                same &= __bfloat16_as_ushort(one[n]) == __bfloat16_as_ushort(tiled[(size_t)m * s.n + n]);
+            CK(cudaMemcpy(alone.data() + (size_t)m * s.n, y1, s.n * 2, cudaMemcpyDeviceToHost));
         }
+        auto same_as_alone = [&](auto launch) {
+            launch();
+            CK(cudaMemcpy(many.data(), yp, many.size() * 2, cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < many.size(); ++i)
+                if (__bfloat16_as_ushort(many[i]) != __bfloat16_as_ushort(alone[i])) return false;
+            return true;
+        };
+        std::string bits = same_as_alone([&] { launch_parts<64, 4, 4, true>(xf, wf[0], parts, yp, s.n, s.k); })
+                               ? "same"
+                               : "DIFFER";
+        for (const auto &c : WG_CONFIGS)
+            bits += same_as_alone([&] {
+                c.launch(reinterpret_cast<const uint4 *>(xw), wf[0], parts, yp, s.n, s.k, c.split);
+            })
+                        ? " same"
+                        : " DIFFER";
         // Accuracy of row 0 (copy 0) against double, shipped and fragment-ordered.
         kestrel_gemv_row_mma_bf16<<<strips, GEMV_WARPS * WARP>>>(x, w[0], y0, 1, s.n, s.k, GEMV_MMA);
         x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x, reinterpret_cast<unsigned *>(xr), s.k);
@@ -325,11 +539,11 @@ int main() {
         CK(cudaMemcpy(ship.data(), y0, s.n * 2, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(one.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
         const std::vector<double> err = max_rel_errors(hw, hx, {&ship, &one}, s.n, s.k);
-        const double e_ship = err[0], e_frag = err[1];
-        const float best = fminf(fminf(t_c8, fminf(t_b8, t_b4)), fminf(t_p8, t_p4));
-        printf("%-8s %5.1f | %5.1f %5.1f | %5.1f %5.1f | %5.1f; %5.1f %5.1f; %5.1f %5.1f | %.2f | %s, %s | %.2e %.2e\n",
-               s.name, t_st, t_ship, t_deep, t_x1, t_x2, t_c8, t_p8, t_p4, t_b8, t_b4, best / t_st,
-               same ? "same" : "DIFFER", same_ways ? "same" : "DIFFER", e_ship, e_frag);
+        float best = t_b4;
+        for (float t : t_wg) best = fminf(best, t);
+        printf("%-8s %5.1f | %5.1f %5.1f | %5.1f", s.name, t_st, t_ship, t_x2, t_b4);
+        for (float t : t_wg) printf(" %5.1f", t);
+        printf(" | %.2f | %s | %.2e %.2e\n", best / t_st, bits.c_str(), err[0], err[1]);
         for (int i = 0; i < copies; ++i) {
             CK(cudaFree(w[i]));
             CK(cudaFree(wf[i]));
