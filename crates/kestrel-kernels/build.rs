@@ -3,10 +3,12 @@
 //! with nvcc, only when the `cuda` feature is on, so the default (CPU) build never needs a
 //! CUDA toolkit.
 //!
-//! Two PTX modules, each JIT-compiled by the driver for the GPU it runs on: `compute_80` for
-//! Ampere (sm_80/86), and `compute_90` for Hopper and later, whose kernels also wait for and
+//! Three PTX modules, each JIT-compiled by the driver for the GPU it runs on: `compute_80` for
+//! Ampere (sm_80/86); `compute_90` for Hopper and later, whose kernels also wait for and
 //! release their neighbours on the stream (programmatic dependent launch, `pdl_enter` in
-//! kernels.cu), which compute_80 cannot express. cuda.rs picks one per device. (candle's own
+//! kernels.cu), which compute_80 cannot express; and `compute_90a` for compute capability 9.0
+//! exactly (H100, H200), which adds the warpgroup engine (`gemv_wgmma.cuh`: its `wgmma`
+//! instructions exist in the arch-specific target only). launch.rs picks one per device. (candle's own
 //! kernels are built for `CUDA_COMPUTE_CAP` only.)
 
 use std::path::PathBuf;
@@ -18,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/logit_rows.cuh");
     println!("cargo:rerun-if-changed=src/rows.cuh");
     println!("cargo:rerun-if-changed=src/gemv_quant.cuh");
+    println!("cargo:rerun-if-changed=src/gemv_wgmma.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -35,6 +38,7 @@ fn main() {
     for (arch, file) in [
         ("compute_80", "kestrel_kernels.ptx"),
         ("compute_90", "kestrel_kernels_sm90.ptx"),
+        ("compute_90a", "kestrel_kernels_sm90a.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["--ptx", &format!("-arch={arch}"), "-O3", "-std=c++17", "-o"])

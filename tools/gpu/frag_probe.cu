@@ -36,10 +36,19 @@
 #include "probe_row_sum.cuh"
 #include "probe_wgmma.cuh"
 #include <cmath>
+#include <cooperative_groups.h>
 #include <string>
+#include <utility>
+namespace cg = cooperative_groups;
 
 constexpr int CHAINS = 8;        // = GEMV_WARPS: the one-row kernel's warps are the chains
 static_assert(CHAINS == GEMV_WARPS, "row_partials_to_y adds one partial a warp");
+
+// How a 64-row build adds the chains of an output: build 6 in chain order (the later blocks'
+// chains through parts and reduce_split), build 7 as a tree, build 8 in groups: each block's
+// chains in order, then the blocks' totals in order, ((0 + T0) + T1) + …, which the one-row
+// kernel reproduces for the same group size (row_partials_grouped_to_y).
+enum class Order { InOrder, Tree, Grouped };
 
 // Chains as the shipped one-row kernel deals K out: blocks of 4 k16 tiles (64 k), block b to
 // chain b mod CHAINS, so a block's 8 warps read 8 adjacent blocks at a time (contiguous runs
@@ -170,12 +179,56 @@ __global__ void x_row_frag(const bf16 *__restrict__ x, unsigned *__restrict__ xr
     xr[i] = reinterpret_cast<const unsigned *>(x)[8 * (4 * b + j) + t + 4 * half];
 }
 
+// row_partials_to_y with the chains' partials added as build 8 adds them for groups of G
+// chains: each group's in order from zero, then the groups' totals in order from zero.
+__device__ __forceinline__ void row_partials_grouped_to_y(const float *acc, bf16 *y, const int n0, const int N,
+                                                          const int G) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    __shared__ float part[CHAINS][16];
+    if (t == 0) {
+        part[warp][g] = acc[0];
+        part[warp][g + 8] = acc[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
+        float total = 0.f;
+        for (int q0 = 0; q0 < CHAINS; q0 += G) {
+            float group = 0.f;
+            for (int q = q0; q < q0 + G; ++q) group += part[q][threadIdx.x];
+            total += group;
+        }
+        y[n0 + threadIdx.x] = __float2bfloat16(total);
+    }
+}
+
+// row_partials_to_y with the chains' partials added as build 7's tree: ((p0 + p1) + (p2 + p3)) + ….
+__device__ __forceinline__ void row_partials_tree_to_y(const float *acc, bf16 *y, const int n0, const int N) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    __shared__ float part[CHAINS][16];
+    if (t == 0) {
+        part[warp][g] = acc[0];
+        part[warp][g + 8] = acc[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
+        float v[CHAINS];
+#pragma unroll
+        for (int q = 0; q < CHAINS; ++q) v[q] = part[q][threadIdx.x];
+#pragma unroll
+        for (int w = 1; w < CHAINS; w *= 2)
+#pragma unroll
+            for (int q = 0; q + w < CHAINS; q += 2 * w) v[q] = v[q] + v[q + w];
+        y[n0 + threadIdx.x] = __float2bfloat16(v[0]);
+    }
+}
+
 // One row, x from x_row_frag, chains of whole 64-k blocks dealt out as the shipped kernel
 // does, DEPTH blocks a warp in flight (4 fragments a block), every lane taking x (columns
 // replicated, as GemvMma does): 2 x loads and 4 weight loads a block.
-template <int DEPTH>
+// ORDER as the 64-row build's: in chain order, a tree, or groups of G chains.
+template <int DEPTH, Order ORDER = Order::InOrder>
 __global__ void GEMV_BOUNDS row_frag_x(const uint4 *__restrict__ xr, const uint4 *__restrict__ wf,
-                                       bf16 *__restrict__ y, const int N, const int K) {
+                                       bf16 *__restrict__ y, const int N, const int K, const int G = CHAINS) {
     const int lane = threadIdx.x % WARP, c = threadIdx.x / WARP, t = lane & 3;
     const int kt = K / 16, nb = kt / 4, s = blockIdx.x;
     const uint4 *src = wf + ((size_t)s * kt) * 32 + lane;
@@ -206,7 +259,12 @@ __global__ void GEMV_BOUNDS row_frag_x(const uint4 *__restrict__ xr, const uint4
             if (b + AHEAD < nb) load(b + AHEAD, ring[d]);
         }
     }
-    row_partials_to_y(acc, y, 16 * s, N);
+    if (ORDER == Order::Tree)
+        row_partials_tree_to_y(acc, y, 16 * s, N);
+    else if (ORDER == Order::Grouped)
+        row_partials_grouped_to_y(acc, y, 16 * s, N, G);
+    else
+        row_partials_to_y(acc, y, 16 * s, N);
 }
 
 // x [64, K] → wgmma's B, a 64-k block at a time: [block b][tile j (4)][k half c (2)][row n (64)]
@@ -217,6 +275,15 @@ __global__ void x_to_wg(const bf16 *__restrict__ x, bf16 *__restrict__ xw, const
     if (i >= 64 * K) return;
     const int e = i % 8, n = (i / 8) % 64, c = (i / 512) % 2, j = (i / 1024) % 4, b = i / 4096;
     xw[i] = x[(size_t)n * K + 64 * b + 16 * j + 8 * c + e];
+}
+
+// The same blocks with each MMA j's k slots in GemvMma's order: [b][j][c][n][e] =
+// x[n][64b + 16(e / 2) + 4j + 2c + e % 2] (tiled_probe.cu's permute_rows, one tile of rows).
+__global__ void x_to_wg_gemv_order(const bf16 *__restrict__ x, bf16 *__restrict__ xw, const int K) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 64 * K) return;
+    const int e = i % 8, n = (i / 8) % 64, c = (i / 512) % 2, j = (i / 1024) % 4, b = i / 4096;
+    xw[i] = x[(size_t)n * K + 64 * b + 16 * (e / 2) + 4 * j + 2 * c + e % 2];
 }
 
 constexpr int WG_BLOCK_U4 = 512; // a 64-k block of the 64 rows in uint4
@@ -266,95 +333,93 @@ __device__ __forceinline__ void wg_frag_finish(const float *total, bf16 *y, floa
         parts[((size_t)8 * (e / 4) + 2 * (lane & 3) + e % 2) * N + n0 + (lane >> 2) + 8 * ((e / 2) % 2)] = total[e];
 }
 
-// Grid (strip groups / WGS, SPLIT), WGS warpgroups a block; STAGES × 8 KiB of dynamic shared
-// memory. With SPLIT = 1 writes y [64, N]; else parts [CHAINS][64][N]: slot 0 the first block's
-// running total, slot c chain c's sums for the other blocks' chains (reduce_split adds them).
-template <int DEPTH, int STAGES, int WGS>
-__global__ void __launch_bounds__(WGS * 128) wg_frag(const uint4 *__restrict__ xw, const uint4 *__restrict__ wf,
-                                                     bf16 *__restrict__ y, float *__restrict__ parts, const int N,
-                                                     const int K, const int split) {
-    extern __shared__ uint4 wg_stage[];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int kt = K / 16, nb = kt / 4;
-    const int n0 = ((blockIdx.x * WGS + warp / 4) * 4 + warp % 4) * 16; // the warp's strip
-    const bool active = (blockIdx.x * WGS + warp / 4) * 64 < N;        // N is a multiple of 64
-    const int c0 = blockIdx.y * CHAINS / split, c1 = (blockIdx.y + 1) * CHAINS / split;
-    int blocks = 0;
-    for (int c = c0; c < c1; ++c) blocks += max(0, (nb - c + CHAINS - 1) / CHAINS);
-    const uint4 *wsrc = wf + (size_t)(n0 / 16) * kt * 32 + lane;
-    ChainWalk a_walk(c0, c1, nb), b_walk(c0, c1, nb), walk(c0, c1, nb);
-    int staged = 0;
-    auto load_b = [&]() {
-        if (b_walk.c < c1) {
-            uint4 *s = wg_stage + (staged % STAGES) * WG_BLOCK_U4;
-            const uint4 *src = xw + (size_t)b_walk.b * WG_BLOCK_U4;
-            for (int r = threadIdx.x; r < WG_BLOCK_U4; r += WGS * 128) cp_async16(s + r, src + r);
-            b_walk.next(c1, nb);
-        }
-        ++staged;
-        asm volatile("cp.async.commit_group;\n" ::);
-    };
-    uint4 ring[DEPTH][4];
-    auto load_a = [&](uint4 *v) {
-        if (a_walk.c < c1) {
-            if (active)
+// Build 7's order: a block's chains added as a binary tree, ((p0 + p1) + (p2 + p3)) + …, by a
+// binary counter over the chain's place q among the block's CH chains: a finished chain is a
+// left operand kept in buf[l] at the first 0 bit l of q, or is added to the ones waiting
+// below it (buf[l] + right). After the last chain acc holds the block's subtree.
+template <int CH> __device__ __forceinline__ void tree_chain_done(float *acc, float (*buf)[32], const int q) {
+    bool placed = false;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) v[j] = __ldg(wsrc + (size_t)(4 * a_walk.b + j) * 32);
-            a_walk.next(c1, nb);
-        }
-    };
-    for (int s = 0; s < STAGES - 1; ++s) load_b();
+    for (int l = 0; (1 << l) < CH; ++l) {
+        if (!placed) {
+            if (((q >> l) & 1) == 0) {
 #pragma unroll
-    for (int d = 0; d < DEPTH - 1; ++d) load_a(ring[d]);
-    float acc[32], total[32];
+                for (int e = 0; e < 32; ++e) buf[l][e] = acc[e];
+                placed = true;
+            } else {
 #pragma unroll
-    for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
-    for (int i0 = 0; i0 < blocks; i0 += DEPTH) {
-#pragma unroll
-        for (int d = 0; d < DEPTH; ++d) {
-            const int i = i0 + d;
-            if (i >= blocks) break;
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads(); // block i's rows are in; every warp's MMAs on block i - 1 are done
-            load_b();
-            load_a(ring[(d + DEPTH - 1) % DEPTH]);
-            if (active) {
-                const uint4 *s = wg_stage + (i % STAGES) * WG_BLOCK_U4;
-                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned a[4] = {ring[d][j].x, ring[d][j].y, ring[d][j].z, ring[d][j].w};
-                    wgmma_rs_n64(acc, a, wg_smem_desc(s + j * 128, 1024, 128));
-                }
-                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                for (int e = 0; e < 32; ++e) acc[e] = buf[l][e] + acc[e];
             }
-            const int chain = walk.c;
-            walk.next(c1, nb);
-            if (walk.c != chain) wg_frag_chain_done(acc, total, parts, chain, c0 == 0, active, N, n0);
         }
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    wg_frag_finish(total, y, parts, split, c0 == 0 && active, N, n0);
+    if (placed)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc[e] = 0.f;
 }
 
-// Build 6: wg_frag with the weights staged too. Build 5's register ring (192 registers, two
-// warpgroups a multiprocessor) kept too few bytes in flight; here each stage holds a 64-k block
-// of the rows (8 KiB) and of each warp's strip (2 KiB a warp, [warp][tile][lane]), copied by
+// Builds 7 and 8's end: the cluster's SPLIT blocks (chains in equal, aligned ranges) put their
+// subtrees (or group totals) in shared memory, and each adds a slice of the outputs over the
+// cluster's blocks: as the top of the same tree, or in order from zero.
+template <int SPLIT, int WGS, bool TREE>
+__device__ __forceinline__ void cluster_store(const float *acc, void *smem, bf16 *y, const int N) {
+    float *mine = reinterpret_cast<float *>(smem);
+    constexpr int THREADS = WGS * 128, OUTS = THREADS * 32, SLICE = OUTS / SPLIT;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) mine[e * THREADS + threadIdx.x] = acc[e];
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int rank = cluster.block_rank();
+    for (int o = rank * SLICE + threadIdx.x; o < (rank + 1) * SLICE; o += THREADS) {
+        float v[SPLIT];
+#pragma unroll
+        for (int q = 0; q < SPLIT; ++q) v[q] = cluster.map_shared_rank(mine, q)[o];
+        if (TREE) {
+#pragma unroll
+            for (int w = 1; w < SPLIT; w *= 2)
+#pragma unroll
+                for (int q = 0; q + w < SPLIT; q += 2 * w) v[q] = v[q] + v[q + w];
+        } else {
+            float total = 0.f;
+#pragma unroll
+            for (int q = 0; q < SPLIT; ++q) total += v[q];
+            v[0] = total;
+        }
+        const int tid = o % THREADS, e = o / THREADS, warp = tid / WARP, lane = tid % WARP;
+        const int group = blockIdx.x * WGS + warp / 4;
+        const int n = (group * 4 + warp % 4) * 16 + (lane >> 2) + 8 * ((e / 2) % 2);
+        const int m = 8 * (e / 4) + 2 * (lane & 3) + e % 2;
+        if (group * 64 < N) y[(size_t)m * N + n] = __float2bfloat16(v[0]);
+    }
+    cluster.sync(); // no block leaves while another reads its subtree
+}
+
+// Builds 6 and 7: 64 rows on warpgroup MMAs, grid (strip groups / WGS, SPLIT), WGS warpgroups
+// a block. (Build 5 took the weights into a register ring, commit df3566a: 192 registers, two
+// warpgroups a multiprocessor, too few bytes in flight.) Each stage holds a 64-k block of
+// the rows (8 KiB) and of each warp's strip (2 KiB a warp, [warp][tile][lane]), copied by
 // cp.async STAGES - 1 blocks ahead, and a warp reads its A fragments back with one 16-byte
-// shared load a tile just before its MMAs.
-template <int STAGES, int WGS>
+// shared load a tile just before its MMAs. Build 6 adds the chains in chain order, the
+// later blocks' through parts and reduce_split; builds 7 (a tree) and 8 (groups) make the
+// SPLIT blocks of a strip group a cluster meeting in distributed shared memory.
+// Build 9 (ROWS): the same engine on the weights as the runtime stores them (rows, GemvMma's k
+// order): a warp's 16 rows × 64 k staged as rows padded to 144 bytes (conflict-free reads),
+// each lane taking 32 bytes at 16t of its rows g and g + 8 as GemvMma does, and x staged in
+// that k order (x_to_wg_gemv_order): in order (SPLIT 1) the shipped one-row kernel's bits.
+template <bool ROWS> __host__ __device__ constexpr int strip_stage_u4() { return ROWS ? 16 * 9 : 4 * WARP; }
+template <int WGS, bool ROWS> __host__ __device__ constexpr int wg_stage_u4() { return WG_BLOCK_U4 + WGS * 4 * strip_stage_u4<ROWS>(); }
+
+template <int STAGES, int WGS, int SPLIT, Order ORDER, bool ROWS = false>
 __global__ void __launch_bounds__(WGS * 128) wg_frag_staged(const uint4 *__restrict__ xw, const uint4 *__restrict__ wf,
                                                             bf16 *__restrict__ y, float *__restrict__ parts,
-                                                            const int N, const int K, const int split) {
-    constexpr int STAGE_U4 = WG_BLOCK_U4 + WGS * 4 * 4 * WARP; // rows, then the warps' strips
+                                                            const int N, const int K) {
+    constexpr int STAGE_U4 = wg_stage_u4<WGS, ROWS>(), STRIP_U4 = strip_stage_u4<ROWS>();
+    constexpr int CH = CHAINS / SPLIT;
     extern __shared__ uint4 wg_stage[];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int kt = K / 16, nb = kt / 4;
     const int n0 = ((blockIdx.x * WGS + warp / 4) * 4 + warp % 4) * 16;
     const bool active = (blockIdx.x * WGS + warp / 4) * 64 < N;
-    const int c0 = blockIdx.y * CHAINS / split, c1 = (blockIdx.y + 1) * CHAINS / split;
+    const int c0 = blockIdx.y * CH, c1 = c0 + CH;
     int blocks = 0;
     for (int c = c0; c < c1; ++c) blocks += max(0, (nb - c + CHAINS - 1) / CHAINS);
     const uint4 *wsrc = wf + (size_t)(n0 / 16) * kt * 32 + lane;
@@ -365,19 +430,31 @@ __global__ void __launch_bounds__(WGS * 128) wg_frag_staged(const uint4 *__restr
             uint4 *s = wg_stage + (staged % STAGES) * STAGE_U4;
             const uint4 *src = xw + (size_t)load_walk.b * WG_BLOCK_U4;
             for (int r = threadIdx.x; r < WG_BLOCK_U4; r += WGS * 128) cp_async16(s + r, src + r);
-            if (active)
+            uint4 *strip = s + WG_BLOCK_U4 + warp * STRIP_U4;
+            if (active && ROWS) {
+                const bf16 *w = reinterpret_cast<const bf16 *>(wf) + (size_t)n0 * K + 64 * load_walk.b;
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    cp_async16(s + WG_BLOCK_U4 + (warp * 4 + j) * WARP + lane, wsrc + (size_t)(4 * load_walk.b + j) * 32);
+                for (int q = 0; q < 4; ++q) {
+                    const int piece = lane + WARP * q, row = piece / 8, col = piece % 8;
+                    cp_async16(strip + 9 * row + col, w + (size_t)row * K + 8 * col);
+                }
+            } else if (active) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) cp_async16(strip + j * WARP + lane, wsrc + (size_t)(4 * load_walk.b + j) * 32);
+            }
             load_walk.next(c1, nb);
         }
         ++staged;
         asm volatile("cp.async.commit_group;\n" ::);
     };
     for (int s = 0; s < STAGES - 1; ++s) load();
-    float acc[32], total[32];
+    constexpr bool TREE = ORDER == Order::Tree;
+    float acc[32], total[TREE ? 1 : 32], buf[TREE && CH > 1 ? 31 - __builtin_clz(CH) : 1][32];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
+    for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+    if constexpr (!TREE)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) total[e] = 0.f;
     for (int i = 0; i < blocks; ++i) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -385,13 +462,25 @@ __global__ void __launch_bounds__(WGS * 128) wg_frag_staged(const uint4 *__restr
         load();
         if (active) {
             const uint4 *s = wg_stage + (i % STAGES) * STAGE_U4;
+            const uint4 *strip = s + WG_BLOCK_U4 + warp * STRIP_U4;
             uint4 v[4];
+            if constexpr (ROWS) {
+                const int g = lane >> 2, t = lane & 3;
+                v[0] = strip[9 * g + 2 * t];
+                v[1] = strip[9 * g + 2 * t + 1];
+                v[2] = strip[9 * (g + 8) + 2 * t];
+                v[3] = strip[9 * (g + 8) + 2 * t + 1];
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) v[j] = s[WG_BLOCK_U4 + (warp * 4 + j) * WARP + lane];
+                for (int j = 0; j < 4; ++j) v[j] = strip[j * WARP + lane];
+            }
+            const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]), *wh = reinterpret_cast<const unsigned *>(&v[2]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const unsigned a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                // Fragment order: tile j's A fragment is v[j]; rows: GemvMma's k slots.
+                const unsigned a[4] = {ROWS ? wl[2 * j] : v[j].x, ROWS ? wh[2 * j] : v[j].y,
+                                       ROWS ? wl[2 * j + 1] : v[j].z, ROWS ? wh[2 * j + 1] : v[j].w};
                 wgmma_rs_n64(acc, a, wg_smem_desc(s + j * 128, 1024, 128));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -399,10 +488,20 @@ __global__ void __launch_bounds__(WGS * 128) wg_frag_staged(const uint4 *__restr
         }
         const int chain = walk.c;
         walk.next(c1, nb);
-        if (walk.c != chain) wg_frag_chain_done(acc, total, parts, chain, c0 == 0, active, N, n0);
+        if (walk.c != chain) {
+            if constexpr (TREE)
+                tree_chain_done<CH>(acc, buf, chain - c0);
+            else
+                wg_frag_chain_done(acc, total, parts, chain, ORDER == Order::Grouped || c0 == 0, active, N, n0);
+        }
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    wg_frag_finish(total, y, parts, split, c0 == 0 && active, N, n0);
+    if constexpr (ORDER == Order::InOrder || SPLIT == 1) {
+        wg_frag_finish(TREE ? acc : total, y, parts, SPLIT, c0 == 0 && active, N, n0);
+    } else {
+        __syncthreads(); // every warp's MMAs are done with the stages
+        cluster_store<SPLIT, WGS, TREE>(TREE ? acc : total, wg_stage, y, N);
+    }
 }
 
 // y = slot 0 (chains [0, first)) + chain first's sums + …, in chain order.
@@ -414,38 +513,53 @@ __global__ void reduce_split(const float *__restrict__ parts, bf16 *__restrict__
     y[i] = __float2bfloat16(total);
 }
 
-template <int DEPTH, int STAGES, int WGS>
-void launch_wg(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, int N, int K, int split) {
-    const dim3 grid((N / 64 + WGS - 1) / WGS, split);
-    wg_frag<DEPTH, STAGES, WGS><<<grid, WGS * 128, STAGES * WG_BLOCK_U4 * 16>>>(xw, wf, y, parts, N, K, split);
-    if (split > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / split);
-}
-
-template <int STAGES, int WGS>
-void launch_wg_staged(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, int N, int K, int split) {
-    constexpr int bytes = STAGES * (WG_BLOCK_U4 + WGS * 4 * 4 * WARP) * 16;
+template <int STAGES, int WGS, int SPLIT, Order ORDER, bool ROWS = false>
+void launch_wg_staged(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, int N, int K) {
+    constexpr int bytes = STAGES * wg_stage_u4<WGS, ROWS>() * 16;
+    constexpr bool CLUSTER = ORDER != Order::InOrder && SPLIT > 1;
+    static_assert(bytes >= WGS * 128 * 32 * 4, "the blocks' sums fit the stages");
+    auto kernel = wg_frag_staged<STAGES, WGS, SPLIT, ORDER, ROWS>;
     static bool sized = false;
     if (!sized) {
-        CK(cudaFuncSetAttribute(wg_frag_staged<STAGES, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        if (CLUSTER) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         sized = true;
     }
-    const dim3 grid((N / 64 + WGS - 1) / WGS, split);
-    wg_frag_staged<STAGES, WGS><<<grid, WGS * 128, bytes>>>(xw, wf, y, parts, N, K, split);
-    if (split > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / split);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((N / 64 + WGS - 1) / WGS, SPLIT);
+    cfg.blockDim = dim3(WGS * 128);
+    cfg.dynamicSmemBytes = bytes;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1;
+    cluster.val.clusterDim.y = CLUSTER ? SPLIT : 1;
+    cluster.val.clusterDim.z = 1;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kernel, xw, wf, y, parts, N, K));
+    if (ORDER == Order::InOrder && SPLIT > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / SPLIT);
 }
 
 // The 64-row builds timed against each other: build 4's best (mma.sync, B a tile ahead, 4 strips a
-// block, partials through memory) and wg_frag's shapes <DEPTH, STAGES, WGS> × SPLIT.
+// block, partials through memory) and wg_frag_staged's <STAGES, WGS, SPLIT, ORDER>.
 struct WgConfig {
     const char *name;
-    void (*launch)(const uint4 *, const uint4 *, float *, bf16 *, int, int, int);
-    int split;
+    void (*launch)(const uint4 *, const uint4 *, float *, bf16 *, int, int);
+    Order order;
+    int group; // chains a group (Grouped)
+    bool rows; // build 9: the weights as rows, x in GemvMma's order
 };
+constexpr auto IN_ORDER = Order::InOrder, AS_TREE = Order::Tree, GROUPED = Order::Grouped;
 constexpr WgConfig WG_CONFIGS[] = {
-    {"wg3.4.1/1", launch_wg<3, 4, 1>, 1},        {"st4.1/1", launch_wg_staged<4, 1>, 1},
-    {"st6.1/1", launch_wg_staged<6, 1>, 1},      {"st6.1/2", launch_wg_staged<6, 1>, 2},
-    {"st6.1/8", launch_wg_staged<6, 1>, 8},      {"st8.1/2", launch_wg_staged<8, 1>, 2},
-    {"st4.2/1", launch_wg_staged<4, 2>, 1},      {"st4.2/4", launch_wg_staged<4, 2>, 4},
+    {"gr3.1/1", launch_wg_staged<3, 1, 1, GROUPED>, GROUPED, 8, false},
+    {"gr3.1/2", launch_wg_staged<3, 1, 2, GROUPED>, GROUPED, 4, false},
+    {"gr4.1/4", launch_wg_staged<4, 1, 4, GROUPED>, GROUPED, 2, false},
+    {"rw3.1/1", launch_wg_staged<3, 1, 1, GROUPED, true>, GROUPED, 8, true},
+    {"rw4.1/1", launch_wg_staged<4, 1, 1, GROUPED, true>, GROUPED, 8, true},
+    {"rw3.1/2", launch_wg_staged<3, 1, 2, GROUPED, true>, GROUPED, 4, true},
+    {"rw3.1/4", launch_wg_staged<3, 1, 4, GROUPED, true>, GROUPED, 2, true},
+    {"rw4.1/4", launch_wg_staged<4, 1, 4, GROUPED, true>, GROUPED, 2, true},
+    {"rw4.1/8", launch_wg_staged<4, 1, 8, GROUPED, true>, GROUPED, 1, true},
 };
 constexpr int N_WG = sizeof(WG_CONFIGS) / sizeof(WG_CONFIGS[0]);
 
@@ -454,7 +568,7 @@ int main() {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     constexpr int MR = 64;
     const int KMAX = 11008, NMAX = 22016;
-    bf16 *x = random_bf16((size_t)MR * KMAX, 7), *y0, *y1, *yp, *xw;
+    bf16 *x = random_bf16((size_t)MR * KMAX, 7), *y0, *y1, *yp, *xw, *xg;
     uint2 *xf;
     uint4 *xr;
     float *parts;
@@ -464,15 +578,16 @@ int main() {
     CK(cudaMalloc(&yp, (size_t)MR * NMAX * 2));
     CK(cudaMalloc(&xf, (size_t)MR * KMAX * 2));
     CK(cudaMalloc(&xw, (size_t)MR * KMAX * 2));
+    CK(cudaMalloc(&xg, (size_t)MR * KMAX * 2));
     CK(cudaMalloc(&xr, (size_t)KMAX * 2));
     CK(cudaMalloc(&parts, (size_t)CHAINS * MR * NMAX * 4));
     CK(cudaMalloc(&sink, 4));
     LaunchTimer timer;
     const int reps = 60;
-    printf("us a launch: stream | one row: shipped row_mma, fragment | 64 rows: build 4 (mma.sync, 4 strips, B "
+    printf("us a launch: stream | one row: shipped row_mma, fragment, fragment with the tree sum | 64 rows: build 4 (mma.sync, 4 strips, B "
            "ahead)");
     for (const auto &c : WG_CONFIGS) printf(", %s", c.name);
-    printf(" | best 64 / stream | bits: each config's 64 rows = one row alone | max err/|terms|: shipped, frag\n");
+    printf(" | best 64 / stream | bits: each config's 64 rows = one row alone (in order or tree as built) | max err/|terms|: shipped, frag\n");
     for (auto s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
@@ -494,41 +609,66 @@ int main() {
         });
         x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x, reinterpret_cast<unsigned *>(xr), s.k);
         const float t_x2 = time([&](int i) { row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[i], y1, s.n, s.k); });
+        const float t_x2t =
+            time([&](int i) { row_frag_x<2, AS_TREE><<<strips, GEMV_WARPS * WARP>>>(xr, wf[i], y1, s.n, s.k); });
         const int xthreads = s.k / 16 * (MR / 8) * 32;
         x_to_frag<<<(xthreads + 255) / 256, 256>>>(x, xf, MR, s.k);
         x_to_wg<<<(MR * s.k + 255) / 256, 256>>>(x, xw, s.k);
+        x_to_wg_gemv_order<<<(MR * s.k + 255) / 256, 256>>>(x, xg, s.k);
+        // A config's operands: fragment-ordered weights and x, or the rows and x in GemvMma's order.
+        auto operands = [&](const WgConfig &c, int i) {
+            return std::make_pair(reinterpret_cast<const uint4 *>(c.rows ? xg : xw),
+                                  c.rows ? reinterpret_cast<const uint4 *>(w[i]) : wf[i]);
+        };
         const float t_b4 = time([&](int i) { launch_parts<64, 4, 4, true>(xf, wf[i], parts, yp, s.n, s.k); });
         float t_wg[N_WG];
         for (int c = 0; c < N_WG; ++c)
             t_wg[c] = time([&](int i) {
-                WG_CONFIGS[c].launch(reinterpret_cast<const uint4 *>(xw), wf[i], parts, yp, s.n, s.k,
-                                     WG_CONFIGS[c].split);
+                const auto [xo, wo] = operands(WG_CONFIGS[c], i);
+                WG_CONFIGS[c].launch(xo, wo, parts, yp, s.n, s.k);
             });
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
-        // Bits: every one of the 64 rows through row_frag_x alone against each 64-row build.
-        std::vector<bf16> alone((size_t)MR * s.n), many((size_t)MR * s.n), one(s.n), ship(s.n);
+        // Bits: every one of the 64 rows through row_frag_x alone (chains added in order, or as
+        // a tree) against each 64-row build.
+        // alone[0]: in order; [1]: tree; [2 + log2 G]: groups of G; [6]: the shipped kernel.
+        std::vector<std::vector<bf16>> alone(7, std::vector<bf16>((size_t)MR * s.n));
+        std::vector<bf16> many((size_t)MR * s.n), one(s.n), ship(s.n);
         for (int m = 0; m < MR; ++m) {
             x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x + (size_t)m * s.k, reinterpret_cast<unsigned *>(xr), s.k);
-            row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[0], y1, s.n, s.k);
-            CK(cudaMemcpy(alone.data() + (size_t)m * s.n, y1, s.n * 2, cudaMemcpyDeviceToHost));
+            for (int a = 0; a < 6; ++a) {
+                if (a == 0) row_frag_x<2><<<strips, GEMV_WARPS * WARP>>>(xr, wf[0], y1, s.n, s.k);
+                if (a == 1) row_frag_x<2, AS_TREE><<<strips, GEMV_WARPS * WARP>>>(xr, wf[0], y1, s.n, s.k);
+                if (a >= 2) row_frag_x<2, GROUPED><<<strips, GEMV_WARPS * WARP>>>(xr, wf[0], y1, s.n, s.k, 1 << (a - 2));
+                CK(cudaMemcpy(alone[a].data() + (size_t)m * s.n, y1, s.n * 2, cudaMemcpyDeviceToHost));
+            }
+            kestrel_gemv_row_mma_bf16<<<strips, GEMV_WARPS * WARP>>>(x + (size_t)m * s.k, w[0], y0, 1, s.n, s.k,
+                                                                     GEMV_MMA);
+            CK(cudaMemcpy(alone[6].data() + (size_t)m * s.n, y0, s.n * 2, cudaMemcpyDeviceToHost));
         }
-        auto same_as_alone = [&](auto launch) {
+        auto want = [&](const WgConfig &c) -> const std::vector<bf16> & {
+            if (c.rows) return alone[6];
+            return c.order == IN_ORDER ? alone[0] : c.order == AS_TREE ? alone[1] : alone[2 + __builtin_ctz(c.group)];
+        };
+        auto same_as = [&](const std::vector<bf16> &want, auto launch) {
             launch();
             CK(cudaMemcpy(many.data(), yp, many.size() * 2, cudaMemcpyDeviceToHost));
             for (size_t i = 0; i < many.size(); ++i)
-                if (__bfloat16_as_ushort(many[i]) != __bfloat16_as_ushort(alone[i])) return false;
+                if (__bfloat16_as_ushort(many[i]) != __bfloat16_as_ushort(want[i])) return false;
             return true;
         };
-        std::string bits = same_as_alone([&] { launch_parts<64, 4, 4, true>(xf, wf[0], parts, yp, s.n, s.k); })
-                               ? "same"
-                               : "DIFFER";
-        for (const auto &c : WG_CONFIGS)
-            bits += same_as_alone([&] {
-                c.launch(reinterpret_cast<const uint4 *>(xw), wf[0], parts, yp, s.n, s.k, c.split);
-            })
-                        ? " same"
-                        : " DIFFER";
+        std::string bits =
+            same_as(alone[0], [&] { launch_parts<64, 4, 4, true>(xf, wf[0], parts, yp, s.n, s.k); }) ? "same" : "DIFFER";
+        for (const auto &c : WG_CONFIGS) {
+            // The shipped kernel adds its chains in order: the rows build's groups of fewer
+            // chains have no one-row counterpart here.
+            if (c.rows && c.group != CHAINS) {
+                bits += " -";
+                continue;
+            }
+            const auto [xo, wo] = operands(c, 0);
+            bits += same_as(want(c), [&] { c.launch(xo, wo, parts, yp, s.n, s.k); }) ? " same" : " DIFFER";
+        }
         // Accuracy of row 0 (copy 0) against double, shipped and fragment-ordered.
         kestrel_gemv_row_mma_bf16<<<strips, GEMV_WARPS * WARP>>>(x, w[0], y0, 1, s.n, s.k, GEMV_MMA);
         x_row_frag<<<(s.k / 2 + 255) / 256, 256>>>(x, reinterpret_cast<unsigned *>(xr), s.k);
@@ -541,7 +681,7 @@ int main() {
         const std::vector<double> err = max_rel_errors(hw, hx, {&ship, &one}, s.n, s.k);
         float best = t_b4;
         for (float t : t_wg) best = fminf(best, t);
-        printf("%-8s %5.1f | %5.1f %5.1f | %5.1f", s.name, t_st, t_ship, t_x2, t_b4);
+        printf("%-8s %5.1f | %5.1f %5.1f %5.1f | %5.1f", s.name, t_st, t_ship, t_x2, t_x2t, t_b4);
         for (float t : t_wg) printf(" %5.1f", t);
         printf(" | %.2f | %s | %.2e %.2e\n", best / t_st, bits.c_str(), err[0], err[1]);
         for (int i = 0; i < copies; ++i) {

@@ -100,9 +100,16 @@ pub fn choose_kernels(
                 DType::BF16 => "bf16",
             };
             let attention = format!("kestrel_paged_attention_{dt}");
+            // Step rows (decode, drafts, verification) take Kestrel's gemv kernels, steps of
+            // many f16/bf16 rows on compute capability 9.0 its warpgroup engine (the
+            // compute_90a PTX is that target's alone); prompts cuBLAS.
+            let gemm = if (major, minor) == (9, 0) && dtype != DType::F32 {
+                format!("kestrel_gemv_{dt}+kestrel_gemv_wgmma_{dt}+cublas")
+            } else {
+                format!("kestrel_gemv_{dt}+cublas")
+            };
             Ok(vec![
-                // Step rows (decode, drafts, verification) take Kestrel's gemv kernels; prompts cuBLAS.
-                choice("gemm", &format!("kestrel_gemv_{dt}+cublas")),
+                choice("gemm", &gemm),
                 choice("attention.decode", &attention),
                 choice("attention.context", &attention),
                 choice("attention.tree", &attention),
@@ -149,7 +156,33 @@ mod tests {
         assert_eq!(get("rmsnorm"), "kestrel_add_rmsnorm_bf16");
         assert_eq!(get("swiglu"), "kestrel_swiglu_bf16");
         assert_eq!(get("rope"), "kestrel_qkv_rope_bf16");
-        assert_eq!(get("gemm"), "kestrel_gemv_bf16+cublas");
+        assert_eq!(
+            get("gemm"),
+            "kestrel_gemv_bf16+kestrel_gemv_wgmma_bf16+cublas"
+        );
+        // The warpgroup engine is compute capability 9.0's alone, and never f32's.
+        let gemm = |target, dtype| {
+            let k = choose_kernels(target, dtype, &opts).unwrap();
+            k.iter().find(|c| c.op == "gemm").unwrap().kernel.clone()
+        };
+        assert_eq!(
+            gemm(TargetDevice::Cuda { major: 8, minor: 0 }, DType::BF16),
+            "kestrel_gemv_bf16+cublas"
+        );
+        assert_eq!(
+            gemm(
+                TargetDevice::Cuda {
+                    major: 12,
+                    minor: 0
+                },
+                DType::F16
+            ),
+            "kestrel_gemv_f16+cublas"
+        );
+        assert_eq!(
+            gemm(TargetDevice::Cuda { major: 9, minor: 0 }, DType::F32),
+            "kestrel_gemv_f32+cublas"
+        );
     }
 
     #[test]

@@ -1140,10 +1140,7 @@ fn gemv_tiled_groups(tiles: usize) -> usize {
 /// block per group of chains (the fastest index: a tile's groups read adjacent pieces of
 /// the same weight rows), `TILED_ROWS` rows (next, so the blocks that share weight columns
 /// run together and the weights cross from memory about once) and `TILED_COLS` columns.
-/// Its shared memory is past the 48 KiB a launch gets by default, so each loaded function
-/// (one per dtype and device) is allowed it once, before its first launch: a driver call,
-/// not a stream operation (legal inside a graph capture), kept out of every later eager
-/// launch.
+/// Its shared memory is past the 48 KiB a launch gets by default ([`allow_shared_memory`]).
 fn gemv_tiled_launch(
     func: &crate::launch::Kernel,
     m: usize,
@@ -1151,33 +1148,9 @@ fn gemv_tiled_launch(
     groups: usize,
     elem_bytes: usize,
 ) -> Result<LaunchConfig> {
-    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-    use std::collections::HashSet;
-    use std::sync::{Mutex, OnceLock};
-    static ALLOWED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
     let smem =
         TILED_STAGES * (TILED_COLS + TILED_ROWS) * (crate::GEMV_MMA_K_BLOCK + 8) * elem_bytes;
-    let key = func.cu_function() as usize;
-    let mut allowed = ALLOWED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if !allowed.contains(&key) {
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-        // All of the L1/shared split as shared memory, so that two blocks (2 × 108 KiB) fit
-        // a multiprocessor whatever the driver's default (the H200's already fit two).
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-            100,
-        )
-        .w()?;
-        allowed.insert(key);
-    }
-    drop(allowed);
+    allow_shared_memory(func, smem)?;
     Ok(LaunchConfig {
         grid_dim: (
             groups as u32,
@@ -1187,6 +1160,107 @@ fn gemv_tiled_launch(
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     })
+}
+
+/// Lets `func` launch with `bytes` of dynamic shared memory (past the 48 KiB a launch gets by
+/// default), once per loaded function (one per dtype and device), before its first launch: a
+/// driver call, not a stream operation (legal inside a graph capture), kept out of every later
+/// eager launch.
+fn allow_shared_memory(func: &crate::launch::Kernel, bytes: usize) -> Result<()> {
+    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static ALLOWED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
+    let key = func.cu_function() as usize;
+    let mut allowed = ALLOWED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if !allowed.contains(&key) {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+        // All of the L1/shared split as shared memory, so that the blocks the engines count
+        // on (2 × 108 KiB tiled, 3 × 68 KiB warpgroup) fit a multiprocessor whatever the
+        // driver's default.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+        .w()?;
+        allowed.insert(key);
+    }
+    Ok(())
+}
+
+/// Rows of a warpgroup engine block, and of its weight groups (`gemv_wgmma.cuh`).
+const WGMMA_ROWS: usize = 64;
+/// Its shared memory: 4 stages of a 64-k block of 64 step rows and of 64 weight rows padded
+/// by 8 values (`WG_STAGES`, `WG_STAGE_ELEMS`).
+const WGMMA_SMEM_BYTES: usize =
+    4 * (WGMMA_ROWS * crate::GEMV_MMA_K_BLOCK + WGMMA_ROWS * (crate::GEMV_MMA_K_BLOCK + 8)) * 2;
+
+/// Whether steps of many rows take the warpgroup engine (`kestrel_gemv_wgmma_*`) rather than
+/// the tiled one on `dev`: f16/bf16 on compute capability 9.0, the only target of its PTX. Both
+/// give every row the one-row engine's bits, so this changes speed only.
+/// `KESTREL_GEMV_WGMMA=0` keeps the tiled engine, to measure the choice.
+fn gemv_wgmma_applies(dev: &CudaDevice, elem_bytes: usize) -> Result<bool> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("KESTREL_GEMV_WGMMA").is_ok_and(|v| v == "0"));
+    Ok(!off && elem_bytes == 2 && crate::launch::is_sm90(dev)?)
+}
+
+/// How many blocks (a cluster) share each 64-row group's 8 chains in the warpgroup engine: 1
+/// when the groups alone fill the GPU's multiprocessors (Llama-2-7B's q/k/v, gate_up and LM
+/// head at 64 rows), else 4, or 8 for the smallest products (SmolLM2's). Measured on an H100
+/// (`tools/gpu/frag_probe.cu`, build 9; docs/gpu-results.md, session 46).
+/// `KESTREL_GEMV_WGMMA_SPLIT` (1, 4 or 8) overrides it, to measure the choice.
+fn gemv_wgmma_split(blocks: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    match forced_count(&FORCED, "KESTREL_GEMV_WGMMA_SPLIT") {
+        Some(forced) if forced != 2 => forced,
+        _ if blocks >= 96 => 1,
+        _ if blocks >= 24 => 4,
+        _ => 8,
+    }
+}
+
+/// `kestrel_gemv_wgmma_s{split}_*` over `x [m, k] · wᵀ` into `out [m, n]`.
+fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    xv: &CudaView<'_, T>,
+    wv: &CudaView<'_, T>,
+    out: &CudaSlice<T>,
+    (m, n, k): (usize, usize, usize),
+    sfx: &str,
+) -> Result<()> {
+    let (groups, tiles) = (n.div_ceil(WGMMA_ROWS), m.div_ceil(WGMMA_ROWS));
+    let split = gemv_wgmma_split(groups * tiles);
+    let func = load_kernel(dev, &format!("kestrel_gemv_wgmma_s{split}_{sfx}"))?;
+    allow_shared_memory(&func, WGMMA_SMEM_BYTES)?;
+    let cfg = LaunchConfig {
+        grid_dim: (groups as u32, split as u32, tiles as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: WGMMA_SMEM_BYTES as u32,
+    };
+    let (m_a, n_a, k_a) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "columns")?,
+        i32_arg(k, "K")?,
+    );
+    let mut b = func.builder();
+    b.arg(xv);
+    b.arg(wv);
+    b.arg(out);
+    b.arg(&m_a);
+    b.arg(&n_a);
+    b.arg(&k_a);
+    // SAFETY: argument types match kestrel_gemv_wgmma_*; shapes and alignment were checked by
+    // the launcher in lib.rs (K a multiple of the K block, 16-byte aligned rows); the grid's
+    // y is the kernel's cluster size.
+    unsafe { b.launch(cfg) }
 }
 
 /// `kestrel_gemv_tiled_*` over `x [m, k] · wᵀ` into `out [m, n]`, and with its chains split
@@ -1282,8 +1356,13 @@ impl Gemv {
             } else {
                 ("kestrel_gemv", 0)
             };
-            if !self.swiglu && crate::gemv_tiled_applies(m, n, k, std::mem::size_of::<T>()) {
-                gemv_tiled(&dev, &xv, &wv, &out, (m, n, k), sfx)?;
+            let elem_bytes = std::mem::size_of::<T>();
+            if !self.swiglu && crate::gemv_tiled_applies(m, n, k, elem_bytes) {
+                if gemv_wgmma_applies(&dev, elem_bytes)? {
+                    gemv_wgmma(&dev, &xv, &wv, &out, (m, n, k), sfx)?;
+                } else {
+                    gemv_tiled(&dev, &xv, &wv, &out, (m, n, k), sfx)?;
+                }
             } else {
                 let (m_a, n_a, k_a) = (
                     i32_arg(m, "rows")?,

@@ -1347,6 +1347,7 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
 #include "logit_rows.cuh"
 #include "rows.cuh"
 #include "gemv_quant.cuh"
+#include "gemv_wgmma.cuh"
 
 #define KESTREL_OPS(T, SUFFIX)                                                                  \
     extern "C" __global__ void kestrel_paged_attention_##SUFFIX(                                \

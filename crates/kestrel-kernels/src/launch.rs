@@ -6,7 +6,9 @@
 //! nothing. With `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` a kernel's blocks may
 //! become resident while its predecessor runs, load their weights, and wait in `pdl_enter`
 //! (kernels.cu) for the predecessor's results. The attribute needs the `compute_90` PTX, whose
-//! kernels carry the `griddepcontrol` instructions. Captured in a CUDA graph such a launch
+//! kernels carry the `griddepcontrol` instructions. Compute capability 9.0 itself (H100,
+//! H200) takes the `compute_90a` PTX: the same kernels plus the warpgroup engine
+//! (`gemv_wgmma.cuh`), whose instructions only that arch-specific target has. Captured in a CUDA graph such a launch
 //! gets no programmatic edge, because its stream predecessor is its output's allocation;
 //! `graph_arena.rs` adds the edges when it copies the graph without the allocations.
 //!
@@ -25,10 +27,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90.ptx"));
+const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/kestrel_kernels_sm90a.ptx"));
 
 /// Per device ordinal, an attribute the launchers ask for: 0 not asked yet, else value + 1.
 type AttributeCache = [AtomicU32; 64];
 static CC_MAJOR: AttributeCache = [const { AtomicU32::new(0) }; 64];
+static CC_MINOR: AttributeCache = [const { AtomicU32::new(0) }; 64];
 static MULTIPROCESSORS: AttributeCache = [const { AtomicU32::new(0) }; 64];
 
 /// `attr` of `dev`, asked of the driver once per device.
@@ -58,6 +62,22 @@ pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
         sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
     )?;
     Ok(major >= 9)
+}
+
+/// Whether `dev` has compute capability 9.0 exactly, the one target of the `compute_90a` PTX
+/// and so of the warpgroup engine.
+pub(crate) fn is_sm90(dev: &CudaDevice) -> Result<bool> {
+    let minor = device_attribute(
+        &CC_MINOR,
+        dev,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+    )?;
+    let major = device_attribute(
+        &CC_MAJOR,
+        dev,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    )?;
+    Ok((major, minor) == (9, 0))
 }
 
 /// `dev`'s streaming multiprocessors (132 on an H200).
@@ -108,7 +128,9 @@ fn skipped(name: &str) -> bool {
 /// `name` (with its dtype suffix) from the module for `dev`'s architecture.
 pub(crate) fn load_kernel(dev: &CudaDevice, name: &str) -> Result<Kernel> {
     let hopper = is_hopper(dev)?;
-    let (module, ptx) = if hopper {
+    let (module, ptx) = if is_sm90(dev)? {
+        ("kestrel_kernels_sm90a", PTX_SM90A)
+    } else if hopper {
         ("kestrel_kernels_sm90", PTX_SM90)
     } else {
         ("kestrel_kernels", PTX_SM80)

@@ -1,0 +1,250 @@
+// ---------------------------------------------------------------------------------------
+// The warpgroup engine for steps of many rows (kestrel_gemv_wgmma_s{1,4,8}_*): Hopper's
+// wgmma.mma_async in place of the tiled engine's mma.sync, for f16/bf16 on compute capability
+// 9.0 only (the instruction needs the arch-specific compute_90a PTX, which cuda.rs loads there;
+// this file compiles to nothing elsewhere). Every row still gets the bits GemvMma gives it
+// alone, and a 64-row product costs ~1.15-1.35× a read of its weights instead of the tiled
+// engine's ~2.1× (tools/gpu/frag_probe.cu, builds 6-9; docs/gpu-results.md, session 46).
+//
+// Why the bits survive: wgmma.m64nNk16 with A from registers takes, per warp, exactly
+// mma.sync.m16n8k16's A fragment, and computes each output as mma.sync does
+// (tools/gpu/wgmma_bits_probe.cu). So a warp feeds it the registers GemvMma feeds its MMAs
+// (a lane's 32 bytes at 16t of weight rows g and g + 8, MMA j taking words 2j and 2j + 1),
+// with the step's rows in the same k slots as B, and walks the chains as kestrel_gemv_tiled
+// does: K's 64-k blocks p, p + 8, … from zero for chain p, each chain's sum added into the
+// output's total in chain order.
+//
+// A block is one warpgroup: 64 weight rows (a warp's strip of 16 each) × 64 step rows. Each
+// 64-k block of both is staged with cp.async WG_STAGES − 1 ahead: the weight rows padded to
+// 144 bytes (conflict-free fragment reads), the step's rows in wgmma's core-matrix layout
+// [MMA j][k half c][row][8 slots] with GemvMma's slot order, which moves pairs of values
+// (4-byte copies; rows past M are zero-filled). With few 64-row groups (o_proj, down_proj of a
+// 7B; SmolLM2) the chains are split between the SPLIT blocks of a cluster: block 0 keeps the
+// running total of its chains, each other block its chains' own sums, and after the loop each
+// block adds a slice of the outputs from the cluster's shared memory, in chain order — the
+// same additions again. Grid: (64-row weight groups, SPLIT, 64-row tiles of the step).
+// ---------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include <cooperative_groups.h>
+
+#define WG_STAGES 4
+#define WG_THREADS 128
+// Blocks a multiprocessor holds: 3 × 68 KiB of stages, and at most 168 registers a thread.
+#define WG_MIN_BLOCKS 3
+// A stage: the step's rows (64 × 64 values) then 4 warps' weight strips (16 rows × 72).
+#define WG_X_ELEMS (64 * MMA_KB)
+#define WG_W_LD (MMA_KB + 8)
+#define WG_STAGE_ELEMS (WG_X_ELEMS + 4 * 16 * WG_W_LD)
+
+#define WG_ACC32(d)                                                                                \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_D32                                                                                     \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
+    "%26,%27,%28,%29,%30,%31}"
+
+// d += A · B: A (64 × 16, each warp's 16 rows) in registers, B (16 × 64) in shared memory.
+template <typename T> __device__ __forceinline__ void wgmma_rs(float *d, const unsigned *a, const uint64_t b);
+template <> __device__ __forceinline__ void wgmma_rs<__nv_bfloat16>(float *d, const unsigned *a, const uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : WG_ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+template <> __device__ __forceinline__ void wgmma_rs<__half>(float *d, const unsigned *a, const uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WG_D32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : WG_ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// B of MMA j in a stage: no swizzle, leading (k half) byte offset 1,024, stride (next 8 rows) 128.
+__device__ __forceinline__ uint64_t wg_b_desc(const void *smem) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)(1024 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
+}
+
+// 4 bytes, or zeros when `bytes` is 0 (a row past M).
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, const int bytes) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+
+// Element e (0…31) of a lane's m64n64 accumulator: step row 8(e / 4) + 2t + e % 2 of the tile,
+// weight row g + 8((e / 2) % 2) of the warp's strip.
+__device__ __forceinline__ int wg_acc_row(const int lane, const int e) { return 8 * (e / 4) + 2 * (lane & 3) + e % 2; }
+__device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return (lane >> 2) + 8 * ((e / 2) % 2); }
+
+template <typename T, int SPLIT>
+__device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
+                                           const int M, const int N, const int K) {
+    constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
+    T *stage = reinterpret_cast<T *>(gemv_stage);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int nkb = K / MMA_KB, rank = SPLIT == 1 ? 0 : blockIdx.y, c0 = rank * CH;
+    const int n0 = blockIdx.x * 64 + 16 * warp, m0 = blockIdx.z * 64;
+    // The step's rows a thread copies: pair p (k 2p, 2p + 1) of a block goes to GemvMma's slot
+    // pair of MMA j = (p % 8) / 2, half c = p % 2, place 2(p / 8). Copy q of a warp takes rows
+    // 8·warp + lane / 4 (+ 32 for odd q) and pairs p = 8(lane % 4) + q / 2, which land in 32
+    // distinct banks. Rows past M are zero-filled.
+    const T *x_row[2];
+    int x_bytes[2], x_dst[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = 8 * warp + lane / 4 + 32 * h, m = m0 + n;
+        x_row[h] = x + (size_t)min(m, M - 1) * K + 16 * (lane % 4);
+        x_bytes[h] = m < M ? 4 : 0;
+        x_dst[h] = n * 8 + 2 * (lane % 4);
+    }
+    // The warp's 16 weight rows, 8 pieces of 16 bytes each, 4 a lane (rows lane / 8 + 4q);
+    // rows past N copy row N − 1, and their outputs are never stored.
+    const T *w_row[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
+
+    // The loader's walk over the block's 64-k blocks, chain by chain (empty chains skipped).
+    int load_c = c0, load_kb = c0, staged = 0;
+    auto skip_empty = [&]() {
+        while (load_c < c0 + CH && load_kb >= nkb) load_kb = ++load_c;
+    };
+    skip_empty();
+    auto load = [&]() {
+        if (load_c < c0 + CH) {
+            T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
+            const int k0 = load_kb * MMA_KB;
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+                const int pl = q / 2, j = pl / 2, c = pl % 2, h = q % 2;
+                cp_async4(s + (j * 2 + c) * 64 * 8 + x_dst[h], x_row[h] + k0 + 2 * pl, x_bytes[h]);
+            }
+            T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + (lane / 8) * WG_W_LD + 8 * (lane % 8);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) cp_async16(ws + 4 * q * WG_W_LD, w_row[q] + k0);
+            load_kb += TILED_CHAINS;
+            skip_empty();
+        }
+        ++staged;
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    for (int s = 0; s < WG_STAGES - 1; ++s) load();
+
+    // keep[0]: rank 0's running total. Another rank's earlier chains' sums, keep[ci] (its last
+    // stays in acc).
+    constexpr int KEEP = SPLIT > 1 && CH > 1 ? CH - 1 : 1;
+    float acc[32], keep[KEEP][32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = keep[0][e] = 0.f;
+    int i = 0;
+#pragma unroll 1
+    for (int ci = 0; ci < CH; ++ci) {
+#pragma unroll 1
+        for (int kb = c0 + ci; kb < nkb; kb += TILED_CHAINS, ++i) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
+            load();
+            const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
+            const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
+            uint4 v[4];
+            v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
+            v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
+            v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
+            v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
+            const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
+            const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
+                wgmma_rs<T>(acc, a, wg_b_desc(s + j * 2 * 64 * 8));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        }
+        // Chain c0 + ci is done (an empty one, past K's blocks, gives zeros as GemvMma's
+        // idle warps do).
+        if (rank == 0) {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) {
+                keep[0][e] += acc[e];
+                acc[e] = 0.f;
+            }
+        } else if (ci + 1 < CH) {
+#pragma unroll
+            for (int u = 0; u < KEEP; ++u)
+                if (u == ci)
+#pragma unroll
+                    for (int e = 0; e < 32; ++e) {
+                        keep[u][e] = acc[e];
+                        acc[e] = 0.f;
+                    }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    if constexpr (SPLIT == 1) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            const int m = m0 + wg_acc_row(lane, e), n = n0 + wg_acc_col(lane, e);
+            if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(keep[0][e]);
+        }
+    } else {
+        // Each block's sums in its shared memory (the stages are free: every MMA has waited):
+        // item u of a block at [u][e][thread]; rank 0 has one (its total), the others CH.
+        __syncthreads();
+        float *items = reinterpret_cast<float *>(gemv_stage);
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            if (rank == 0) {
+                items[e * WG_THREADS + threadIdx.x] = keep[0][e];
+            } else {
+#pragma unroll
+                for (int u = 0; u + 1 < CH; ++u) items[(u * 32 + e) * WG_THREADS + threadIdx.x] = keep[u][e];
+                items[((CH - 1) * 32 + e) * WG_THREADS + threadIdx.x] = acc[e];
+            }
+        }
+        cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+        cluster.sync();
+        // Rank r adds outputs [r, r + 1) · 4096 / SPLIT of the block's 128 × 32 (thread, e).
+        constexpr int OUTS = WG_THREADS * 32, SLICE = OUTS / SPLIT;
+        for (int o = rank * SLICE + threadIdx.x; o < (rank + 1) * SLICE; o += WG_THREADS) {
+            float sum = cluster.map_shared_rank(items, 0)[o];
+#pragma unroll
+            for (int r = 1; r < SPLIT; ++r) {
+                const float *theirs = cluster.map_shared_rank(items, r);
+#pragma unroll
+                for (int u = 0; u < CH; ++u) sum += theirs[u * OUTS + o];
+            }
+            const int tid = o % WG_THREADS, e = o / WG_THREADS, tw = tid / WARP, tl = tid % WARP;
+            const int m = m0 + wg_acc_row(tl, e), n = blockIdx.x * 64 + 16 * tw + wg_acc_col(tl, e);
+            if (m < M && n < N) y[(size_t)m * N + n] = from_f<T>(sum);
+        }
+        cluster.sync(); // no block leaves while another reads its sums
+    }
+}
+
+#define WGMMA_KERNELS(T, SUFFIX)                                                                     \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)                           \
+        kestrel_gemv_wgmma_s1_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
+        pdl_enter();                                                                                  \
+        gemv_wgmma<T, 1>(x, w, y, M, N, K);                                                           \
+    }                                                                                                 \
+    extern "C" __global__ void __cluster_dims__(1, 4, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) \
+        kestrel_gemv_wgmma_s4_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
+        pdl_enter();                                                                                  \
+        gemv_wgmma<T, 4>(x, w, y, M, N, K);                                                           \
+    }                                                                                                 \
+    extern "C" __global__ void __cluster_dims__(1, 8, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) \
+        kestrel_gemv_wgmma_s8_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
+        pdl_enter();                                                                                  \
+        gemv_wgmma<T, 8>(x, w, y, M, N, K);                                                           \
+    }
+
+WGMMA_KERNELS(__nv_bfloat16, bf16)
+WGMMA_KERNELS(__half, f16)
+
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
