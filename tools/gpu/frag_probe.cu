@@ -540,6 +540,29 @@ void launch_wg_staged(const uint4 *xw, const uint4 *wf, float *parts, bf16 *y, i
     if (ORDER == Order::InOrder && SPLIT > 1) reduce_split<<<(64 * N + 255) / 256, 256>>>(parts, y, 64 * N, CHAINS / SPLIT);
 }
 
+// The runtime's warpgroup engine (gemv_wgmma.cuh: build 9 with its rows laid out by
+// kestrel_gemv_wgmma_rows, both launches timed), for comparison; `wf` is the row-major weight
+// and `x` the rows as stored.
+template <int SPLIT, bool EVICT>
+void launch_runtime_wgmma(const uint4 *x, const uint4 *wf, float *, bf16 *y, int N, int K) {
+    static bf16 *xp = nullptr;
+    if (!xp) CK(cudaMalloc(&xp, (size_t)64 * 11008 * 2));
+    auto kernel = EVICT ? (SPLIT == 1   ? kestrel_gemv_wgmma_s1_evict_bf16
+                           : SPLIT == 4 ? kestrel_gemv_wgmma_s4_evict_bf16
+                                        : kestrel_gemv_wgmma_s8_evict_bf16)
+                        : (SPLIT == 1   ? kestrel_gemv_wgmma_s1_bf16
+                           : SPLIT == 4 ? kestrel_gemv_wgmma_s4_bf16
+                                        : kestrel_gemv_wgmma_s8_bf16);
+    constexpr int bytes = WG_STAGES * WG_STAGE_ELEMS * 2;
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        sized = true;
+    }
+    kestrel_gemv_wgmma_rows_bf16<<<dim3(K / 64, 1), 512>>>(reinterpret_cast<const bf16 *>(x), xp, 64, K);
+    kernel<<<dim3((N + 63) / 64, SPLIT, 1), 128, bytes>>>(xp, reinterpret_cast<const bf16 *>(wf), y, 64, N, K);
+}
+
 // The 64-row builds timed against each other: build 4's best (mma.sync, B a tile ahead, 4 strips a
 // block, partials through memory) and wg_frag_staged's <STAGES, WGS, SPLIT, ORDER>.
 struct WgConfig {
@@ -560,6 +583,11 @@ constexpr WgConfig WG_CONFIGS[] = {
     {"rw3.1/4", launch_wg_staged<3, 1, 4, GROUPED, true>, GROUPED, 2, true},
     {"rw4.1/4", launch_wg_staged<4, 1, 4, GROUPED, true>, GROUPED, 2, true},
     {"rw4.1/8", launch_wg_staged<4, 1, 8, GROUPED, true>, GROUPED, 1, true},
+    {"rt/1", launch_runtime_wgmma<1, false>, IN_ORDER, 8, true},
+    {"rt/4", launch_runtime_wgmma<4, false>, IN_ORDER, 8, true},
+    {"rt/8", launch_runtime_wgmma<8, false>, IN_ORDER, 8, true},
+    {"rt/1e", launch_runtime_wgmma<1, true>, IN_ORDER, 8, true},
+    {"rt/4e", launch_runtime_wgmma<4, true>, IN_ORDER, 8, true},
 };
 constexpr int N_WG = sizeof(WG_CONFIGS) / sizeof(WG_CONFIGS[0]);
 
@@ -617,7 +645,8 @@ int main() {
         x_to_wg_gemv_order<<<(MR * s.k + 255) / 256, 256>>>(x, xg, s.k);
         // A config's operands: fragment-ordered weights and x, or the rows and x in GemvMma's order.
         auto operands = [&](const WgConfig &c, int i) {
-            return std::make_pair(reinterpret_cast<const uint4 *>(c.rows ? xg : xw),
+            const bool runtime = c.name[0] == 'r' && c.name[1] == 't';
+            return std::make_pair(reinterpret_cast<const uint4 *>(runtime ? x : c.rows ? xg : xw),
                                   c.rows ? reinterpret_cast<const uint4 *>(w[i]) : wf[i]);
         };
         const float t_b4 = time([&](int i) { launch_parts<64, 4, 4, true>(xf, wf[i], parts, yp, s.n, s.k); });

@@ -1227,7 +1227,8 @@ fn gemv_wgmma_split(blocks: usize) -> usize {
     }
 }
 
-/// `kestrel_gemv_wgmma_s{split}_*` over `x [m, k] · wᵀ` into `out [m, n]`.
+/// `kestrel_gemv_wgmma_rows_*` (the rows in the engine's order, into a workspace), then
+/// `kestrel_gemv_wgmma_s{split}[_evict]_*` over `x [m, k] · wᵀ` into `out [m, n]`.
 fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     xv: &CudaView<'_, T>,
@@ -1237,21 +1238,44 @@ fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     sfx: &str,
 ) -> Result<()> {
     let (groups, tiles) = (n.div_ceil(WGMMA_ROWS), m.div_ceil(WGMMA_ROWS));
+    let (m_a, n_a, k_a) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "columns")?,
+        i32_arg(k, "K")?,
+    );
+    // SAFETY: the rows kernel writes every element (zeros past row m) before the gemv reads.
+    let rows = unsafe { dev.alloc::<T>(tiles * WGMMA_ROWS * k)? };
+    let func = load_kernel(dev, &format!("kestrel_gemv_wgmma_rows_{sfx}"))?;
+    let mut b = func.builder();
+    b.arg(xv);
+    b.arg(&rows);
+    b.arg(&m_a);
+    b.arg(&k_a);
+    let blocks = ((k / crate::GEMV_MMA_K_BLOCK) as u32, tiles as u32, 1);
+    // SAFETY: argument types match kestrel_gemv_wgmma_rows_*: x [m, k] in, tiles · 64 · k out.
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: blocks,
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }?;
+
     let split = gemv_wgmma_split(groups * tiles);
-    let func = load_kernel(dev, &format!("kestrel_gemv_wgmma_s{split}_{sfx}"))?;
+    let evict = if evict_weights(m, k, std::mem::size_of::<T>()) {
+        "_evict"
+    } else {
+        ""
+    };
+    let func = load_kernel(dev, &format!("kestrel_gemv_wgmma_s{split}{evict}_{sfx}"))?;
     allow_shared_memory(&func, WGMMA_SMEM_BYTES)?;
     let cfg = LaunchConfig {
         grid_dim: (groups as u32, split as u32, tiles as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: WGMMA_SMEM_BYTES as u32,
     };
-    let (m_a, n_a, k_a) = (
-        i32_arg(m, "rows")?,
-        i32_arg(n, "columns")?,
-        i32_arg(k, "K")?,
-    );
     let mut b = func.builder();
-    b.arg(xv);
+    b.arg(&rows);
     b.arg(wv);
     b.arg(out);
     b.arg(&m_a);

@@ -17,14 +17,17 @@
 // A block is one warpgroup: 64 weight rows (a warp's strip of 16 each) × 64 step rows. Each
 // 64-k block of both is staged with cp.async WG_STAGES − 1 ahead: the weight rows padded to
 // 144 bytes (conflict-free fragment reads), the step's rows in wgmma's core-matrix layout
-// [MMA j][k half c][row][8 slots] with GemvMma's slot order, which moves pairs of values
-// (4-byte copies; rows past M are zero-filled). With few 64-row groups (o_proj, down_proj of a
+// [MMA j][k half c][row][8 slots] with GemvMma's slot order. That order moves pairs of
+// values, so kestrel_gemv_wgmma_rows_* lays the rows out so once a launch (8 KiB a block of K
+// and 64 rows, rows past M zeros) and every block copies them 16 bytes at a time: copying
+// pairs 4 bytes at a time from the rows as stored made the engine 1.2-1.5× slower. With few 64-row groups (o_proj, down_proj of a
 // 7B; SmolLM2) the chains are split between the SPLIT blocks of a cluster: block 0 keeps the
 // running total of its chains, each other block its chains' own sums, and after the loop each
 // block adds a slice of the outputs from the cluster's shared memory, in chain order — the
 // same additions again. Grid: (64-row weight groups, SPLIT, 64-row tiles of the step).
 // ---------------------------------------------------------------------------------------
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// (The host pass of a whole-program nvcc build, such as a probe's for sm_90a, sees it too.)
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include <cooperative_groups.h>
 
 #define WG_STAGES 4
@@ -69,10 +72,17 @@ __device__ __forceinline__ uint64_t wg_b_desc(const void *smem) {
     return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)(1024 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
 }
 
-// 4 bytes, or zeros when `bytes` is 0 (a row past M).
-__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, const int bytes) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+// x [M, K] → the warpgroup engine's rows: for 64-row tile z and 64-k block b, 8 KiB at
+// (z · K / 64 + b) · 4096 values, [MMA j][k half c][row n][8 slots], slot e of (j, c) holding
+// x[64z + n][64b + 16(e / 2) + 4j + 2c + e % 2] (GemvMma's k order), zeros past row M. Grid
+// (K / 64, tiles), 512 threads, each one 16-byte piece (a warp reads 4 rows' 128 bytes).
+template <typename T> __device__ __forceinline__ void gemv_wgmma_rows(const T *__restrict__ x, T *__restrict__ xp, const int M, const int K) {
+    const int kb = blockIdx.x, z = blockIdx.y, jc = threadIdx.x % 8, n = threadIdx.x / 8;
+    const int j = jc / 2, c = jc % 2, m = 64 * z + n;
+    const unsigned *src = reinterpret_cast<const unsigned *>(x + (size_t)min(m, M - 1) * K + kb * MMA_KB + 4 * j + 2 * c);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (m < M) v = make_uint4(src[0], src[8], src[16], src[24]);
+    *reinterpret_cast<uint4 *>(xp + ((size_t)z * (K / MMA_KB) + kb) * WG_X_ELEMS + ((j * 2 + c) * 64 + n) * 8) = v;
 }
 
 // Element e (0…31) of a lane's m64n64 accumulator: step row 8(e / 4) + 2t + e % 2 of the tile,
@@ -80,7 +90,7 @@ __device__ __forceinline__ void cp_async4(void *smem, const void *gmem, const in
 __device__ __forceinline__ int wg_acc_row(const int lane, const int e) { return 8 * (e / 4) + 2 * (lane & 3) + e % 2; }
 __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return (lane >> 2) + 8 * ((e / 2) % 2); }
 
-template <typename T, int SPLIT>
+template <typename T, int SPLIT, bool EVICT>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                                            const int M, const int N, const int K) {
     constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
@@ -88,24 +98,15 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const int nkb = K / MMA_KB, rank = SPLIT == 1 ? 0 : blockIdx.y, c0 = rank * CH;
     const int n0 = blockIdx.x * 64 + 16 * warp, m0 = blockIdx.z * 64;
-    // The step's rows a thread copies: pair p (k 2p, 2p + 1) of a block goes to GemvMma's slot
-    // pair of MMA j = (p % 8) / 2, half c = p % 2, place 2(p / 8). Copy q of a warp takes rows
-    // 8·warp + lane / 4 (+ 32 for odd q) and pairs p = 8(lane % 4) + q / 2, which land in 32
-    // distinct banks. Rows past M are zero-filled.
-    const T *x_row[2];
-    int x_bytes[2], x_dst[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int n = 8 * warp + lane / 4 + 32 * h, m = m0 + n;
-        x_row[h] = x + (size_t)min(m, M - 1) * K + 16 * (lane % 4);
-        x_bytes[h] = m < M ? 4 : 0;
-        x_dst[h] = n * 8 + 2 * (lane % 4);
-    }
+    // The step's rows, as kestrel_gemv_wgmma_rows laid them out: 4 pieces of 16 bytes a thread.
+    const T *x_tile = x + (size_t)blockIdx.z * nkb * WG_X_ELEMS + 8 * threadIdx.x;
     // The warp's 16 weight rows, 8 pieces of 16 bytes each, 4 a lane (rows lane / 8 + 4q);
     // rows past N copy row N − 1, and their outputs are never stored.
     const T *w_row[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
+    unsigned long long policy = 0;
+    if constexpr (EVICT) policy = evict_first_policy();
 
     // The loader's walk over the block's 64-k blocks, chain by chain (empty chains skipped).
     int load_c = c0, load_kb = c0, staged = 0;
@@ -118,13 +119,16 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
             const int k0 = load_kb * MMA_KB;
 #pragma unroll
-            for (int q = 0; q < 16; ++q) {
-                const int pl = q / 2, j = pl / 2, c = pl % 2, h = q % 2;
-                cp_async4(s + (j * 2 + c) * 64 * 8 + x_dst[h], x_row[h] + k0 + 2 * pl, x_bytes[h]);
-            }
+            for (int q = 0; q < WG_X_ELEMS / 8 / WG_THREADS; ++q)
+                cp_async16(s + 8 * (threadIdx.x + q * WG_THREADS), x_tile + (size_t)load_kb * WG_X_ELEMS + 8 * q * WG_THREADS);
             T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + (lane / 8) * WG_W_LD + 8 * (lane % 8);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) cp_async16(ws + 4 * q * WG_W_LD, w_row[q] + k0);
+            for (int q = 0; q < 4; ++q) {
+                if constexpr (EVICT)
+                    cp_async16_hinted(ws + 4 * q * WG_W_LD, w_row[q] + k0, policy);
+                else
+                    cp_async16(ws + 4 * q * WG_W_LD, w_row[q] + k0);
+            }
             load_kb += TILED_CHAINS;
             skip_empty();
         }
@@ -227,22 +231,25 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     }
 }
 
-#define WGMMA_KERNELS(T, SUFFIX)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)                           \
-        kestrel_gemv_wgmma_s1_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
+// The engine with SPLIT blocks a cluster, EVICT (`_evict`) reading weights evict-first from L2.
+#define WGMMA_KERNEL(T, SUFFIX, SPLIT, EVICT, NAME)                                                   \
+    extern "C" __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) \
+        NAME##_##SUFFIX(const T *xp, const T *w, T *y, const int M, const int N, const int K) {       \
         pdl_enter();                                                                                  \
-        gemv_wgmma<T, 1>(x, w, y, M, N, K);                                                           \
-    }                                                                                                 \
-    extern "C" __global__ void __cluster_dims__(1, 4, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) \
-        kestrel_gemv_wgmma_s4_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
-        pdl_enter();                                                                                  \
-        gemv_wgmma<T, 4>(x, w, y, M, N, K);                                                           \
-    }                                                                                                 \
-    extern "C" __global__ void __cluster_dims__(1, 8, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) \
-        kestrel_gemv_wgmma_s8_##SUFFIX(const T *x, const T *w, T *y, const int M, const int N, const int K) { \
-        pdl_enter();                                                                                  \
-        gemv_wgmma<T, 8>(x, w, y, M, N, K);                                                           \
+        gemv_wgmma<T, SPLIT, EVICT>(xp, w, y, M, N, K);                                               \
     }
+#define WGMMA_KERNELS(T, SUFFIX)                                                                     \
+    extern "C" __global__ void __launch_bounds__(512) kestrel_gemv_wgmma_rows_##SUFFIX(                \
+        const T *x, T *xp, const int M, const int K) {                                               \
+        pdl_enter();                                                                                  \
+        gemv_wgmma_rows<T>(x, xp, M, K);                                                              \
+    }                                                                                                 \
+    WGMMA_KERNEL(T, SUFFIX, 1, false, kestrel_gemv_wgmma_s1)                                          \
+    WGMMA_KERNEL(T, SUFFIX, 4, false, kestrel_gemv_wgmma_s4)                                          \
+    WGMMA_KERNEL(T, SUFFIX, 8, false, kestrel_gemv_wgmma_s8)                                          \
+    WGMMA_KERNEL(T, SUFFIX, 1, true, kestrel_gemv_wgmma_s1_evict)                                     \
+    WGMMA_KERNEL(T, SUFFIX, 4, true, kestrel_gemv_wgmma_s4_evict)                                     \
+    WGMMA_KERNEL(T, SUFFIX, 8, true, kestrel_gemv_wgmma_s8_evict)
 
 WGMMA_KERNELS(__nv_bfloat16, bf16)
 WGMMA_KERNELS(__half, f16)
