@@ -179,10 +179,8 @@ __global__ void x_row_frag(const bf16 *__restrict__ x, unsigned *__restrict__ xr
     xr[i] = reinterpret_cast<const unsigned *>(x)[8 * (4 * b + j) + t + 4 * half];
 }
 
-// row_partials_to_y with the chains' partials added as build 8 adds them for groups of G
-// chains: each group's in order from zero, then the groups' totals in order from zero.
-__device__ __forceinline__ void row_partials_grouped_to_y(const float *acc, bf16 *y, const int n0, const int N,
-                                                          const int G) {
+// Each chain's (warp's) partial sums of a one-row kernel's 16 outputs, in shared memory.
+__device__ __forceinline__ float (*stage_row_partials(const float *acc))[16] {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     __shared__ float part[CHAINS][16];
     if (t == 0) {
@@ -190,6 +188,14 @@ __device__ __forceinline__ void row_partials_grouped_to_y(const float *acc, bf16
         part[warp][g + 8] = acc[2];
     }
     __syncthreads();
+    return part;
+}
+
+// row_partials_to_y with the chains' partials added as build 8 adds them for groups of G
+// chains: each group's in order from zero, then the groups' totals in order from zero.
+__device__ __forceinline__ void row_partials_grouped_to_y(const float *acc, bf16 *y, const int n0, const int N,
+                                                          const int G) {
+    float(*part)[16] = stage_row_partials(acc);
     if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
         float total = 0.f;
         for (int q0 = 0; q0 < CHAINS; q0 += G) {
@@ -203,13 +209,7 @@ __device__ __forceinline__ void row_partials_grouped_to_y(const float *acc, bf16
 
 // row_partials_to_y with the chains' partials added as build 7's tree: ((p0 + p1) + (p2 + p3)) + ….
 __device__ __forceinline__ void row_partials_tree_to_y(const float *acc, bf16 *y, const int n0, const int N) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
-    __shared__ float part[CHAINS][16];
-    if (t == 0) {
-        part[warp][g] = acc[0];
-        part[warp][g + 8] = acc[2];
-    }
-    __syncthreads();
+    float(*part)[16] = stage_row_partials(acc);
     if (threadIdx.x < 16 && n0 + threadIdx.x < N) {
         float v[CHAINS];
 #pragma unroll
@@ -695,8 +695,8 @@ int main() {
                 bits += " -";
                 continue;
             }
-            const auto [xo, wo] = operands(c, 0);
-            bits += same_as(want(c), [&] { c.launch(xo, wo, parts, yp, s.n, s.k); }) ? " same" : " DIFFER";
+            const auto ops = operands(c, 0);
+            bits += same_as(want(c), [&] { c.launch(ops.first, ops.second, parts, yp, s.n, s.k); }) ? " same" : " DIFFER";
         }
         // Accuracy of row 0 (copy 0) against double, shipped and fragment-ordered.
         kestrel_gemv_row_mma_bf16<<<strips, GEMV_WARPS * WARP>>>(x, w[0], y0, 1, s.n, s.k, GEMV_MMA);

@@ -17,28 +17,28 @@
 #include "probe_wgmma.cuh"
 #include <cstring>
 
-#define WG_COLS 128
-#define WG_ROWS 64
-#define WG_STAGES 4
+#define TP_COLS 128
+#define TP_ROWS 64
+#define TP_STAGES 4
 // A stage of rows: [MMA j (4)][k half c (2)][row n (64)][8 values].
-#define WG_STAGE_ELEMS (4 * 2 * WG_ROWS * 8)
+#define TP_STAGE_ELEMS (4 * 2 * TP_ROWS * 8)
 // A stage of weights: [warp (8)][vector (4)][lane (32)][8 values].
-#define WG_W_STAGE_ELEMS (GEMV_WARPS * 4 * WARP * 8)
-#define WG_SMEM (WG_STAGES * (WG_STAGE_ELEMS + WG_W_STAGE_ELEMS) * 2)
+#define TP_W_STAGE_ELEMS (GEMV_WARPS * 4 * WARP * 8)
+#define TP_SMEM (TP_STAGES * (TP_STAGE_ELEMS + TP_W_STAGE_ELEMS) * 2)
 
-// xp[(row tile · nkb + kb) · WG_STAGE_ELEMS + ((j · 2 + c) · 64 + n) · 8 + e] =
+// xp[(row tile · nkb + kb) · TP_STAGE_ELEMS + ((j · 2 + c) · 64 + n) · 8 + e] =
 // x[row 64 · tile + n][64 kb + 16 (e / 2) + 4j + 2c + e % 2] (rows past M: zeros): MMA j's
 // k slots in GemvMma's order, so that a stage is one contiguous 8 KiB copy.
 __global__ void permute_rows(const bf16 *__restrict__ x, bf16 *__restrict__ xp, int M, int K) {
-    const int nkb = K / MMA_KB, tiles = (M + WG_ROWS - 1) / WG_ROWS;
-    const size_t total = (size_t)tiles * nkb * WG_STAGE_ELEMS;
+    const int nkb = K / MMA_KB, tiles = (M + TP_ROWS - 1) / TP_ROWS;
+    const size_t total = (size_t)tiles * nkb * TP_STAGE_ELEMS;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
-        const int within = i % WG_STAGE_ELEMS;
-        const size_t block = i / WG_STAGE_ELEMS;
+        const int within = i % TP_STAGE_ELEMS;
+        const size_t block = i / TP_STAGE_ELEMS;
         const int kb = block % nkb, tile = block / nkb;
-        const int e = within % 8, n = (within / 8) % WG_ROWS, jc = within / (8 * WG_ROWS);
-        const int j = jc / 2, c = jc % 2, m = tile * WG_ROWS + n;
+        const int e = within % 8, n = (within / 8) % TP_ROWS, jc = within / (8 * TP_ROWS);
+        const int j = jc / 2, c = jc % 2, m = tile * TP_ROWS + n;
         xp[i] = m < M ? x[(size_t)m * K + kb * MMA_KB + 16 * (e / 2) + 4 * j + 2 * c + e % 2]
                       : __float2bfloat16(0.f);
     }
@@ -53,12 +53,12 @@ __global__ void __launch_bounds__(256, 2)
     tiled_wg(const bf16 *__restrict__ x, const bf16 *__restrict__ w, bf16 *__restrict__ y,
              float *__restrict__ parts, const int M, const int N, const int K, const int groups) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.z * WG_COLS + warp * 16; // the warp's 16 columns
-    const int m0 = blockIdx.y * WG_ROWS;
+    const int n0 = blockIdx.z * TP_COLS + warp * 16; // the warp's 16 columns
+    const int m0 = blockIdx.y * TP_ROWS;
     const int nkb = K / MMA_KB;
     const int p0 = blockIdx.x * TILED_CHAINS / groups, p1 = (blockIdx.x + 1) * TILED_CHAINS / groups;
     bf16 *rows_stage = reinterpret_cast<bf16 *>(gemv_stage);
-    bf16 *w_stage = rows_stage + WG_STAGES * WG_STAGE_ELEMS + (warp * 4 * WARP + lane) * 8;
+    bf16 *w_stage = rows_stage + TP_STAGES * TP_STAGE_ELEMS + (warp * 4 * WARP + lane) * 8;
     const bf16 *w_lo = w + (size_t)min(n0 + g, N - 1) * K + 16 * t;
     const bf16 *w_hi = w + (size_t)min(n0 + g + 8, N - 1) * K + 16 * t;
     // The block's blocks of K in chain order: chain p0's, then p0 + 1's, ...
@@ -66,10 +66,10 @@ __global__ void __launch_bounds__(256, 2)
     while (lp < p1 && lkb >= nkb) lkb = ++lp;
     auto load = [&](const int i) {
         if (lp < p1) {
-            bf16 *s = rows_stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
-            const bf16 *src = x + ((size_t)blockIdx.y * nkb + lkb) * WG_STAGE_ELEMS;
-            for (int r = threadIdx.x; r < WG_STAGE_ELEMS / 8; r += blockDim.x) cp_async16(s + 8 * r, src + 8 * r);
-            bf16 *ws = w_stage + (i % WG_STAGES) * WG_W_STAGE_ELEMS;
+            bf16 *s = rows_stage + (i % TP_STAGES) * TP_STAGE_ELEMS;
+            const bf16 *src = x + ((size_t)blockIdx.y * nkb + lkb) * TP_STAGE_ELEMS;
+            for (int r = threadIdx.x; r < TP_STAGE_ELEMS / 8; r += blockDim.x) cp_async16(s + 8 * r, src + 8 * r);
+            bf16 *ws = w_stage + (i % TP_STAGES) * TP_W_STAGE_ELEMS;
             const int k0 = lkb * MMA_KB;
             cp_async16(ws, w_lo + k0);
             cp_async16(ws + WARP * 8, w_lo + k0 + 8);
@@ -80,19 +80,19 @@ __global__ void __launch_bounds__(256, 2)
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    for (int i = 0; i < WG_STAGES - 1; ++i) load(i);
+    for (int i = 0; i < TP_STAGES - 1; ++i) load(i);
     float acc[32], total[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = total[e] = 0.f;
     int i = 0;
     for (int p = p0; p < p1; ++p) {
         for (int kb = p; kb < nkb; kb += TILED_CHAINS, ++i) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(TP_STAGES - 2));
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads(); // this block of K is in; every MMA on the last one is done
-            load(i + WG_STAGES - 1);
-            const bf16 *s = rows_stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
-            const bf16 *ws = w_stage + (i % WG_STAGES) * WG_W_STAGE_ELEMS;
+            load(i + TP_STAGES - 1);
+            const bf16 *s = rows_stage + (i % TP_STAGES) * TP_STAGE_ELEMS;
+            const bf16 *ws = w_stage + (i % TP_STAGES) * TP_W_STAGE_ELEMS;
             uint4 v[4];
 #pragma unroll
             for (int q = 0; q < 4; ++q) v[q] = *reinterpret_cast<const uint4 *>(ws + q * WARP * 8);
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
-                wgmma_rs_n64(acc, a, wg_desc(s + j * 2 * WG_ROWS * 8));
+                wgmma_rs_n64(acc, a, wg_desc(s + j * 2 * TP_ROWS * 8));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -123,7 +123,7 @@ int main(int argc, char **argv) {
     const int smem = TILED_STAGES * TILED_BLOCK_ELEMS * 2;
     CK(cudaFuncSetAttribute(kestrel_gemv_tiled_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CK(cudaFuncSetAttribute(kestrel_gemv_tiled_bf16, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    CK(cudaFuncSetAttribute(tiled_wg, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
+    CK(cudaFuncSetAttribute(tiled_wg, cudaFuncAttributeMaxDynamicSharedMemorySize, TP_SMEM));
     const size_t xmax = 64 * 11008, ymax = 64 * 22016;
     bf16 *x = random_bf16(xmax, 99), *xperm, *y0, *y1;
     float *parts;
@@ -154,8 +154,8 @@ int main(int argc, char **argv) {
                     dim3 grid(groups, (M + TILED_ROWS - 1) / TILED_ROWS, (s.n + TILED_COLS - 1) / TILED_COLS);
                     kestrel_gemv_tiled_bf16<<<grid, GEMV_WARPS * WARP, smem>>>(x, w[i], y, parts, M, s.n, s.k, groups);
                 } else {
-                    dim3 grid(groups, (M + WG_ROWS - 1) / WG_ROWS, (s.n + WG_COLS - 1) / WG_COLS);
-                    tiled_wg<<<grid, 256, WG_SMEM>>>(xperm, w[i], y, parts, M, s.n, s.k, groups);
+                    dim3 grid(groups, (M + TP_ROWS - 1) / TP_ROWS, (s.n + TP_COLS - 1) / TP_COLS);
+                    tiled_wg<<<grid, 256, TP_SMEM>>>(xperm, w[i], y, parts, M, s.n, s.k, groups);
                 }
                 if (groups > 1) kestrel_gemv_tiled_sum_bf16<<<sms * 4, 256>>>(parts, y, (size_t)M * s.n);
             };

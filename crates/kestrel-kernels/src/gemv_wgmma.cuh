@@ -1,10 +1,11 @@
 // ---------------------------------------------------------------------------------------
 // The warpgroup engine for steps of many rows (kestrel_gemv_wgmma_s{1,4,8}_*): Hopper's
 // wgmma.mma_async in place of the tiled engine's mma.sync, for f16/bf16 on compute capability
-// 9.0 only (the instruction needs the arch-specific compute_90a PTX, which cuda.rs loads there;
-// this file compiles to nothing elsewhere). Every row still gets the bits GemvMma gives it
-// alone, and a 64-row product costs ~1.15-1.35× a read of its weights instead of the tiled
-// engine's ~2.1× (tools/gpu/frag_probe.cu, builds 6-9; docs/gpu-results.md, session 46).
+// 9.0 only (the instruction needs the arch-specific compute_90a PTX, which launch.rs loads
+// there; this file compiles to nothing elsewhere). Every row still gets the bits GemvMma gives
+// it alone. On an H100, 64 rows of a Llama-2-7B layer take 188 µs (both launches) against a
+// 139 µs read of its weights, and the 64-row verification 1.75 one-token steps instead of the
+// tiled engine's 1.92 (tools/gpu/frag_probe.cu, builds 6-9; docs/gpu-results.md, session 46).
 //
 // Why the bits survive: wgmma.m64nNk16 with A from registers takes, per warp, exactly
 // mma.sync.m16n8k16's A fragment, and computes each output as mma.sync does
@@ -20,8 +21,9 @@
 // [MMA j][k half c][row][8 slots] with GemvMma's slot order. That order moves pairs of
 // values, so kestrel_gemv_wgmma_rows_* lays the rows out so once a launch (8 KiB a block of K
 // and 64 rows, rows past M zeros) and every block copies them 16 bytes at a time: copying
-// pairs 4 bytes at a time from the rows as stored made the engine 1.2-1.5× slower. With few 64-row groups (o_proj, down_proj of a
-// 7B; SmolLM2) the chains are split between the SPLIT blocks of a cluster: block 0 keeps the
+// pairs 4 bytes at a time from the rows as stored made the engine 1.2-1.5× slower. Weights
+// are read evict-first where the tiled engine's are (`_evict`, cuda.rs `evict_weights`).
+// With few 64-row groups (o_proj, down_proj of a 7B; SmolLM2) the chains are split between the SPLIT blocks of a cluster: block 0 keeps the
 // running total of its chains, each other block its chains' own sums, and after the loop each
 // block adds a slice of the outputs from the cluster's shared memory, in chain order — the
 // same additions again. Grid: (64-row weight groups, SPLIT, 64-row tiles of the step).
@@ -51,20 +53,16 @@
 
 // d += A · B: A (64 × 16, each warp's 16 rows) in registers, B (16 × 64) in shared memory.
 template <typename T> __device__ __forceinline__ void wgmma_rs(float *d, const unsigned *a, const uint64_t b);
-template <> __device__ __forceinline__ void wgmma_rs<__nv_bfloat16>(float *d, const unsigned *a, const uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
-                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-                 : WG_ACC32(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-template <> __device__ __forceinline__ void wgmma_rs<__half>(float *d, const unsigned *a, const uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WG_D32
-                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-                 : WG_ACC32(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
+#define WGMMA_RS(T, PTX_TYPE)                                                                         \
+    template <> __device__ __forceinline__ void wgmma_rs<T>(float *d, const unsigned *a, const uint64_t b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " " WG_D32         \
+                     ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                       \
+                     : WG_ACC32(d)                                                                    \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
+    }
+WGMMA_RS(__nv_bfloat16, "bf16")
+WGMMA_RS(__half, "f16")
 
 // B of MMA j in a stage: no swizzle, leading (k half) byte offset 1,024, stride (next 8 rows) 128.
 __device__ __forceinline__ uint64_t wg_b_desc(const void *smem) {
