@@ -4,7 +4,7 @@
 // of 9.0 on an H100 (5× a decode step's attention; docs/gpu-results.md, session 46): 64 rows ×
 // 32 heads × ~190 K and V rows of 256 bytes, ~200 MB of L2 reads a layer.
 //
-// tree_attn_shared: a block per (head, sequence, group of R query rows), its 8 warps the 8
+// tree_attn_shared<R>: a block per (head, sequence, group of R query rows), its 8 warps the 8
 // virtual warps of paged_attention. Each warp stages its cached chunks (32 slots of K and V,
 // chunk c ≡ warp mod 8, fully before the new tokens) in shared memory once and runs every row
 // of the group over them; a row's chunks past the cached ones (its own tree ancestors) are read
@@ -22,7 +22,6 @@
 
 using T = __nv_bfloat16;
 constexpr int D = 128;                 // head size
-constexpr int R = 8;                   // query rows a block
 constexpr int VEC = 16 / sizeof(T);    // values a 16-byte load
 constexpr int LPR = D / VEC;           // lanes a V row (16)
 constexpr int RPP = WARP / LPR;        // V rows a pass (2)
@@ -92,9 +91,10 @@ __device__ __forceinline__ void row_chunk(RowState &st, const float *qs, const i
     st.m = m_new;
 }
 
-// Grid (heads, sequences, ceil(most new tokens / R)), 256 threads; dynamic shared memory:
-// SMEM_BYTES. Arguments as kestrel_paged_attention's (d = D).
-constexpr int SMEM_BYTES = 8 * STAGE * (int)sizeof(T) + R * D * (int)sizeof(float);
+// Grid (heads, sequences, ceil(most new tokens / R)), 256 threads, R query rows a block;
+// dynamic shared memory: smem_bytes(R). Arguments as kestrel_paged_attention's (d = D).
+constexpr int smem_bytes(const int r) { return 8 * STAGE * (int)sizeof(T) + r * D * (int)sizeof(float); }
+template <int R>
 __global__ void __launch_bounds__(256) tree_attn_shared(const T *__restrict__ q, const T *__restrict__ k_pool,
                                                         const T *__restrict__ v_pool, T *__restrict__ out,
                                                         const unsigned int *__restrict__ meta, const int n_tok,
@@ -227,11 +227,12 @@ __global__ void __launch_bounds__(256) tree_attn_shared(const T *__restrict__ q,
 int main() {
     const int nh = 32, nkv = 32, n = 64; // Llama-2-7B's heads; a 64-node tree
     const float scale = 1.f / sqrtf((float)D);
-    CK(cudaFuncSetAttribute(tree_attn_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CK(cudaFuncSetAttribute(tree_attn_shared<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(4)));
+    CK(cudaFuncSetAttribute(tree_attn_shared<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(8)));
     LaunchTimer timer;
-    printf("64-node tree, %d heads, d %d, one sequence; us a launch: shipped (a block a row and head) | shared "
-           "(%d rows a block) | bits\n",
-           nh, D, R);
+    printf("64-node tree, %d heads, d %d, one sequence; us a launch: shipped (a block a row and head) | shared, "
+           "4 / 8 rows a block | bits (4, 8)\n",
+           nh, D);
     for (const int past : {128, 512, 2048}) {
         const int L = past + n, pool_rows = 2 * L;
         std::mt19937 rng(past);
@@ -262,22 +263,32 @@ int main() {
             kestrel_paged_attention_bf16<<<dim3(n, nh), PA_VWARPS * WARP>>>(q, kp, vp, o0, dmeta, n, 1, L, nh, nkv, D,
                                                                             scale);
         };
-        auto shared = [&](int) {
-            tree_attn_shared<<<dim3(nh, 1, (n + R - 1) / R), 256, SMEM_BYTES>>>(q, kp, vp, o1, dmeta, n, 1, L, nh, nkv,
-                                                                               scale);
+        auto shared4 = [&](int) {
+            tree_attn_shared<4><<<dim3(nh, 1, (n + 3) / 4), 256, smem_bytes(4)>>>(q, kp, vp, o1, dmeta, n, 1, L, nh, nkv,
+                                                                                  scale);
         };
-        shipped(0);
-        shared(0);
-        CK(cudaGetLastError());
-        CK(cudaDeviceSynchronize());
+        auto shared8 = [&](int) {
+            tree_attn_shared<8><<<dim3(nh, 1, (n + 7) / 8), 256, smem_bytes(8)>>>(q, kp, vp, o1, dmeta, n, 1, L, nh, nkv,
+                                                                                  scale);
+        };
         std::vector<T> a((size_t)n * nh * D), b(a.size());
+        shipped(0);
+        CK(cudaDeviceSynchronize());
         CK(cudaMemcpy(a.data(), o0, a.size() * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(b.data(), o1, b.size() * 2, cudaMemcpyDeviceToHost));
-        size_t differ = 0;
-        for (size_t i = 0; i < a.size(); ++i) differ += __bfloat16_as_ushort(a[i]) != __bfloat16_as_ushort(b[i]);
-        const float t0 = timer.us(shipped, 1, 200), t1 = timer.us(shared, 1, 200);
-        printf("past %5d | %7.1f | %7.1f | %s (%zu of %zu differ)\n", past, t0, t1, differ ? "DIFFER" : "same", differ,
-               a.size());
+        // Outputs of the shipped kernel's that differ from a launch's.
+        auto differing = [&](auto launch) {
+            CK(cudaMemset(o1, 0xff, b.size() * 2));
+            launch(0);
+            CK(cudaGetLastError());
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(b.data(), o1, b.size() * 2, cudaMemcpyDeviceToHost));
+            size_t differ = 0;
+            for (size_t i = 0; i < a.size(); ++i) differ += __bfloat16_as_ushort(a[i]) != __bfloat16_as_ushort(b[i]);
+            return differ;
+        };
+        const size_t d4 = differing(shared4), d8 = differing(shared8);
+        const float t0 = timer.us(shipped, 1, 200), t4 = timer.us(shared4, 1, 200), t8 = timer.us(shared8, 1, 200);
+        printf("past %5d | %7.1f | %7.1f %7.1f | %zu, %zu of %zu differ\n", past, t0, t4, t8, d4, d8, a.size());
         CK(cudaFree(dmeta));
         CK(cudaFree(q));
         CK(cudaFree(kp));
