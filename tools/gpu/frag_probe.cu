@@ -563,6 +563,26 @@ void launch_runtime_wgmma(const uint4 *x, const uint4 *wf, float *, bf16 *y, int
     kernel<<<dim3((N + 63) / 64, SPLIT, 1), 128, bytes>>>(xp, reinterpret_cast<const bf16 *>(wf), y, 64, N, K);
 }
 
+// The runtime engine reading the rows as stored, laying them out itself (X_AS_STORED): no
+// second launch.
+template <int SPLIT, bool EVICT>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
+    wgmma_x_as_stored(const bf16 *x, const bf16 *w, bf16 *y, const int M, const int N, const int K) {
+    gemv_wgmma<bf16, SPLIT, EVICT, true>(x, w, y, M, N, K);
+}
+
+template <int SPLIT, bool EVICT>
+void launch_x_as_stored(const uint4 *x, const uint4 *wf, float *, bf16 *y, int N, int K) {
+    constexpr int bytes = WG_STAGES * WG_STAGE_ELEMS * 2;
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(wgmma_x_as_stored<SPLIT, EVICT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        sized = true;
+    }
+    wgmma_x_as_stored<SPLIT, EVICT><<<dim3((N + 63) / 64, SPLIT, 1), 128, bytes>>>(
+        reinterpret_cast<const bf16 *>(x), reinterpret_cast<const bf16 *>(wf), y, 64, N, K);
+}
+
 // The 64-row builds timed against each other: build 4's best (mma.sync, B a tile ahead, 4 strips a
 // block, partials through memory) and wg_frag_staged's <STAGES, WGS, SPLIT, ORDER>.
 struct WgConfig {
@@ -588,6 +608,11 @@ constexpr WgConfig WG_CONFIGS[] = {
     {"rt/8", launch_runtime_wgmma<8, false>, IN_ORDER, 8, true},
     {"rt/1e", launch_runtime_wgmma<1, true>, IN_ORDER, 8, true},
     {"rt/4e", launch_runtime_wgmma<4, true>, IN_ORDER, 8, true},
+    {"rx/1", launch_x_as_stored<1, false>, IN_ORDER, 8, true},
+    {"rx/4", launch_x_as_stored<4, false>, IN_ORDER, 8, true},
+    {"rx/8", launch_x_as_stored<8, false>, IN_ORDER, 8, true},
+    {"rx/1e", launch_x_as_stored<1, true>, IN_ORDER, 8, true},
+    {"rx/4e", launch_x_as_stored<4, true>, IN_ORDER, 8, true},
 };
 constexpr int N_WG = sizeof(WG_CONFIGS) / sizeof(WG_CONFIGS[0]);
 
@@ -645,7 +670,7 @@ int main() {
         x_to_wg_gemv_order<<<(MR * s.k + 255) / 256, 256>>>(x, xg, s.k);
         // A config's operands: fragment-ordered weights and x, or the rows and x in GemvMma's order.
         auto operands = [&](const WgConfig &c, int i) {
-            const bool runtime = c.name[0] == 'r' && c.name[1] == 't';
+            const bool runtime = c.name[0] == 'r' && (c.name[1] == 't' || c.name[1] == 'x');
             return std::make_pair(reinterpret_cast<const uint4 *>(runtime ? x : c.rows ? xg : xw),
                                   c.rows ? reinterpret_cast<const uint4 *>(w[i]) : wf[i]);
         };

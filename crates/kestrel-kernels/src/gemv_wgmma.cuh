@@ -88,7 +88,11 @@ template <typename T> __device__ __forceinline__ void gemv_wgmma_rows(const T *_
 __device__ __forceinline__ int wg_acc_row(const int lane, const int e) { return 8 * (e / 4) + 2 * (lane & 3) + e % 2; }
 __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return (lane >> 2) + 8 * ((e / 2) % 2); }
 
-template <typename T, int SPLIT, bool EVICT>
+// X_AS_STORED (instantiated by tools/gpu/frag_probe.cu only, to measure it against the launch
+// of kestrel_gemv_wgmma_rows): x is the rows as stored, [M, K]; each thread loads 4 pieces of
+// 16 bytes of a block into registers an iteration before they are due, then writes their pairs
+// into the stage in the engine's order.
+template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                                            const int M, const int N, const int K) {
     constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
@@ -105,6 +109,32 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
     unsigned long long policy = 0;
     if constexpr (EVICT) policy = evict_first_policy();
+    // X_AS_STORED: piece qq of a thread is row xn + 16qq's 16 bytes at 8xq of a block; the
+    // registers hold block xr_kb's.
+    const int xn = threadIdx.x / 8, xq = threadIdx.x % 8;
+    uint4 xr[4];
+    int xr_kb = -1;
+    auto x_to_registers = [&](const int kb) {
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            const int m = m0 + xn + 16 * qq;
+            xr[qq] = m < M ? *reinterpret_cast<const uint4 *>(x + (size_t)m * K + kb * MMA_KB + 8 * xq)
+                           : make_uint4(0, 0, 0, 0);
+        }
+        xr_kb = kb;
+    };
+    // Pair u of piece qq (k 8xq + 2u) is slot pair 2(xq / 2) of MMA j = 2(xq % 2) + u / 2, half u % 2.
+    auto registers_to_stage = [&](T *s) {
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            const unsigned words[4] = {xr[qq].x, xr[qq].y, xr[qq].z, xr[qq].w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int j = 2 * (xq % 2) + u / 2, c = u % 2;
+                *reinterpret_cast<unsigned *>(s + ((j * 2 + c) * 64 + xn + 16 * qq) * 8 + 2 * (xq / 2)) = words[u];
+            }
+        }
+    };
 
     // The loader's walk over the block's 64-k blocks, chain by chain (empty chains skipped).
     int load_c = c0, load_kb = c0, staged = 0;
@@ -116,9 +146,15 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
         if (load_c < c0 + CH) {
             T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
             const int k0 = load_kb * MMA_KB;
+            if constexpr (X_AS_STORED) {
+                if (xr_kb != load_kb) x_to_registers(load_kb); // the first stages
+                registers_to_stage(s);
+            } else {
 #pragma unroll
-            for (int q = 0; q < WG_X_ELEMS / 8 / WG_THREADS; ++q)
-                cp_async16(s + 8 * (threadIdx.x + q * WG_THREADS), x_tile + (size_t)load_kb * WG_X_ELEMS + 8 * q * WG_THREADS);
+                for (int q = 0; q < WG_X_ELEMS / 8 / WG_THREADS; ++q)
+                    cp_async16(s + 8 * (threadIdx.x + q * WG_THREADS),
+                               x_tile + (size_t)load_kb * WG_X_ELEMS + 8 * q * WG_THREADS);
+            }
             T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + (lane / 8) * WG_W_LD + 8 * (lane % 8);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -129,6 +165,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             }
             load_kb += TILED_CHAINS;
             skip_empty();
+            if (X_AS_STORED && load_c < c0 + CH) x_to_registers(load_kb); // due next iteration
         }
         ++staged;
         asm volatile("cp.async.commit_group;\n" ::);
