@@ -8,8 +8,8 @@
 //! release their neighbours on the stream (programmatic dependent launch, `pdl_enter` in
 //! kernels.cu), which compute_80 cannot express; and `compute_90a` for compute capability 9.0
 //! exactly (H100, H200), which adds the warpgroup engine (`gemv_wgmma.cuh`: its `wgmma`
-//! instructions exist in the arch-specific target only). launch.rs picks one per device. (candle's own
-//! kernels are built for `CUDA_COMPUTE_CAP` only.)
+//! instructions exist in the arch-specific target only). launch.rs picks one per device.
+//! (candle's own kernels are built for `CUDA_COMPUTE_CAP` only.)
 
 use std::path::PathBuf;
 use std::process::Command;

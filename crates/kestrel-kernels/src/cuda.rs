@@ -1216,7 +1216,8 @@ fn gemv_wgmma_applies(dev: &CudaDevice, elem_bytes: usize) -> Result<bool> {
 /// when the groups alone fill the GPU's multiprocessors (Llama-2-7B's q/k/v, gate_up and LM
 /// head at 64 rows), else 4, or 8 for the smallest products (SmolLM2's). Measured on an H100
 /// (`tools/gpu/frag_probe.cu`, build 9; docs/gpu-results.md, session 46).
-/// `KESTREL_GEMV_WGMMA_SPLIT` (1, 4 or 8) overrides it, to measure the choice.
+/// `KESTREL_GEMV_WGMMA_SPLIT` (1, 4 or 8; there is no 2: its later block would hold 3 chains'
+/// sums in registers) overrides it, to measure the choice.
 fn gemv_wgmma_split(blocks: usize) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     match forced_count(&FORCED, "KESTREL_GEMV_WGMMA_SPLIT") {

@@ -8,9 +8,10 @@
 //! (kernels.cu) for the predecessor's results. The attribute needs the `compute_90` PTX, whose
 //! kernels carry the `griddepcontrol` instructions. Compute capability 9.0 itself (H100,
 //! H200) takes the `compute_90a` PTX: the same kernels plus the warpgroup engine
-//! (`gemv_wgmma.cuh`), whose instructions only that arch-specific target has. Captured in a CUDA graph such a launch
-//! gets no programmatic edge, because its stream predecessor is its output's allocation;
-//! `graph_arena.rs` adds the edges when it copies the graph without the allocations.
+//! (`gemv_wgmma.cuh`), whose instructions only that arch-specific target has. Captured in a
+//! CUDA graph such a launch gets no programmatic edge, because its stream predecessor is its
+//! output's allocation; `graph_arena.rs` adds the edges when it copies the graph without the
+//! allocations.
 //!
 //! cudarc's launch builder calls `cuLaunchKernelEx` without attributes, so [`Args`] packs the
 //! kernel parameters itself. candle runs one stream per device, where cudarc tracks no events,
