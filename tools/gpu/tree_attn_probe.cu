@@ -282,8 +282,19 @@ int main() {
             CK(cudaGetLastError());
             CK(cudaDeviceSynchronize());
             CK(cudaMemcpy(b.data(), o1, b.size() * 2, cudaMemcpyDeviceToHost));
-            size_t differ = 0;
-            for (size_t i = 0; i < a.size(); ++i) differ += __bfloat16_as_ushort(a[i]) != __bfloat16_as_ushort(b[i]);
+            // When some differ: the first differing output's row and head, and the largest
+            // difference, to tell a wrong row (tail chunks, merge) from a rounding difference.
+            size_t differ = 0, first = a.size();
+            float worst = 0.f;
+            for (size_t i = 0; i < a.size(); ++i)
+                if (__bfloat16_as_ushort(a[i]) != __bfloat16_as_ushort(b[i])) {
+                    ++differ;
+                    first = std::min(first, i);
+                    worst = fmaxf(worst, fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i])));
+                }
+            if (differ)
+                printf("  past %d: first differing output at row %zu head %zu; largest difference %.3g\n", past,
+                       first / ((size_t)nh * D), first / D % nh, worst);
             return differ;
         };
         const size_t d4 = differing(shared4), d8 = differing(shared8);
