@@ -19,17 +19,23 @@
 //              reduce_parts adds them in chain order. B_AHEAD requests the next tile's B
 //              fragments before this tile's MMAs. (Session 45 also had the chains meet in a
 //              cluster's distributed shared memory: no faster; commit d578880.)
-//   wg_frag    64 rows on Hopper's warpgroup MMA: a warpgroup takes 4 strips (64 weight rows)
-//              and runs chains one after another, adding each chain's sums into a running total
-//              in chain order, so with all 8 chains in one block no partials leave it. A comes
-//              straight from the fragment order into registers (wgmma's register A of a warp
-//              is mma.sync's A fragment), a ring of DEPTH 64-k blocks ahead; B (the rows) is
-//              staged a 64-k block at a time (8 KiB) in wgmma's core-matrix layout by cp.async,
-//              STAGES deep, shared by the block's WGS warpgroups. SPLIT blocks share a strip
-//              group's chains when there are too few groups to fill the GPU; their partials
-//              meet in reduce_split.
+//   wg_frag_staged 64 rows on Hopper's warpgroup MMA (session 46, builds 6-9): a warpgroup
+//              takes 4 strips (64 weight rows) and runs its chains one after another; each
+//              64-k block of the weights (fragment order, or rows as stored: ROWS, build 9) and
+//              of the rows (in wgmma's core-matrix layout) is staged by cp.async, STAGES deep.
+//              wgmma's register A of a warp is mma.sync's A fragment, so the fragment order
+//              feeds it straight, and rows as stored give GemvMma's registers. SPLIT blocks
+//              share a strip group's chains when there are too few groups to fill the GPU;
+//              ORDER is how the chains' sums are added: in chain order (the later blocks'
+//              through memory and reduce_split), as a tree, or in groups (each block's chains
+//              in order, then the blocks' totals), the latter two through a cluster's
+//              distributed shared memory, with the one-row kernel summing to match.
+//   rt, rx     the runtime's engine (crates/kestrel-kernels/src/gemv_wgmma.cuh) after its
+//              rows-layout launch, or laying the rows out itself (X_AS_STORED).
 // Same chain, same MMAs, same order: a row's output has the same bits at 1 row as at 64
-// (checked, every row), and is as accurate as the shipped kernel (checked against double).
+// (checked, every row, against the matching one-row kernel: the fragment-order one in the
+// same order, or the shipped one for the rows builds), and is as accurate as the shipped
+// kernel (checked against double).
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o frag_probe tools/gpu/frag_probe.cu && ./frag_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
