@@ -55,30 +55,24 @@ fn device_attribute(
     Ok(value)
 }
 
+/// `dev`'s compute capability, (major, minor).
+fn compute_capability(dev: &CudaDevice) -> Result<(u32, u32)> {
+    use sys::CUdevice_attribute::*;
+    Ok((
+        device_attribute(&CC_MAJOR, dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        device_attribute(&CC_MINOR, dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
 /// Whether `dev` has compute capability 9.0 or later.
 pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
-    let major = device_attribute(
-        &CC_MAJOR,
-        dev,
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-    )?;
-    Ok(major >= 9)
+    Ok(compute_capability(dev)?.0 >= 9)
 }
 
 /// Whether `dev` has compute capability 9.0 exactly, the one target of the `compute_90a` PTX
 /// and so of the warpgroup engine.
 pub(crate) fn is_sm90(dev: &CudaDevice) -> Result<bool> {
-    let minor = device_attribute(
-        &CC_MINOR,
-        dev,
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-    )?;
-    let major = device_attribute(
-        &CC_MAJOR,
-        dev,
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-    )?;
-    Ok((major, minor) == (9, 0))
+    Ok(compute_capability(dev)? == (9, 0))
 }
 
 /// `dev`'s streaming multiprocessors (132 on an H200).
