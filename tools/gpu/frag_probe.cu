@@ -319,7 +319,7 @@ __device__ __forceinline__ void wg_frag_chain_done(float *acc, float *total, flo
         if (first)
             total[e] += acc[e];
         else if (active)
-            parts[((size_t)chain * 64 + 8 * (e / 4) + 2 * (lane & 3) + e % 2) * N + n0 + (lane >> 2) + 8 * ((e / 2) % 2)] =
+            parts[((size_t)chain * 64 + wg_acc_row(lane, e)) * N + n0 + wg_acc_col(lane, e)] =
                 acc[e];
         acc[e] = 0.f;
     }
@@ -336,7 +336,7 @@ __device__ __forceinline__ void wg_frag_finish(const float *total, bf16 *y, floa
     const int lane = threadIdx.x % WARP;
 #pragma unroll
     for (int e = 0; e < 32; ++e)
-        parts[((size_t)8 * (e / 4) + 2 * (lane & 3) + e % 2) * N + n0 + (lane >> 2) + 8 * ((e / 2) % 2)] = total[e];
+        parts[(size_t)wg_acc_row(lane, e) * N + n0 + wg_acc_col(lane, e)] = total[e];
 }
 
 // Build 7's order: a block's chains added as a binary tree, ((p0 + p1) + (p2 + p3)) + …, by a
@@ -392,8 +392,7 @@ __device__ __forceinline__ void cluster_store(const float *acc, void *smem, bf16
         }
         const int tid = o % THREADS, e = o / THREADS, warp = tid / WARP, lane = tid % WARP;
         const int group = blockIdx.x * WGS + warp / 4;
-        const int n = (group * 4 + warp % 4) * 16 + (lane >> 2) + 8 * ((e / 2) % 2);
-        const int m = 8 * (e / 4) + 2 * (lane & 3) + e % 2;
+        const int n = (group * 4 + warp % 4) * 16 + wg_acc_col(lane, e), m = wg_acc_row(lane, e);
         if (group * 64 < N) y[(size_t)m * N + n] = __float2bfloat16(v[0]);
     }
     cluster.sync(); // no block leaves while another reads its subtree

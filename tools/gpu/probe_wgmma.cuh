@@ -1,7 +1,7 @@
 // What the wgmma probes (tiled_probe.cu, wgmma_std_probe.cu) share: the m64n64k16 bf16
 // warpgroup MMAs (A from registers or shared memory, B from shared memory), and a warp's
-// outputs of the m64n64 accumulator: element e of lane (g, t) is step row 8(e / 4) + 2t + e % 2
-// and the warp's column g + 8((e / 2) % 2). Include after kernels.cu (from_f).
+// outputs of the m64n64 accumulator (element e of a lane at gemv_wgmma.cuh's wg_acc_row,
+// wg_acc_col). Include after kernels.cu, compiled for sm_90a.
 #pragma once
 #include <cstdint>
 
@@ -33,10 +33,10 @@ __device__ __forceinline__ uint64_t wg_smem_desc(const void *smem, unsigned lbo,
 __device__ __forceinline__ void wg_chain_done(float *acc, float *total, float *parts, const int p,
                                               const int groups, const int M, const int N, const int m0,
                                               const int n0) {
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
-        const int m = m0 + 8 * (e / 4) + 2 * t + e % 2, n = n0 + g + 8 * ((e / 2) % 2);
+        const int m = m0 + wg_acc_row(lane, e), n = n0 + wg_acc_col(lane, e);
         if (groups == 1)
             total[e] += acc[e];
         else if (m < M && n < N)
@@ -48,10 +48,10 @@ __device__ __forceinline__ void wg_chain_done(float *acc, float *total, float *p
 // y of a warp's outputs from the totals of a launch with one group.
 __device__ __forceinline__ void wg_store(const float *total, __nv_bfloat16 *y, const int M, const int N,
                                          const int m0, const int n0) {
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
-        const int m = m0 + 8 * (e / 4) + 2 * t + e % 2, n = n0 + g + 8 * ((e / 2) % 2);
+        const int m = m0 + wg_acc_row(lane, e), n = n0 + wg_acc_col(lane, e);
         if (m < M && n < N) y[(size_t)m * N + n] = from_f<__nv_bfloat16>(total[e]);
     }
 }
