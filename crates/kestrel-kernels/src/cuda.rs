@@ -1163,20 +1163,17 @@ fn gemv_tiled_launch(
 }
 
 /// Lets `func` launch with `bytes` of dynamic shared memory (past the 48 KiB a launch gets by
-/// default), once per loaded function (one per dtype and device), before its first launch: a
-/// driver call, not a stream operation (legal inside a graph capture), kept out of every later
-/// eager launch.
+/// default) where it may not yet: driver calls, not stream operations (legal inside a graph
+/// capture). The function's own attribute says whether it may, not a set of functions already
+/// allowed: a handle is only an address, which a module loaded after another's unloading (a
+/// second device opened in one process, as the GPU tests do) may reuse, and a launch through
+/// it then failed for want of the attribute.
 fn allow_shared_memory(func: &crate::launch::Kernel, bytes: usize) -> Result<()> {
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-    use std::collections::HashSet;
-    use std::sync::{Mutex, OnceLock};
-    static ALLOWED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    let key = func.cu_function() as usize;
-    let mut allowed = ALLOWED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if !allowed.contains(&key) {
+    let allowed = func
+        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+        .w()?;
+    if (allowed.max(0) as usize) < bytes {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
@@ -1190,7 +1187,6 @@ fn allow_shared_memory(func: &crate::launch::Kernel, bytes: usize) -> Result<()>
             100,
         )
         .w()?;
-        allowed.insert(key);
     }
     Ok(())
 }
