@@ -1,5 +1,5 @@
-//! Compiles `src/kernels.cu` (which includes `src/logit_rows.cuh`, `src/rows.cuh` and
-//! `src/gemv_quant.cuh`) to PTX
+//! Compiles `src/kernels.cu` (which includes `src/attention.cuh`, `src/logit_rows.cuh`,
+//! `src/rows.cuh` and `src/gemv_quant.cuh`) to PTX
 //! with nvcc, only when the `cuda` feature is on, so the default (CPU) build never needs a
 //! CUDA toolkit.
 //!
@@ -19,6 +19,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/kernels.cu");
     println!("cargo:rerun-if-changed=src/logit_rows.cuh");
     println!("cargo:rerun-if-changed=src/rows.cuh");
+    println!("cargo:rerun-if-changed=src/attention.cuh");
     println!("cargo:rerun-if-changed=src/gemv_quant.cuh");
     println!("cargo:rerun-if-changed=src/gemv_wgmma.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");

@@ -106,269 +106,6 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Paged attention.
-//
-// q: [n_tok, nh, d] (RoPE applied), k_pool / v_pool: [slots, nkv, d], out: [n_tok, nh, d].
-// meta (u32), built by kestrel_kernels::PagedAttnMeta:
-//   tok_seq[n_tok]                      sequence of each query token
-//   seq_len[n_seq]                      L: slots of the sequence (cached then new)
-//   seq_new[n_seq]                      n: its new tokens (the last n of its L slots)
-//   q_start[n_seq]                      its first query token
-//   mask_off[n_seq]                     offset of its n×n mask in `masks`, or 0xffffffff for
-//                                       causal over the new tokens
-//   slots[n_seq * lmax]                 pool row of slot i of sequence s at s*lmax + i
-//   masks[...]                          0/1 per (new row, new column), row-major
-// Query row r of a sequence sees every cached slot (i < L - n) and new slot j = i - (L - n)
-// when its mask allows (causal: j <= r). It attends over the list of the slots it sees,
-// cached then new in order; masked slots are never read, like the additive f32::MIN mask of
-// the candle path (exact zeros).
-//
-// One block per (query token, head). The row's slots are cut into chunks of 32, and chunk c
-// belongs to "virtual warp" c mod PA_VWARPS: lane j scores slot base + j (a full dot product
-// over d), the virtual warp updates its online softmax (running max m, sum l, accumulator
-// over d spread across lanes) and adds the chunk's V rows, several rows per pass with 16-byte
-// loads where the head size allows. The virtual warps' partial states are merged through
-// shared memory at the end, in their order. The launcher picks how many real warps a block
-// has (a divisor of PA_VWARPS); real warp w runs virtual warps w, w + warps, ... one after
-// the other. The slots a virtual warp walks and every order of summation depend only on the
-// row's list of visible slots, never on the real warp count, the step's other rows or where
-// a tree placed the row's ancestors: a decode step and a verification give a row the same
-// bits, whatever warp counts their launches took.
-// ---------------------------------------------------------------------------------------
-#define PA_VWARPS 8
-#define PA_MAX_D 256
-// Most new tokens of a sequence under an explicit (tree) mask (MAX_MASKED_NEW in lib.rs).
-#define PA_MAX_MASKED_NEW 1024
-#define PA_PER_LANE (PA_MAX_D / WARP)
-// 16-byte loads a lane issues at once: of its slot's K row, and of V rows (one a pass).
-#define PA_K_BATCH 8
-#define PA_V_BATCH 8
-
-template <bool B> struct BoolConst {
-    static constexpr bool value = B;
-};
-
-template <typename T>
-__device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k_pool,
-                                const T *__restrict__ v_pool, T *__restrict__ out,
-                                const unsigned int *__restrict__ meta, const int n_tok,
-                                const int n_seq, const int lmax, const int nh, const int nkv,
-                                const int d, const float scale) {
-    const int t = blockIdx.x, h = blockIdx.y;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const unsigned int *tok_seq = meta;
-    const unsigned int *seq_len = tok_seq + n_tok;
-    const unsigned int *seq_new = seq_len + n_seq;
-    const unsigned int *q_start = seq_new + n_seq;
-    const unsigned int *mask_off = q_start + n_seq;
-    const unsigned int *slot_tab = mask_off + n_seq;
-    const unsigned int *masks = slot_tab + (size_t)n_seq * lmax;
-
-    const int s = tok_seq[t];
-    const int L = seq_len[s];
-    const int n = seq_new[s];
-    const int r = t - (int)q_start[s];
-    const int past = L - n;
-    const unsigned int moff = mask_off[s];
-    const unsigned int *slots = slot_tab + (size_t)s * lmax;
-    const int kvh = h / (nh / nkv);
-    const size_t row_stride = (size_t)nkv * d;
-    const T *k_base = k_pool + (size_t)kvh * d;
-    const T *v_base = v_pool + (size_t)kvh * d;
-
-    __shared__ float qs[PA_MAX_D];
-    __shared__ float w_m[PA_VWARPS], w_l[PA_VWARPS];
-    __shared__ float w_acc[PA_VWARPS][PA_MAX_D];
-    // The row's visible new slots (indices among the n new ones, in order) under an explicit
-    // mask. The row attends over its visible slots only, cached then new, as one list: the
-    // list, and with it every order of summation, is the one a decode step of the same token
-    // over the same context walks, wherever the tree put the row's ancestors among its nodes.
-    __shared__ unsigned short vis[PA_MAX_MASKED_NEW];
-    __shared__ int n_vis;
-
-    for (int e = threadIdx.x; e < d; e += blockDim.x)
-        qs[e] = to_f(q[((size_t)t * nh + h) * d + e]) * scale;
-    const bool causal = moff == 0xffffffffu;
-    if (!causal && warp == 0) {
-        int count = 0;
-        for (int j0 = 0; j0 < n; j0 += WARP) {
-            const int j = j0 + lane;
-            const bool on = j < n && masks[moff + (size_t)r * n + j] != 0;
-            const unsigned int ballot = __ballot_sync(FULL_MASK, on);
-            if (on) vis[count + __popc(ballot & ((1u << lane) - 1u))] = (unsigned short)j;
-            count += __popc(ballot);
-        }
-        if (lane == 0) n_vis = count;
-    }
-    __syncthreads();
-    // Slots the row sees: causal rows see the new ones up to themselves.
-    const int seen = past + (causal ? r + 1 : n_vis);
-
-    // V rows are read as 16-byte vectors when a row is a power-of-two number `lpr` ≤ 32 of
-    // them: lane = (row of the pass, vector), 32/lpr rows a pass, all of a chunk's loads in
-    // flight at once. Reading one element per lane and one row at a time left a chunk's 32
-    // V rows as 8 rounds of memory latency. Otherwise (other head sizes) the scalar loop.
-    // The two paths are compiled apart (`VEC_V`) so that neither keeps the other's
-    // accumulators live.
-    constexpr int VEC = 16 / sizeof(T);
-    const int lpr = d / VEC;
-    const bool vec_v = d % VEC == 0 && lpr <= WARP && (lpr & (lpr - 1)) == 0;
-    const int nwarps = blockDim.x / WARP; // a divisor of PA_VWARPS
-    auto walk = [&](auto vec_v_tag) {
-        constexpr bool VEC_V = decltype(vec_v_tag)::value;
-        constexpr int ACC = VEC_V ? VEC : PA_PER_LANE;
-        const int rows_per_pass = VEC_V ? WARP / lpr : 1;
-        const int rsub = VEC_V ? lane / lpr : 0, vsub = VEC_V ? lane % lpr : 0;
-        for (int vw = warp; vw < PA_VWARPS; vw += nwarps) {
-            float m = -INFINITY, l = 0.f;
-            float acc[ACC];
-#pragma unroll
-            for (int k = 0; k < ACC; ++k) acc[k] = 0.f;
-            for (int base = vw * WARP; base < seen; base += PA_VWARPS * WARP) {
-                const int i = base + lane;
-                float sc = -INFINITY;
-                unsigned int slot = 0;
-                if (i < seen) {
-                    slot = slots[causal || i < past ? i : past + vis[i - past]];
-                    // The V row's way into L2 starts now, with the K row's: V is read after the
-                    // scores, and its round trip from DRAM was one more link in a chain of
-                    // dependent latencies (H200 bf16 decode: 0.87 → 0.82 ms a SmolLM2 step,
-                    // 4.27 → 4.18 ms Llama-2-7B). Prefetching touches no value, so no result
-                    // changes.
-                    const char *vr =
-                        reinterpret_cast<const char *>(v_base + (size_t)slot * row_stride);
-                    for (int b = 0; b < d * (int)sizeof(T); b += 128)
-                        asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
-                    const T *kr = k_base + (size_t)slot * row_stride;
-                    float dot = 0.f;
-                    if (d % VEC == 0) {
-                        // 16-byte loads (the K row is 16-byte aligned when d is a multiple of
-                        // VEC), PA_K_BATCH issued before any product: a d = 128 row in two
-                        // rounds of memory latency (one round, 16 at once, took 168 registers
-                        // and slowed 64-row verifications by 9-15%).
-                        for (int e0 = 0; e0 < d; e0 += PA_K_BATCH * VEC) {
-                            uint4 raw[PA_K_BATCH];
-#pragma unroll
-                            for (int u = 0; u < PA_K_BATCH; ++u)
-                                if (e0 + u * VEC < d)
-                                    raw[u] = *reinterpret_cast<const uint4 *>(kr + e0 + u * VEC);
-#pragma unroll
-                            for (int u = 0; u < PA_K_BATCH; ++u) {
-                                if (e0 + u * VEC < d) {
-                                    float kv[VEC];
-                                    unpack16<T>(raw[u], kv);
-                                    const int e = e0 + u * VEC;
-#pragma unroll
-                                    for (int v = 0; v < VEC; ++v) dot += qs[e + v] * kv[v];
-                                }
-                            }
-                        }
-                    } else {
-                        for (int e = 0; e < d; ++e) dot += qs[e] * to_f(kr[e]);
-                    }
-                    sc = dot;
-                }
-                const float cm = warp_max(sc); // warp-uniform
-                if (cm == -INFINITY) continue;  // the whole chunk is masked or past the end
-                const float m_new = fmaxf(m, cm);
-                const float corr = expf(m - m_new); // 0 on the first chunk (m = -inf)
-                const float p = sc == -INFINITY ? 0.f : expf(sc - m_new);
-                l = l * corr + warp_sum(p);
-                const int cnt = min(WARP, seen - base); // warp-uniform
-#pragma unroll
-                for (int k = 0; k < ACC; ++k) acc[k] *= corr;
-                if constexpr (VEC_V) {
-                    // PA_V_BATCH passes' loads are issued before any of their products:
-                    // written as load-then-use per pass, each pass waited out its own round
-                    // trip (Nsight: 16 stalls in a row on a Llama-2-7B row of d = 128). Same
-                    // products, same order.
-                    for (int jb = 0; jb < cnt; jb += PA_V_BATCH * rows_per_pass) {
-                        uint4 raw[PA_V_BATCH];
-                        float pjs[PA_V_BATCH];
-#pragma unroll
-                        for (int u = 0; u < PA_V_BATCH; ++u) {
-                            const int j = jb + u * rows_per_pass + rsub;
-                            // Lanes past the chunk read lane j mod 32 and are not used. Every
-                            // slot id is a pool row (0 past the end), so each load is in
-                            // bounds; a masked slot (pj = 0) still adds nothing, whatever it
-                            // holds.
-                            const float pj = __shfl_sync(FULL_MASK, p, j & (WARP - 1));
-                            const unsigned int sj = __shfl_sync(FULL_MASK, slot, j & (WARP - 1));
-                            raw[u] = *reinterpret_cast<const uint4 *>(
-                                v_base + (size_t)sj * row_stride + vsub * VEC);
-                            pjs[u] = j < cnt ? pj : 0.f;
-                        }
-#pragma unroll
-                        for (int u = 0; u < PA_V_BATCH; ++u) {
-                            float vv[VEC];
-                            unpack16<T>(raw[u], vv);
-                            const bool use = pjs[u] != 0.f;
-#pragma unroll
-                            for (int k = 0; k < VEC; ++k)
-                                acc[k] = use ? fmaf(pjs[u], vv[k], acc[k]) : acc[k];
-                        }
-                    }
-                } else {
-#pragma unroll 4
-                    for (int j = 0; j < cnt; ++j) {
-                        const float pj = __shfl_sync(FULL_MASK, p, j);
-                        const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
-                        if (pj != 0.f) { // masked: an exact zero contribution, whatever the slot holds
-                            const T *vr = v_base + (size_t)sj * row_stride;
-#pragma unroll
-                            for (int k = 0; k < PA_PER_LANE; ++k) {
-                                const int e = lane + WARP * k;
-                                if (e < d) acc[k] += pj * to_f(vr[e]);
-                            }
-                        }
-                    }
-                }
-                m = m_new;
-            }
-
-            if (lane == 0) {
-                w_m[vw] = m;
-                w_l[vw] = l;
-            }
-            if constexpr (VEC_V) {
-                // The passes' rows summed across the lanes holding the same vector of the row.
-#pragma unroll
-                for (int k = 0; k < VEC; ++k)
-                    for (int o = lpr; o < WARP; o <<= 1)
-                        acc[k] += __shfl_xor_sync(FULL_MASK, acc[k], o);
-                if (rsub == 0) {
-#pragma unroll
-                    for (int k = 0; k < VEC; ++k) w_acc[vw][vsub * VEC + k] = acc[k];
-                }
-            } else {
-#pragma unroll
-                for (int k = 0; k < PA_PER_LANE; ++k) {
-                    const int e = lane + WARP * k;
-                    if (e < d) w_acc[vw][e] = acc[k];
-                }
-            }
-        }
-    };
-    if (vec_v)
-        walk(BoolConst<true>{});
-    else
-        walk(BoolConst<false>{});
-    __syncthreads();
-
-    float mx = -INFINITY;
-    for (int w = 0; w < PA_VWARPS; ++w) mx = fmaxf(mx, w_m[w]);
-    float denom = 0.f;
-    for (int w = 0; w < PA_VWARPS; ++w)
-        if (w_m[w] != -INFINITY) denom += w_l[w] * expf(w_m[w] - mx);
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float o = 0.f;
-        for (int w = 0; w < PA_VWARPS; ++w)
-            if (w_m[w] != -INFINITY) o += w_acc[w][e] * expf(w_m[w] - mx);
-        out[((size_t)t * nh + h) * d + e] = from_f<T>(denom > 0.f ? o / denom : 0.f);
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // KV append: pool[slots[r]] = rows[r] for r < n_rows; rows are `width` = nkv·d wide.
 // One block per row.
 // ---------------------------------------------------------------------------------------
@@ -1344,6 +1081,7 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
     }
 }
 
+#include "attention.cuh"
 #include "logit_rows.cuh"
 #include "rows.cuh"
 #include "gemv_quant.cuh"
@@ -1356,6 +1094,15 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         const int d, const float scale) {                                                       \
         pdl_enter();                                                                \
         paged_attention<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale); \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP)                              \
+        kestrel_paged_attention_groups_##SUFFIX(                                                \
+            const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,     \
+            const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,      \
+            const int d, const float scale) {                                                   \
+        pdl_enter();                                                                            \
+        paged_attention_groups<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, \
+                                  scale);                                                       \
     }                                                                                           \
     extern "C" __global__ void kestrel_kv_append_##SUFFIX(T *pool, const T *rows,               \
                                                           const unsigned int *slots,            \
