@@ -125,8 +125,8 @@ pub(crate) struct PagedAttention {
     pub table: Tensor,
     pub n_seq: usize,
     pub lmax: usize,
-    /// Real warps a block, or `None` for [`attention_warps`]'s choice.
-    pub warps: Option<u32>,
+    pub max_new: usize,
+    pub launch: crate::AttnLaunch,
 }
 
 impl PagedAttention {
@@ -157,10 +157,28 @@ impl PagedAttention {
             i32_arg(d, "head_dim")?,
         );
         let scale = 1.0f32 / (d as f32).sqrt();
-        let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
-        let warps = match self.warps {
-            Some(w) => w,
-            None => attention_warps(&func, dev, n_tok * nh)?,
+        let groups = match self.launch {
+            crate::AttnLaunch::Auto => crate::attention_groups_step(self.max_new, self.lmax),
+            crate::AttnLaunch::Rows(_) => false,
+            crate::AttnLaunch::Groups => true,
+        };
+        let grouped = if groups {
+            self.groups_launch(dev, nh, d, std::mem::size_of::<T>(), sfx)?
+        } else {
+            None
+        };
+        let (func, cfg) = match grouped {
+            Some(launch) => launch,
+            None => {
+                let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
+                let warps = match self.launch {
+                    crate::AttnLaunch::Rows(w) => w,
+                    _ => attention_warps(&func, dev, n_tok * nh)?,
+                };
+                // grid.y = heads ≤ 65535; static shared memory (~11 KiB) only.
+                let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
+                (func, cfg)
+            }
         };
         let mut b = func.builder();
         b.arg(&qv);
@@ -175,12 +193,58 @@ impl PagedAttention {
         b.arg(&nkv_a);
         b.arg(&d_a);
         b.arg(&scale);
-        // grid.y = heads ≤ 65535; static shared memory (~11 KiB) only.
-        let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
-        // SAFETY: argument types and order match kestrel_paged_attention_* in kernels.cu; the
-        // metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax.
+        // SAFETY: argument types and order match kestrel_paged_attention_* and
+        // kestrel_paged_attention_groups_* in kernels.cu; the metadata was built by
+        // PagedAttnMeta for these n_tok / n_seq / lmax / max_new.
         unsafe { b.launch(cfg) }?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The grouped kernel and its launch for head size `d` of `elem_bytes` values, or `None`
+    /// (an error when forced) where the head size (64 and 128 only) or the device's shared
+    /// memory rules it out:
+    /// A100s and Hopper hold its ~140 KiB a block for Llama heads in f16/bf16; sm_86 / sm_89
+    /// (99 KiB) do not, and keep the block-per-row kernel.
+    fn groups_launch(
+        &self,
+        dev: &CudaDevice,
+        nh: usize,
+        d: usize,
+        elem_bytes: usize,
+        sfx: &str,
+    ) -> Result<Option<(crate::launch::Kernel, LaunchConfig)>> {
+        let forced = self.launch == crate::AttnLaunch::Groups;
+        let Some(bytes) = crate::attention_groups_shared_bytes(d, elem_bytes) else {
+            if forced {
+                bail!(
+                    "grouped paged attention: a head of {d} {elem_bytes}-byte values; the \
+                     kernel is compiled for heads of 64 and 128"
+                );
+            }
+            return Ok(None);
+        };
+        let func = load_kernel(dev, &format!("kestrel_paged_attention_groups_{sfx}"))?;
+        let limit = crate::launch::dynamic_shared_limit(dev, &func)?;
+        if bytes > limit {
+            if forced {
+                bail!(
+                    "grouped paged attention: a head of {d} {elem_bytes}-byte values needs \
+                     {bytes} bytes of shared memory a block; the device allows {limit}"
+                );
+            }
+            return Ok(None);
+        }
+        // The whole limit, whatever this launch needs, so that models of different head
+        // sizes in one process share the function's one setting.
+        allow_shared_memory(&func, limit)?;
+        let groups = self.max_new.div_ceil(crate::ATTN_GROUP_ROWS) as u32;
+        // grid: heads, sequences ≤ 65535, row groups ≤ 65535 (trees of ≤ 1,024 nodes).
+        let cfg = LaunchConfig {
+            grid_dim: (nh as u32, self.n_seq as u32, groups),
+            block_dim: (PA_VIRTUAL_WARPS * 32, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        };
+        Ok(Some((func, cfg)))
     }
 }
 

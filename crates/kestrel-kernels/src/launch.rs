@@ -35,6 +35,7 @@ type AttributeCache = [AtomicU32; 64];
 static CC_MAJOR: AttributeCache = [const { AtomicU32::new(0) }; 64];
 static CC_MINOR: AttributeCache = [const { AtomicU32::new(0) }; 64];
 static MULTIPROCESSORS: AttributeCache = [const { AtomicU32::new(0) }; 64];
+static SHARED_OPTIN: AttributeCache = [const { AtomicU32::new(0) }; 64];
 
 /// `attr` of `dev`, asked of the driver once per device.
 fn device_attribute(
@@ -83,6 +84,19 @@ pub(crate) fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
         sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )?;
     Ok(sms as usize)
+}
+
+/// Dynamic shared memory a block of `func` may take on `dev`: the most a block may opt in to
+/// (227 KiB on an H100 or H200, 163 KiB on an A100, 99 KiB on sm_86 / sm_89) less the
+/// function's static shared memory.
+pub(crate) fn dynamic_shared_limit(dev: &CudaDevice, func: &Kernel) -> Result<usize> {
+    let optin = device_attribute(
+        &SHARED_OPTIN,
+        dev,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+    )? as usize;
+    let fixed = func.func.shared_size_bytes().w()?.max(0) as usize;
+    Ok(optin.saturating_sub(fixed))
 }
 
 /// A kernel of `kernels.cu` loaded on a device, ready to take its parameters.

@@ -126,6 +126,55 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// (`PA_MAX_MASKED_NEW` in kernels.cu).
 pub const MAX_MASKED_NEW: usize = 1024;
 
+/// Query rows a block of the grouped attention kernel takes (`PA_GROUP_ROWS` in
+/// attention.cuh). On an H100 (tools/gpu/tree_attn_probe.cu, a 64-node Llama-2-7B tree) 8
+/// were slower than 4 at every context length from 128 to 2,048.
+pub const ATTN_GROUP_ROWS: usize = 4;
+
+/// Most new tokens a sequence of a step may bring for [`paged_attention`] to take the grouped
+/// kernel (a block per head, sequence and [`ATTN_GROUP_ROWS`] query rows, the K/V rows all of
+/// them see read once for the group): verifications and draft trees. A longer step is a
+/// prefill, whose rows see few cached slots to share, and its blocks, a quarter as many, each
+/// walk four rows one after the other; it keeps the block-per-row kernel. Both give every row
+/// the same bits.
+pub const ATTN_GROUPS_MAX_NEW: usize = 128;
+
+/// Fewest slots in the step's longest sequence (its slot-table row, `PagedAttnMeta::lmax`,
+/// which a graphed step pads to a multiple of 256) for the grouped kernel. Its blocks hold
+/// ~140 KiB of shared memory, one a multiprocessor, and wait out a DRAM round trip per staged
+/// chunk with 8 warps; the block-per-row kernel keeps many more loads in flight and, at short
+/// contexts, its repeated reads of the same rows still hit L2. H100, spec-bench verify:64
+/// (64-token chains), in the step: Llama-2-7B 8.98 → 9.13 ms at 128-token prompts, 11.61 →
+/// 11.39 at 512, 18.72 → 15.75 at 1,536; SmolLM2 1.66 → 1.69, 2.01 → 2.09, 3.00 → 2.88
+/// (docs/gpu-results.md, session 47).
+pub const ATTN_GROUPS_MIN_SLOTS: usize = 1024;
+
+/// Whether a step whose longest sequence brings `max_new` new tokens over `lmax` slots takes
+/// the grouped attention kernel (where the head size allows, [`attention_groups_shared_bytes`]).
+/// `KESTREL_PA_GROUPS=0` keeps every step on the block-per-row kernel, `1` sends every step
+/// of 2 to [`ATTN_GROUPS_MAX_NEW`] new tokens to the grouped one, to measure the choice.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn attention_groups_step(max_new: usize, lmax: usize) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("KESTREL_PA_GROUPS").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    });
+    (2..=ATTN_GROUPS_MAX_NEW).contains(&max_new) && forced.unwrap_or(lmax >= ATTN_GROUPS_MIN_SLOTS)
+}
+
+/// Dynamic shared memory of the grouped attention kernel for head size `d` of `elem_bytes`
+/// values, or `None` for a head size it is not compiled for (64 and 128, Llama-family heads:
+/// attention.cuh says why). 8 warps' stages of 32 K and 32 V rows padded by 16 bytes, then
+/// the group's query rows in f32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn attention_groups_shared_bytes(d: usize, elem_bytes: usize) -> Option<usize> {
+    [64, 128]
+        .contains(&d)
+        .then(|| 8 * 2 * 32 * (d * elem_bytes + 16) + ATTN_GROUP_ROWS * d * 4)
+}
+
 /// `mask_off` of a sequence without an explicit mask: causal over its new tokens.
 const CAUSAL: u32 = u32::MAX;
 
@@ -152,6 +201,8 @@ pub struct PagedAttnMeta {
     pub n_tok: usize,
     pub n_seq: usize,
     pub lmax: usize,
+    /// New tokens of the sequence that brings the most (the grouped kernel's grid).
+    pub max_new: usize,
 }
 
 impl PagedAttnMeta {
@@ -254,6 +305,7 @@ impl PagedAttnMeta {
             n_tok,
             n_seq: seqs.len(),
             lmax,
+            max_new: seqs.iter().map(|s| s.n_new).max().unwrap_or(0),
         })
     }
 }
@@ -286,11 +338,26 @@ pub fn paged_attention(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
 ) -> Result<Tensor> {
-    paged_attention_launch(q, k_pool, v_pool, meta, None)
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto)
 }
 
-/// [`paged_attention`] with its blocks' real warp count forced (1, 2, 4 or 8) instead of
-/// chosen from the step's size: for tests that every count gives a row the same bits.
+/// Which attention kernel a launch takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum AttnLaunch {
+    /// The grouped kernel where [`attention_groups_step`] and the head size allow, else the
+    /// block-per-row kernel with the warp count the step's size suggests.
+    Auto,
+    /// The block-per-row kernel with this many real warps a block.
+    Rows(u32),
+    /// The grouped kernel, or an error where the head size or the device's shared memory
+    /// does not allow it.
+    Groups,
+}
+
+/// [`paged_attention`] on the block-per-row kernel with its blocks' real warp count forced
+/// (1, 2, 4 or 8) instead of chosen from the step's size: for tests that every count, and
+/// either kernel, gives a row the same bits.
 #[doc(hidden)]
 pub fn paged_attention_with_warps(
     q: &Tensor,
@@ -302,7 +369,20 @@ pub fn paged_attention_with_warps(
     if ![1, 2, 4, 8].contains(&warps) {
         candle_core::bail!("paged attention: {warps} warps a block (1, 2, 4 or 8)");
     }
-    paged_attention_launch(q, k_pool, v_pool, meta, Some(warps))
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Rows(warps))
+}
+
+/// [`paged_attention`] on the grouped kernel whatever the step's size (an error where the
+/// head size or the device does not allow it): for tests that it gives a row the bits the
+/// block-per-row kernel gives.
+#[doc(hidden)]
+pub fn paged_attention_grouped(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+) -> Result<Tensor> {
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Groups)
 }
 
 fn paged_attention_launch(
@@ -310,7 +390,7 @@ fn paged_attention_launch(
     k_pool: &Tensor,
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
-    warps: Option<u32>,
+    launch: AttnLaunch,
 ) -> Result<Tensor> {
     let (n_tok, nh, d) = q.dims3()?;
     let (_, nkv, dk) = k_pool.dims3()?;
@@ -344,14 +424,15 @@ fn paged_attention_launch(
             table: meta.table.clone(),
             n_seq: meta.n_seq,
             lmax: meta.lmax,
-            warps,
+            max_new: meta.max_new,
+            launch,
         };
         q.apply_op3_no_bwd(k_pool, v_pool, &op)?
             .reshape((n_tok, nh * d))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = warps;
+        let _ = launch;
         no_cuda("paged attention")
     }
 }
@@ -1465,5 +1546,63 @@ mod tests {
             err.to_string().contains("2 new tokens for 1 slots"),
             "{err}"
         );
+    }
+
+    /// The metadata of a CPU-built step carries its longest sequence's new tokens, which the
+    /// grouped attention kernel's grid is cut from.
+    #[test]
+    fn meta_records_the_longest_sequences_new_tokens() {
+        let (a, b) = ([1u32, 2, 3, 4], [5u32, 6, 7]);
+        let seqs = [
+            AttnSeq {
+                slots: &a,
+                n_new: 1,
+                mask: None,
+            },
+            AttnSeq {
+                slots: &b,
+                n_new: 3,
+                mask: None,
+            },
+        ];
+        let meta = PagedAttnMeta::new(&seqs, &Device::Cpu).unwrap();
+        assert_eq!(
+            (meta.n_tok, meta.n_seq, meta.lmax, meta.max_new),
+            (4, 2, 4, 3)
+        );
+    }
+
+    /// Verifications and draft trees over long contexts take the grouped kernel; decode
+    /// steps, prefills and short contexts keep the block-per-row one; heads of other sizes than 64 and 128 are refused, and a taken
+    /// head's shared memory is 8 stages of 64 padded rows plus 4 query rows in f32.
+    #[test]
+    fn grouped_attention_takes_trees_of_vector_heads() {
+        let steps: Vec<bool> = [1, 2, 64, 128, 129, 2048]
+            .into_iter()
+            .map(|new| attention_groups_step(new, 1024))
+            .collect();
+        assert_eq!(steps, [false, true, true, true, false, false]);
+        // Short contexts keep the block-per-row kernel.
+        assert!(!attention_groups_step(64, 1023));
+        assert!(attention_groups_step(64, 4096));
+        assert_eq!(
+            attention_groups_shared_bytes(128, 2),
+            Some(8 * 64 * 272 + 2048)
+        );
+        assert_eq!(
+            attention_groups_shared_bytes(64, 2),
+            Some(8 * 64 * 144 + 1024)
+        );
+        assert_eq!(
+            attention_groups_shared_bytes(64, 4),
+            Some(8 * 64 * 272 + 1024)
+        );
+        assert_eq!(
+            attention_groups_shared_bytes(128, 4),
+            Some(8 * 64 * 528 + 2048)
+        );
+        for d in [40, 80, 96, 256] {
+            assert_eq!(attention_groups_shared_bytes(d, 2), None, "d {d}");
+        }
     }
 }

@@ -8,9 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gather_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies,
     gemv_applies, gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack,
-    open_cuda, paged_attention, paged_attention_with_warps, qkv_rope_append, scatter_rows, swiglu,
-    top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
-    GEMV_TILED_MIN_ROWS,
+    open_cuda, paged_attention, paged_attention_grouped, paged_attention_with_warps,
+    qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
+    GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
 use kestrel_spec::accept::{draft_target, exact_tree_sampling, DraftProposal};
@@ -1815,20 +1815,24 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
 /// row or a row of a tree step with many blocks: greedy speculation's equality with plain
 /// decoding relies on it. Every row of a step of two sequences (62 and 12 new rows), causal
 /// and under a tree mask, against the same row decoded alone over the slots it sees; and the
-/// whole step with each real warp count a block may take.
+/// whole step with each real warp count a block may take, and on the grouped kernel (cached
+/// K/V staged once for 4 rows) where the head size allows it.
 #[test]
 fn paged_attention_rows_do_not_depend_on_the_step() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
-    // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17. SmolLM2's heads and Llama-2-7B's.
-    for (dtype, l, (nh, nkv, d)) in [
-        (DType::F32, 300usize, (9usize, 3usize, 64usize)),
-        (DType::BF16, 300, (9, 3, 64)),
-        (DType::BF16, 4100, (9, 3, 64)),
-        (DType::BF16, 200, (4, 4, 128)),
-        (DType::F16, 90, (4, 4, 128)),
-        (DType::F32, 200, (4, 4, 128)),
-        (DType::BF16, 100, (2, 1, 40)), // V read element by element
+    // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17; 90: the 12-row sequence has two
+    // chunks of cached slots, the 62-row one none. SmolLM2's heads and Llama-2-7B's. The
+    // last field: whether the grouped kernel takes the head (f32 × 128 needs 266 KiB of shared
+    // memory; it is compiled for heads of 64 and 128 only).
+    for (dtype, l, (nh, nkv, d), grouped) in [
+        (DType::F32, 300usize, (9usize, 3usize, 64usize), true),
+        (DType::BF16, 300, (9, 3, 64), true),
+        (DType::BF16, 4100, (9, 3, 64), true),
+        (DType::BF16, 200, (4, 4, 128), true),
+        (DType::F16, 90, (4, 4, 128), true),
+        (DType::F32, 200, (4, 4, 128), false),
+        (DType::BF16, 100, (2, 1, 40), false), // V read element by element
     ] {
         for masked in [false, true] {
             let new = [62usize, 12];
@@ -1868,6 +1872,20 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
                     "{dtype:?}, {l} slots, d {d}, masked {masked}: {warps} warps a block \
                      change the step's output"
                 );
+            }
+            // And so do they on the grouped kernel, which refuses the heads it cannot take.
+            match paged_attention_grouped(&q, &kp, &vp, &meta) {
+                Ok(out) => assert!(
+                    grouped && host(&out) == all,
+                    "{dtype:?}, {l} slots, d {d}, masked {masked}: the grouped kernel changes \
+                     the step's output (or took a head it should refuse)"
+                ),
+                Err(e) => assert!(
+                    !grouped
+                        && e.to_string()
+                            .starts_with("grouped paged attention: a head of"),
+                    "{dtype:?}, d {d}: {e}"
+                ),
             }
             let mut t = 0;
             for s in 0..2 {

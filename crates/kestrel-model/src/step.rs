@@ -181,6 +181,9 @@ pub(crate) struct GraphLayout {
     pub n_seq: usize,
     /// Slot-table row length, padded up so that growing sequences keep the layout.
     pub lmax: usize,
+    /// New tokens of the sequence that brings the most (the grid of the grouped attention
+    /// kernel: steps of one n_tok and n_seq may split their tokens differently).
+    pub max_new: usize,
     /// Length of the attention table (after the new tokens' slot ids).
     pub table_len: usize,
     /// Returned rows when not all of them in order.
@@ -214,6 +217,7 @@ impl GraphLayout {
             n_tok: n,
             n_seq: self.n_seq,
             lmax: self.lmax,
+            max_new: self.max_new,
         };
         let out_rows = match self.out_rows {
             Some(r) => Some(u32s.narrow(0, 2 * n + self.table_len, r)?),
@@ -289,6 +293,7 @@ impl<'a> StepPlan<'a> {
                 n_tok,
                 n_seq: self.seqs.len(),
                 lmax,
+                max_new: self.seqs.iter().map(|s| s.n).max().unwrap_or(0),
                 table_len: meta.len() - n_tok,
                 out_rows: self.out_rows.as_ref().map(Vec::len),
                 rope_len,
