@@ -1511,6 +1511,13 @@ mod tests {
         ];
         let (buf, n_tok, lmax) = PagedAttnMeta::host(&seqs).unwrap();
         assert_eq!((n_tok, lmax), (3, 3));
+        // The uploaded metadata also carries the longest sequence's new tokens, which the
+        // grouped attention kernel's grid is cut from.
+        let meta = PagedAttnMeta::new(&seqs, &Device::Cpu).unwrap();
+        assert_eq!(
+            (meta.n_tok, meta.n_seq, meta.lmax, meta.max_new),
+            (3, 2, 3, 2)
+        );
         #[rustfmt::skip]
         let want = vec![
             12, 20, 21,        // new slots
@@ -1545,30 +1552,6 @@ mod tests {
         assert!(
             err.to_string().contains("2 new tokens for 1 slots"),
             "{err}"
-        );
-    }
-
-    /// The metadata of a CPU-built step carries its longest sequence's new tokens, which the
-    /// grouped attention kernel's grid is cut from.
-    #[test]
-    fn meta_records_the_longest_sequences_new_tokens() {
-        let (a, b) = ([1u32, 2, 3, 4], [5u32, 6, 7]);
-        let seqs = [
-            AttnSeq {
-                slots: &a,
-                n_new: 1,
-                mask: None,
-            },
-            AttnSeq {
-                slots: &b,
-                n_new: 3,
-                mask: None,
-            },
-        ];
-        let meta = PagedAttnMeta::new(&seqs, &Device::Cpu).unwrap();
-        assert_eq!(
-            (meta.n_tok, meta.n_seq, meta.lmax, meta.max_new),
-            (4, 2, 4, 3)
         );
     }
 
