@@ -1559,7 +1559,7 @@ mod tests {
     /// steps, prefills and short contexts keep the block-per-row one; heads of other sizes than 64 and 128 are refused, and a taken
     /// head's shared memory is 8 stages of 64 padded rows plus 4 query rows in f32.
     #[test]
-    fn grouped_attention_takes_trees_of_vector_heads() {
+    fn grouped_attention_takes_long_trees_of_llama_heads() {
         let steps: Vec<bool> = [1, 2, 64, 128, 129, 2048]
             .into_iter()
             .map(|new| attention_groups_step(new, 1024))
@@ -1568,22 +1568,11 @@ mod tests {
         // Short contexts keep the block-per-row kernel.
         assert!(!attention_groups_step(64, 1023));
         assert!(attention_groups_step(64, 4096));
-        assert_eq!(
-            attention_groups_shared_bytes(128, 2),
-            Some(8 * 64 * 272 + 2048)
-        );
-        assert_eq!(
-            attention_groups_shared_bytes(64, 2),
-            Some(8 * 64 * 144 + 1024)
-        );
-        assert_eq!(
-            attention_groups_shared_bytes(64, 4),
-            Some(8 * 64 * 272 + 1024)
-        );
-        assert_eq!(
-            attention_groups_shared_bytes(128, 4),
-            Some(8 * 64 * 528 + 2048)
-        );
+        // (head size, value bytes, padded row bytes)
+        for (d, elem, row) in [(128, 2, 272), (64, 2, 144), (64, 4, 272), (128, 4, 528)] {
+            let want = 8 * 64 * row + 4 * d * 4;
+            assert_eq!(attention_groups_shared_bytes(d, elem), Some(want), "d {d}");
+        }
         for d in [40, 80, 96, 256] {
             assert_eq!(attention_groups_shared_bytes(d, 2), None, "d {d}");
         }
