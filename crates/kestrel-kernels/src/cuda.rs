@@ -371,6 +371,9 @@ pub(crate) struct AddRmsNorm {
     /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
     /// warp per row (for that op's steps of many rows), instead of candle's order.
     pub gemv_order: bool,
+    /// With `gemv_order`: the normed rows in the warpgroup engine's layout
+    /// ([`gemv_wgmma_laid_len`] values after the sums) instead of after them as stored.
+    pub laid: bool,
 }
 
 impl AddRmsNorm {
@@ -386,8 +389,14 @@ impl AddRmsNorm {
         let xv = view::<T>(x.0, x.1, "x")?;
         let rv = view::<T>(r.0, r.1, "residual")?;
         let wv = view::<T>(w.0, w.1, "norm weight")?;
-        // SAFETY: the kernel writes both halves of every row.
-        let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
+        let len = if self.laid {
+            rows * h + gemv_wgmma_laid_len(rows, h)
+        } else {
+            2 * rows * h
+        };
+        // SAFETY: the kernel writes both halves of every row (laid: the sums and every row
+        // below `rows` of the layout, whose other rows no product reads into a stored output).
+        let out = unsafe { dev.alloc::<T>(len)? };
         if rows > 0 {
             let kernel = if self.gemv_order {
                 "kestrel_add_rmsnorm_rows"
@@ -401,6 +410,14 @@ impl AddRmsNorm {
             b.arg(&rv);
             b.arg(&wv);
             b.arg(&out);
+            let laid = self.laid.then(|| out.slice(rows * h..));
+            let null: u64 = 0;
+            if self.gemv_order {
+                match &laid {
+                    Some(v) => b.arg(v),
+                    None => b.arg(&null),
+                };
+            }
             b.arg(&rows_a);
             b.arg(&h_a);
             b.arg(&self.eps);
@@ -426,7 +443,8 @@ impl AddRmsNorm {
                 // block_sum needs a multiple of 32 threads, at most 1024.
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
             };
-            // SAFETY: argument types match kestrel_add_rmsnorm_*.
+            // SAFETY: argument types match kestrel_add_rmsnorm_* (`laid` only in the rows
+            // variant, null or the layout's part of `out`).
             unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -466,14 +484,24 @@ impl CustomOp3 for AddRmsNorm {
             (w, wl),
             sfx
         )?);
-        Ok((out, Shape::from((2, rows, h))))
+        let shape = if self.laid {
+            Shape::from(rows * h + gemv_wgmma_laid_len(rows, h))
+        } else {
+            Shape::from((2, rows, h))
+        };
+        Ok((out, shape))
     }
 }
 
-pub(crate) struct SwiGlu;
+/// `kestrel_swiglu_*`; with `laid`, its rows in the warpgroup engine's layout
+/// ([`gemv_wgmma_laid_len`] values) for the down projection.
+pub(crate) struct SwiGlu {
+    pub laid: bool,
+}
 
 impl SwiGlu {
     fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
         s: &CudaStorage,
         l: &Layout,
         sfx: &str,
@@ -483,14 +511,26 @@ impl SwiGlu {
         let inter = two_i / 2;
         let total = rows * inter;
         let sv = view::<T>(s, l, "gate_up")?;
-        // SAFETY: the grid-stride loop writes every element.
-        let out = unsafe { dev.alloc::<T>(total)? };
+        let len = if self.laid {
+            gemv_wgmma_laid_len(rows, inter)
+        } else {
+            total
+        };
+        // SAFETY: the grid-stride loop writes every element (laid: every row below `rows`).
+        let out = unsafe { dev.alloc::<T>(len)? };
         if total > 0 {
             let func = load_kernel(&dev, &format!("kestrel_swiglu_{sfx}"))?;
             let inter_a = i32_arg(inter, "intermediate size")?;
+            let null: u64 = 0;
             let mut b = func.builder();
             b.arg(&sv);
-            b.arg(&out);
+            if self.laid {
+                b.arg(&null);
+                b.arg(&out);
+            } else {
+                b.arg(&out);
+                b.arg(&null);
+            }
             b.arg(&total);
             b.arg(&inter_a);
             let blocks = total.div_ceil(256).min(65535) as u32;
@@ -512,8 +552,13 @@ impl CustomOp1 for SwiGlu {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         let (rows, two_i) = l.shape().dims2()?;
-        let out = by_dtype!(s.dtype(), "swiglu", |T, sfx| Self::run::<T>(s, l, sfx)?);
-        Ok((out, Shape::from((rows, two_i / 2))))
+        let out = by_dtype!(s.dtype(), "swiglu", |T, sfx| self.run::<T>(s, l, sfx)?);
+        let shape = if self.laid {
+            Shape::from(gemv_wgmma_laid_len(rows, two_i / 2))
+        } else {
+            Shape::from((rows, two_i / 2))
+        };
+        Ok((out, shape))
     }
 }
 
@@ -1288,8 +1333,14 @@ fn gemv_wgmma_split(blocks: usize) -> usize {
     }
 }
 
+/// Values of `m` rows of `k` in the warpgroup engine's layout (`wg_rows_offset` in
+/// kernels.cu): whole 64-row tiles.
+pub(crate) fn gemv_wgmma_laid_len(m: usize, k: usize) -> usize {
+    m.div_ceil(WGMMA_ROWS) * WGMMA_ROWS * k
+}
+
 /// `kestrel_gemv_wgmma_rows_*` (the rows in the engine's order, into a workspace), then
-/// `kestrel_gemv_wgmma_s{split}[_evict]_*` over `x [m, k] · wᵀ` into `out [m, n]`.
+/// [`gemv_wgmma_laid`].
 fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     xv: &CudaView<'_, T>,
@@ -1298,14 +1349,10 @@ fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     (m, n, k): (usize, usize, usize),
     sfx: &str,
 ) -> Result<()> {
-    let (groups, tiles) = (n.div_ceil(WGMMA_ROWS), m.div_ceil(WGMMA_ROWS));
-    let (m_a, n_a, k_a) = (
-        i32_arg(m, "rows")?,
-        i32_arg(n, "columns")?,
-        i32_arg(k, "K")?,
-    );
+    let tiles = m.div_ceil(WGMMA_ROWS);
+    let (m_a, k_a) = (i32_arg(m, "rows")?, i32_arg(k, "K")?);
     // SAFETY: the rows kernel writes every element (zeros past row m) before the gemv reads.
-    let rows = unsafe { dev.alloc::<T>(tiles * WGMMA_ROWS * k)? };
+    let rows = unsafe { dev.alloc::<T>(gemv_wgmma_laid_len(m, k))? };
     let func = load_kernel(dev, &format!("kestrel_gemv_wgmma_rows_{sfx}"))?;
     let mut b = func.builder();
     b.arg(xv);
@@ -1321,7 +1368,25 @@ fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
             shared_mem_bytes: 0,
         })
     }?;
+    gemv_wgmma_laid(dev, &rows.slice(..), wv, out, (m, n, k), sfx)
+}
 
+/// `kestrel_gemv_wgmma_s{split}[_evict]_*` over `m` rows of `k` already in the engine's layout
+/// (`laid`, [`gemv_wgmma_laid_len`] values) and `w [n, k]` into `out [m, n]`.
+fn gemv_wgmma_laid<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    laid: &CudaView<'_, T>,
+    wv: &CudaView<'_, T>,
+    out: &CudaSlice<T>,
+    (m, n, k): (usize, usize, usize),
+    sfx: &str,
+) -> Result<()> {
+    let (groups, tiles) = (n.div_ceil(WGMMA_ROWS), m.div_ceil(WGMMA_ROWS));
+    let (m_a, n_a, k_a) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "columns")?,
+        i32_arg(k, "K")?,
+    );
     let split = gemv_wgmma_split(groups * tiles);
     let evict = if evict_weights(m, k, std::mem::size_of::<T>()) {
         "_evict"
@@ -1336,7 +1401,7 @@ fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
         shared_mem_bytes: WGMMA_SMEM_BYTES as u32,
     };
     let mut b = func.builder();
-    b.arg(&rows);
+    b.arg(laid);
     b.arg(wv);
     b.arg(out);
     b.arg(&m_a);
@@ -1346,6 +1411,80 @@ fn gemv_wgmma<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     // the launcher in lib.rs (K a multiple of the K block, 16-byte aligned rows); the grid's
     // y is the kernel's cluster size.
     unsafe { b.launch(cfg) }
+}
+
+/// Whether a product of `m` rows over `k` into `n` columns of `elem_bytes` values takes the
+/// warpgroup engine on `dev`, so that the kernel producing its rows may write them in the
+/// engine's layout (then [`GemvLaid`]) and spare the layout's launch.
+pub(crate) fn gemv_takes_wgmma(
+    dev: &CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    elem_bytes: usize,
+) -> Result<bool> {
+    Ok(crate::gemv_tiled_applies(m, n, k, elem_bytes) && gemv_wgmma_applies(dev, elem_bytes)?)
+}
+
+/// The gemv of `m` rows already in the warpgroup engine's layout (the first operand,
+/// [`gemv_wgmma_laid_len`] values) against `w [n, k]`: `[m, n]`.
+pub(crate) struct GemvLaid {
+    pub m: usize,
+}
+
+impl GemvLaid {
+    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        laid: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        sfx: &str,
+    ) -> Result<CudaStorage> {
+        let dev = laid.0.device().clone();
+        let (n, k) = w.1.shape().dims2()?;
+        if laid.1.shape().elem_count() != gemv_wgmma_laid_len(self.m, k) {
+            bail!(
+                "gemv of laid-out rows: {:?} for {} rows of {k}",
+                laid.1.shape(),
+                self.m
+            );
+        }
+        let lv = view::<T>(laid.0, laid.1, "laid-out rows")?;
+        let wv = view::<T>(w.0, w.1, "gemv weight")?;
+        // SAFETY: every (row, column) below m is written by the engine.
+        let out = unsafe { dev.alloc::<T>(self.m * n)? };
+        gemv_wgmma_laid(&dev, &lv, &wv, &out, (self.m, n, k), sfx)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl candle_core::CustomOp2 for GemvLaid {
+    fn name(&self) -> &'static str {
+        "kestrel-gemv-laid"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("kestrel gemv of laid-out rows runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        laid: &CudaStorage,
+        ll: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, _) = wl.shape().dims2()?;
+        let out = match laid.dtype() {
+            DType::F16 => self.run::<half::f16>((laid, ll), (w, wl), "f16")?,
+            DType::BF16 => self.run::<half::bf16>((laid, ll), (w, wl), "bf16")?,
+            other => bail!("gemv of laid-out rows: {other:?} (f16 or bf16 only)"),
+        };
+        Ok((out, Shape::from((self.m, n))))
+    }
 }
 
 /// `kestrel_gemv_tiled_*` over `x [m, k] · wᵀ` into `out [m, n]`, and with its chains split

@@ -70,17 +70,16 @@ __device__ __forceinline__ uint64_t wg_b_desc(const void *smem) {
     return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)(1024 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
 }
 
-// x [M, K] → the warpgroup engine's rows: for 64-row tile z and 64-k block b, 8 KiB at
-// (z · K / 64 + b) · 4096 values, [MMA j][k half c][row n][8 slots], slot e of (j, c) holding
-// x[64z + n][64b + 16(e / 2) + 4j + 2c + e % 2] (GemvMma's k order), zeros past row M. Grid
-// (K / 64, tiles), 512 threads, each one 16-byte piece (a warp reads 4 rows' 128 bytes).
+// x [M, K] → the warpgroup engine's rows (wg_rows_offset in kernels.cu), zeros past row M.
+// Grid (K / 64, tiles), 512 threads, each one 16-byte piece: slots 0-7 of (j, c) for row n
+// (a warp reads 4 rows' 128 bytes).
 template <typename T> __device__ __forceinline__ void gemv_wgmma_rows(const T *__restrict__ x, T *__restrict__ xp, const int M, const int K) {
     const int kb = blockIdx.x, z = blockIdx.y, jc = threadIdx.x % 8, n = threadIdx.x / 8;
     const int j = jc / 2, c = jc % 2, m = 64 * z + n;
     const unsigned *src = reinterpret_cast<const unsigned *>(x + (size_t)min(m, M - 1) * K + kb * MMA_KB + 4 * j + 2 * c);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (m < M) v = make_uint4(src[0], src[8], src[16], src[24]);
-    *reinterpret_cast<uint4 *>(xp + ((size_t)z * (K / MMA_KB) + kb) * WG_X_ELEMS + ((j * 2 + c) * 64 + n) * 8) = v;
+    *reinterpret_cast<uint4 *>(xp + wg_rows_offset(m, kb * MMA_KB + 4 * j + 2 * c, K)) = v;
 }
 
 // Element e (0…31) of a lane's m64n64 accumulator: step row 8(e / 4) + 2t + e % 2 of the tile,

@@ -265,6 +265,20 @@ template <typename T> struct GemvWarp {
 // ---------------------------------------------------------------------------------------
 #define GEMV_MMA 0
 #define MMA_KB 64
+
+// The warpgroup engine's layout of a step's rows (gemv_wgmma.cuh): for 64-row tile z and 64-k
+// block b, 64 · MMA_KB values at (z · K / MMA_KB + b) · 64 · MMA_KB, [MMA j][k half c][row n]
+// [8 slots], slot e of (j, c) holding x[64z + n][64b + 16(e / 2) + 4j + 2c + e % 2] (GemvMma's
+// k order, which moves pairs). The offset of x[m][k] there: kestrel_gemv_wgmma_rows_* lays
+// rows out through it, and the kernels that produce a product's rows (the many-row RMSNorm,
+// SwiGLU) write them there directly when the product takes that engine, which saves the
+// layout's launch. (Index arithmetic only: it compiles for every target.)
+__device__ __forceinline__ size_t wg_rows_offset(const int m, const int k, const int K) {
+    const int r = k % MMA_KB, q = r % 16;
+    const int jc = q / 2; // 2j + c, with j = q / 4 and c = q % 4 / 2
+    const int e = 2 * (r / 16) + q % 2;
+    return ((size_t)(m / 64) * (K / MMA_KB) + k / MMA_KB) * (64 * MMA_KB) + ((size_t)jc * 64 + m % 64) * 8 + e;
+}
 // Tiles of 8 rows a pass of the tensor-core engine takes when the rows come from global
 // memory (the fused variants take one tile: GEMV_MAX_ROWS rows).
 #define MMA_PASS_TILES 4
@@ -890,14 +904,16 @@ __device__ void gemv_add_rmsnorm(const T *__restrict__ x, const T *__restrict__ 
 }
 
 // gemv_add_rmsnorm's sums and normed rows written out, for steps with more rows than its
-// chunk (lib.rs then runs the plain gemv on them): out [2, n_rows, h] = sums, normed rows.
+// chunk (lib.rs then runs the plain gemv on them): out [2, n_rows, h] = sums, normed rows;
+// with `laid`, the normed rows go there instead, in the warpgroup engine's layout
+// (wg_rows_offset; rows past n_rows of the last 64-row tile are not written).
 // One warp per row walks the row's vectors in the order of the fused kernel's staging (lane l:
 // vectors l, l + 32, …, then the warp's tree), so each value has the fused kernel's bits.
 // Needs h a multiple of the vector width and 16-byte aligned rows.
 template <typename T>
 __device__ void add_rmsnorm_rows(const T *__restrict__ x, const T *__restrict__ res,
-                                 const T *__restrict__ w, T *__restrict__ out, const int n_rows,
-                                 const int h, const float eps) {
+                                 const T *__restrict__ w, T *__restrict__ out, T *__restrict__ laid,
+                                 const int n_rows, const int h, const float eps) {
     constexpr int VEC = 16 / sizeof(T);
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
@@ -923,7 +939,12 @@ __device__ void add_rmsnorm_rows(const T *__restrict__ x, const T *__restrict__ 
         vec(v, s); // the same sums again
         load16(w + v * VEC, wn);
         normed_vec<T>(s, wn, scale);
-        store16(norm_out + v * VEC, s);
+        if (laid) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) laid[wg_rows_offset(row, v * VEC + i, h)] = from_f<T>(s[i]);
+        } else {
+            store16(norm_out + v * VEC, s);
+        }
     }
 }
 
@@ -1035,17 +1056,22 @@ __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
 // ---------------------------------------------------------------------------------------
 // SwiGLU on the fused gate_up projection: gu [n_rows, 2·inter] (gate then up) →
 // out [n_rows, inter] = round_T(round_T(silu(gate)) · up), the rounding of candle's
-// `silu(gate) * up` in the tensor's dtype.
+// `silu(gate) * up` in the tensor's dtype; with `laid`, the rows go there instead, in the
+// warpgroup engine's layout (wg_rows_offset), for the down projection.
 // ---------------------------------------------------------------------------------------
 template <typename T>
-__device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, const size_t total,
-                       const int inter) {
+__device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, T *__restrict__ laid,
+                       const size_t total, const int inter) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t row = i / inter, c = i % inter;
         const float g = to_f(gu[row * 2 * inter + c]);
         const float u = to_f(gu[row * 2 * inter + inter + c]);
-        out[i] = from_f<T>(silu_t<T>(g) * u);
+        const T v = from_f<T>(silu_t<T>(g) * u);
+        if (laid)
+            laid[wg_rows_offset((int)row, (int)c, inter)] = v;
+        else
+            out[i] = v;
     }
 }
 
@@ -1117,10 +1143,10 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         add_rmsnorm<T>(x, res, w, out, n_rows, h, eps, vec);                                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_add_rmsnorm_rows_##SUFFIX(                               \
-        const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,              \
+        const T *x, const T *res, const T *w, T *out, T *laid, const int n_rows, const int h,   \
         const float eps) {                                                                      \
         pdl_enter();                                                                \
-        add_rmsnorm_rows<T>(x, res, w, out, n_rows, h, eps);                                    \
+        add_rmsnorm_rows<T>(x, res, w, out, laid, n_rows, h, eps);                              \
     }                                                                                           \
     extern "C" __global__ void kestrel_qkv_rope_##SUFFIX(                                       \
         const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \
@@ -1170,10 +1196,10 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         const int N, const int K, const float eps, const int split) {                           \
         gemv_add_rmsnorm<T>(x, res, nw, w, y, sum_out, M, N, K, eps, split);                    \
     }                                                                                           \
-    extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, const size_t total, \
-                                                       const int inter) {                       \
+    extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, T *laid,             \
+                                                       const size_t total, const int inter) {   \
         pdl_enter();                                                                \
-        swiglu<T>(gu, out, total, inter);                                                       \
+        swiglu<T>(gu, out, laid, total, inter);                                                 \
     }
 
 // The gemv entry points of steps of several rows with the weights read evict-first

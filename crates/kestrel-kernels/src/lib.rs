@@ -653,8 +653,13 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
         "KESTREL_GEMV_SWIGLU_MAX_ROWS",
         GEMV_SWIGLU_MAX_FUSED_ROWS,
     );
-    if gu.dim(0)? > fused_rows {
-        // Apart is cheaper there and gives the same bits.
+    let m = gu.dim(0)?;
+    if m > fused_rows {
+        // Apart is cheaper there and gives the same bits; where the product takes the
+        // warpgroup engine, SwiGLU writes its rows in the engine's layout.
+        if takes_wgmma(gu, m, w)? {
+            return gemv_laid(&swiglu_op(gu, true)?, m, w);
+        }
         return gemv(&swiglu(gu)?, w);
     }
     #[cfg(feature = "cuda")]
@@ -723,9 +728,17 @@ pub fn gemv_add_rms_norm(
                 &zeros
             }
         };
-        let (sum, normed) = add_rms_norm_in(x, r, norm_w, eps, true)?;
+        // Where the product takes the warpgroup engine, the norm writes its rows in the
+        // engine's layout, which spares the layout's own launch; the same values either way.
+        let (sum, y) = if takes_wgmma(x, m, w)? {
+            let (sum, laid) = add_rms_norm_in(x, r, norm_w, eps, true, true)?;
+            (sum, gemv_laid(&laid, m, w)?)
+        } else {
+            let (sum, normed) = add_rms_norm_in(x, r, norm_w, eps, true, false)?;
+            (sum, gemv(&normed, w)?)
+        };
         let sum = if res.is_some() { sum } else { x.clone() };
-        return Ok((sum, gemv(&normed, w)?));
+        return Ok((sum, y));
     }
     #[cfg(feature = "cuda")]
     {
@@ -792,18 +805,20 @@ pub fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
 /// the dtype, then normalised in f32 (like candle's `rms_norm` for f32; normalised, stored in
 /// the dtype, then scaled for f16/bf16, like the model's RMSNorm).
 pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
-    add_rms_norm_in(x, res, w, eps, false)
+    add_rms_norm_in(x, res, w, eps, false, false)
 }
 
 /// [`add_rms_norm`]; with `gemv_order`, in the order of [`gemv_add_rms_norm`]'s staging
 /// (16-byte vectors, lane-strided, one warp per row), which needs what [`gemv_applies`] asks
-/// of rows.
+/// of rows; with `laid` too, the normed rows in the warpgroup engine's layout (for
+/// [`gemv_laid`]), as one flat tensor.
 fn add_rms_norm_in(
     x: &Tensor,
     res: &Tensor,
     w: &Tensor,
     eps: f32,
     gemv_order: bool,
+    laid: bool,
 ) -> Result<(Tensor, Tensor)> {
     let (rows, h) = x.dims2()?;
     if res.dims() != x.dims()
@@ -827,14 +842,22 @@ fn add_rms_norm_in(
         let both = x.contiguous()?.apply_op3_no_bwd(
             &res.contiguous()?,
             &w.contiguous()?,
-            &cuda::AddRmsNorm { eps, gemv_order },
+            &cuda::AddRmsNorm {
+                eps,
+                gemv_order,
+                laid: gemv_order && laid,
+            },
         )?;
-        let _ = rows;
+        if gemv_order && laid {
+            let len = both.dim(0)?;
+            let sum = both.narrow(0, 0, rows * h)?.reshape((rows, h))?;
+            return Ok((sum, both.narrow(0, rows * h, len - rows * h)?));
+        }
         Ok((both.get(0)?, both.get(1)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (rows, eps, gemv_order);
+        let _ = (rows, eps, gemv_order, laid);
         no_cuda("add_rms_norm")
     }
 }
@@ -847,12 +870,46 @@ pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
         candle_core::bail!("swiglu: odd fused width {two_i}");
     }
     dtype_suffix(gu.dtype())?;
+    swiglu_op(gu, false)
+}
+
+/// [`swiglu`]'s launch; `laid`: its rows in the warpgroup engine's layout, for [`gemv_laid`].
+fn swiglu_op(gu: &Tensor, laid: bool) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        gu.contiguous()?.apply_op1_no_bwd(&cuda::SwiGlu)
+        gu.contiguous()?.apply_op1_no_bwd(&cuda::SwiGlu { laid })
     }
     #[cfg(not(feature = "cuda"))]
-    no_cuda("swiglu")
+    {
+        let _ = (gu, laid);
+        no_cuda("swiglu")
+    }
+}
+
+/// Whether the product of `m` rows of `x`'s device and dtype by `w [n, k]` takes the warpgroup
+/// engine (Hopper, f16/bf16, many rows), whose rows the kernel before it can lay out.
+fn takes_wgmma(x: &Tensor, m: usize, w: &Tensor) -> Result<bool> {
+    let (n, k) = w.dims2()?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = x.device() {
+        return cuda::gemv_takes_wgmma(dev, (m, n, k), x.dtype().size_in_bytes());
+    }
+    let _ = (x, m, n, k);
+    Ok(false)
+}
+
+/// The gemv of `m` rows that the kernel before it wrote in the warpgroup engine's layout
+/// (`laid`, from [`add_rms_norm_in`] or [`swiglu_op`]) against `w [n, k]`: `[m, n]`.
+fn gemv_laid(laid: &Tensor, m: usize, w: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        laid.apply_op2_no_bwd(w, &cuda::GemvLaid { m })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (laid, m, w);
+        no_cuda("gemv")
+    }
 }
 
 /// Largest `k` of [`top_k_logp`] (`TOPK_MAX` in kernels.cu).

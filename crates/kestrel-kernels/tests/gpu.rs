@@ -1697,8 +1697,10 @@ fn gemv_swiglu_equals_swiglu_then_gemv_bit_for_bit() {
                 dtype,
                 &dev,
             );
-            // More than a chunk of rows: past one, the op runs swiglu and gemv apart.
-            let max_rows = 2 * GEMV_MAX_ROWS + 3;
+            // More than a chunk of rows: past one, the op runs swiglu and gemv apart; past
+            // GEMV_TILED_MIN_ROWS on a Hopper GPU in f16/bf16, with SwiGLU's rows written in the
+            // warpgroup engine's layout (and past 64, in two tiles of it).
+            let max_rows = 64 + 9;
             let gu = to_dev(
                 &randn(&mut rng, max_rows * 2 * k, 4.0),
                 &[max_rows, 2 * k],
@@ -1746,8 +1748,10 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
                 &dev,
             );
             // Two chunks of rows and more: past one chunk, the op runs add_rms_norm in the
-            // fused kernel's order and then gemv, and every prefix must match those rows.
-            let rows = 2 * GEMV_MAX_ROWS + 3;
+            // fused kernel's order and then gemv (past GEMV_TILED_MIN_ROWS on a Hopper GPU in
+            // f16/bf16, with the normed rows written in the warpgroup engine's layout, two
+            // tiles of it past 64), and every prefix must match those rows.
+            let rows = 64 + 9;
             let shape = [rows, k];
             let x = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);
             let r = to_dev(&randn(&mut rng, rows * k, 2.0), &shape, dtype, &dev);
