@@ -1415,76 +1415,13 @@ fn gemv_wgmma_laid<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>
 
 /// Whether a product of `m` rows over `k` into `n` columns of `elem_bytes` values takes the
 /// warpgroup engine on `dev`, so that the kernel producing its rows may write them in the
-/// engine's layout (then [`GemvLaid`]) and spare the layout's launch.
+/// engine's layout (then [`Gemv`] with `laid_rows`) and spare the layout's launch.
 pub(crate) fn gemv_takes_wgmma(
     dev: &CudaDevice,
     (m, n, k): (usize, usize, usize),
     elem_bytes: usize,
 ) -> Result<bool> {
     Ok(crate::gemv_tiled_applies(m, n, k, elem_bytes) && gemv_wgmma_applies(dev, elem_bytes)?)
-}
-
-/// The gemv of `m` rows already in the warpgroup engine's layout (the first operand,
-/// [`gemv_wgmma_laid_len`] values) against `w [n, k]`: `[m, n]`.
-pub(crate) struct GemvLaid {
-    pub m: usize,
-}
-
-impl GemvLaid {
-    fn run<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
-        &self,
-        laid: (&CudaStorage, &Layout),
-        w: (&CudaStorage, &Layout),
-        sfx: &str,
-    ) -> Result<CudaStorage> {
-        let dev = laid.0.device().clone();
-        let (n, k) = w.1.shape().dims2()?;
-        if laid.1.shape().elem_count() != gemv_wgmma_laid_len(self.m, k) {
-            bail!(
-                "gemv of laid-out rows: {:?} for {} rows of {k}",
-                laid.1.shape(),
-                self.m
-            );
-        }
-        let lv = view::<T>(laid.0, laid.1, "laid-out rows")?;
-        let wv = view::<T>(w.0, w.1, "gemv weight")?;
-        // SAFETY: every (row, column) below m is written by the engine.
-        let out = unsafe { dev.alloc::<T>(self.m * n)? };
-        gemv_wgmma_laid(&dev, &lv, &wv, &out, (self.m, n, k), sfx)?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev))
-    }
-}
-
-impl candle_core::CustomOp2 for GemvLaid {
-    fn name(&self) -> &'static str {
-        "kestrel-gemv-laid"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("kestrel gemv of laid-out rows runs on CUDA only")
-    }
-
-    fn cuda_fwd(
-        &self,
-        laid: &CudaStorage,
-        ll: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let (n, _) = wl.shape().dims2()?;
-        let out = match laid.dtype() {
-            DType::F16 => self.run::<half::f16>((laid, ll), (w, wl), "f16")?,
-            DType::BF16 => self.run::<half::bf16>((laid, ll), (w, wl), "bf16")?,
-            other => bail!("gemv of laid-out rows: {other:?} (f16 or bf16 only)"),
-        };
-        Ok((out, Shape::from((self.m, n))))
-    }
 }
 
 /// `kestrel_gemv_tiled_*` over `x [m, k] · wᵀ` into `out [m, n]`, and with its chains split
@@ -1548,9 +1485,11 @@ fn gemv_tiled<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
 
 /// `kestrel_gemv_*`: `x [M, K] · wᵀ` for the weight `w [N, K]`; with `swiglu`,
 /// `kestrel_gemv_swiglu_*`: `x` is a fused gate_up output `[M, 2K]` and the product takes
-/// `silu(gate) · up` of it.
+/// `silu(gate) · up` of it; with `laid_rows: Some(M)`, `x` is M rows already in the
+/// warpgroup engine's layout ([`gemv_wgmma_laid_len`] values), which that engine takes.
 pub(crate) struct Gemv {
     pub swiglu: bool,
+    pub laid_rows: Option<usize>,
 }
 
 impl Gemv {
@@ -1561,8 +1500,22 @@ impl Gemv {
         sfx: &str,
     ) -> Result<CudaStorage> {
         let dev = x.0.device().clone();
-        let (m, _) = x.1.shape().dims2()?;
         let (n, k) = w.1.shape().dims2()?;
+        if let Some(m) = self.laid_rows {
+            if x.1.shape().elem_count() != gemv_wgmma_laid_len(m, k) {
+                bail!(
+                    "gemv of laid-out rows: {:?} for {m} rows of {k}",
+                    x.1.shape()
+                );
+            }
+            let lv = view::<T>(x.0, x.1, "laid-out rows")?;
+            let wv = view::<T>(w.0, w.1, "gemv weight")?;
+            // SAFETY: every (row, column) below m is written by the engine.
+            let out = unsafe { dev.alloc::<T>(m * n)? };
+            gemv_wgmma_laid(&dev, &lv, &wv, &out, (m, n, k), sfx)?;
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+        }
+        let (m, _) = x.1.shape().dims2()?;
         let xv = view::<T>(x.0, x.1, "gemv input")?;
         let wv = view::<T>(w.0, w.1, "gemv weight")?;
         // SAFETY: every (row, column) is written by its column's warp.
@@ -1750,7 +1703,10 @@ impl candle_core::CustomOp2 for Gemv {
         w: &CudaStorage,
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (m, _) = xl.shape().dims2()?;
+        let m = match self.laid_rows {
+            Some(m) => m,
+            None => xl.shape().dims2()?.0,
+        };
         let (n, _) = wl.shape().dims2()?;
         let out = by_dtype!(x.dtype(), "gemv", |T, sfx| self.run::<T>(
             (x, xl),

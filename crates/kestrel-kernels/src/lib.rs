@@ -607,7 +607,13 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     {
-        x.apply_op2_no_bwd(w, &cuda::Gemv { swiglu: false })
+        x.apply_op2_no_bwd(
+            w,
+            &cuda::Gemv {
+                swiglu: false,
+                laid_rows: None,
+            },
+        )
     }
     #[cfg(not(feature = "cuda"))]
     no_cuda("gemv")
@@ -664,7 +670,13 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     {
-        gu.apply_op2_no_bwd(w, &cuda::Gemv { swiglu: true })
+        gu.apply_op2_no_bwd(
+            w,
+            &cuda::Gemv {
+                swiglu: true,
+                laid_rows: None,
+            },
+        )
     }
     #[cfg(not(feature = "cuda"))]
     no_cuda("gemv_swiglu")
@@ -903,7 +915,13 @@ fn takes_wgmma(x: &Tensor, m: usize, w: &Tensor) -> Result<bool> {
 fn gemv_laid(laid: &Tensor, m: usize, w: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        laid.apply_op2_no_bwd(w, &cuda::GemvLaid { m })
+        laid.apply_op2_no_bwd(
+            w,
+            &cuda::Gemv {
+                swiglu: false,
+                laid_rows: Some(m),
+            },
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
