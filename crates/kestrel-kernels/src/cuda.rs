@@ -202,9 +202,8 @@ impl PagedAttention {
 
     /// The grouped kernel and its launch for head size `d` of `elem_bytes` values, or `None`
     /// (an error when forced) where the head size (64 and 128 only) or the device's shared
-    /// memory rules it out:
-    /// A100s and Hopper hold its ~140 KiB a block for Llama heads in f16/bf16; sm_86 / sm_89
-    /// (99 KiB) do not, and keep the block-per-row kernel.
+    /// memory rules it out: A100s and Hopper hold its ~140 KiB a block for Llama heads in
+    /// f16/bf16; sm_86 / sm_89 (99 KiB) do not, and keep the block-per-row kernel.
     fn groups_launch(
         &self,
         dev: &CudaDevice,
