@@ -30,7 +30,9 @@
 //
 // - paged_attention: a block per (query token, head), for any step. The launcher picks how
 //   many real warps a block has (a divisor of PA_VWARPS); real warp w runs virtual warps w,
-//   w + warps, ... one after the other.
+//   w + warps, ... one after the other. Built twice: for decode steps, whose few blocks each
+//   walk their chunks side by side (loads in flight count most), and for steps of more blocks
+//   than the GPU holds at once (PA_MANY_BATCH: blocks resident count most).
 // - paged_attention_groups: a block per (head, sequence, PA_GROUP_ROWS query rows) of steps
 //   that bring a few new tokens a sequence over a cached context (a verification, a draft
 //   tree). Its 8 warps are the 8 virtual warps; each stages its chunks of cached slots (all
@@ -48,6 +50,15 @@
 // 16-byte loads a lane issues at once: of its slot's K row, and of V rows (one a pass).
 #define PA_K_BATCH 8
 #define PA_V_BATCH 8
+// The block-per-row kernel for steps whose blocks do not all fit the GPU at once
+// (kestrel_paged_attention_many_*, attention_kernel in cuda.rs): half the loads at once,
+// registers for 3 blocks of 8 warps a multiprocessor (80, against 94 unbounded). The
+// batches change which loads are in flight together, not the order of any sum, so a row
+// gets the same bits from either kernel. H100, spec-bench verify:64 at 128-token prompts:
+// SmolLM2 1.70 → 1.58 ms, Llama-2-7B 9.01 → 8.92; as the only kernel, plain decoding at
+// 1,536-token contexts lost 3-6% (docs/gpu-results.md, session 48).
+#define PA_MANY_BATCH 4
+#define PA_MANY_MIN_BLOCKS 3
 // mask_off of a causal sequence.
 #define PA_CAUSAL 0xffffffffu
 // Query rows a block of paged_attention_groups (ATTN_GROUP_ROWS in lib.rs).
@@ -110,20 +121,21 @@ __device__ __forceinline__ unsigned int pa_slot(const unsigned int *slots, const
 }
 
 // q (scaled, in shared memory) · the K row `kr`. 16-byte loads where d is a multiple of the
-// vector width (the row is then 16-byte aligned), PA_K_BATCH issued before any product: a
-// d = 128 row in two rounds of memory latency (one round, 16 at once, took 168 registers and
-// slowed 64-row verifications by 9-15%).
-template <typename T> __device__ __forceinline__ float pa_score(const float *qs, const T *kr, const int d) {
+// vector width (the row is then 16-byte aligned), KB issued before any product: with
+// PA_K_BATCH, a d = 128 row in two rounds of memory latency (one round, 16 at once, took 168
+// registers and slowed 64-row verifications by 9-15%).
+template <typename T, int KB = PA_K_BATCH>
+__device__ __forceinline__ float pa_score(const float *qs, const T *kr, const int d) {
     constexpr int VEC = 16 / sizeof(T);
     float dot = 0.f;
     if (d % VEC == 0) {
-        for (int e0 = 0; e0 < d; e0 += PA_K_BATCH * VEC) {
-            uint4 raw[PA_K_BATCH];
+        for (int e0 = 0; e0 < d; e0 += KB * VEC) {
+            uint4 raw[KB];
 #pragma unroll
-            for (int u = 0; u < PA_K_BATCH; ++u)
+            for (int u = 0; u < KB; ++u)
                 if (e0 + u * VEC < d) raw[u] = *reinterpret_cast<const uint4 *>(kr + e0 + u * VEC);
 #pragma unroll
-            for (int u = 0; u < PA_K_BATCH; ++u) {
+            for (int u = 0; u < KB; ++u) {
                 if (e0 + u * VEC < d) {
                     float kv[VEC];
                     unpack16<T>(raw[u], kv);
@@ -145,7 +157,7 @@ template <typename T> __device__ __forceinline__ float pa_score(const float *qs,
 // row's: V is read after the scores, and its round trip from DRAM was one more link in a
 // chain of dependent latencies (H200 bf16 decode: 0.87 → 0.82 ms a SmolLM2 step, 4.27 → 4.18
 // ms Llama-2-7B). Prefetching touches no value, so no result changes.
-template <typename T, typename SlotOf>
+template <typename T, int KB, typename SlotOf>
 __device__ __forceinline__ float pa_score_pool(const float *qs, const T *k_base, const T *v_base,
                                                const size_t row_stride, const int d, const int i,
                                                const int seen, SlotOf slot_of, unsigned int &slot) {
@@ -154,7 +166,7 @@ __device__ __forceinline__ float pa_score_pool(const float *qs, const T *k_base,
     slot = slot_of(i);
     const char *vr = reinterpret_cast<const char *>(v_base + (size_t)slot * row_stride);
     for (int b = 0; b < d * (int)sizeof(T); b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
-    return pa_score<T>(qs, k_base + (size_t)slot * row_stride, d);
+    return pa_score<T, KB>(qs, k_base + (size_t)slot * row_stride, d);
 }
 
 // A chunk's softmax step: the chunk's largest score joins the running max, the state is
@@ -177,20 +189,20 @@ template <int ACC> __device__ __forceinline__ bool pa_rescale(PaState<ACC> &st, 
 // The chunk's `cnt` V rows, weighted by the lanes' p, into the accumulator, as 16-byte
 // vectors: a V row is lpr (a power of two ≤ 32) vectors, lane = (row of the pass, vector),
 // WARP / lpr rows a pass. v_row(j): chunk position j's V row (every lane calls it, j < 32).
-// PA_V_BATCH passes' loads are issued before any of their products: written as
+// VB passes' loads are issued before any of their products: written as
 // load-then-use per pass, each pass waited out its own round trip (Nsight: 16 stalls in a
 // row on a Llama-2-7B row of d = 128).
-template <typename T, typename VRow>
+template <typename T, int VB = PA_V_BATCH, typename VRow>
 __device__ __forceinline__ void pa_add_v_vec(PaState<16 / sizeof(T)> &st, const float p, const int cnt,
                                              const int lpr, VRow v_row) {
     constexpr int VEC = 16 / sizeof(T);
     const int lane = threadIdx.x % WARP;
     const int rows_per_pass = WARP / lpr, rsub = lane / lpr, vsub = lane % lpr;
-    for (int jb = 0; jb < cnt; jb += PA_V_BATCH * rows_per_pass) {
-        uint4 raw[PA_V_BATCH];
-        float pjs[PA_V_BATCH];
+    for (int jb = 0; jb < cnt; jb += VB * rows_per_pass) {
+        uint4 raw[VB];
+        float pjs[VB];
 #pragma unroll
-        for (int u = 0; u < PA_V_BATCH; ++u) {
+        for (int u = 0; u < VB; ++u) {
             const int j = jb + u * rows_per_pass + rsub;
             // Lanes past the chunk read position j mod 32 and are not used (every position's
             // row is a pool row); a masked slot (pj = 0) adds nothing, whatever it holds.
@@ -199,7 +211,7 @@ __device__ __forceinline__ void pa_add_v_vec(PaState<16 / sizeof(T)> &st, const 
             pjs[u] = j < cnt ? pj : 0.f;
         }
 #pragma unroll
-        for (int u = 0; u < PA_V_BATCH; ++u) {
+        for (int u = 0; u < VB; ++u) {
             float vv[VEC];
             unpack16<T>(raw[u], vv);
             const bool use = pjs[u] != 0.f;
@@ -246,7 +258,8 @@ __device__ __forceinline__ void pa_write_row(T *out, const float *w_m, const flo
     }
 }
 
-template <typename T>
+// KB, VB: the loads a lane issues at once (pa_score, pa_add_v_vec).
+template <typename T, int KB, int VB>
 __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k_pool,
                                 const T *__restrict__ v_pool, T *__restrict__ out,
                                 const unsigned int *__restrict__ meta, const int n_tok,
@@ -298,12 +311,12 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
             st.reset();
             for (int base = vw * WARP; base < seen; base += PA_VWARPS * WARP) {
                 unsigned int slot;
-                const float sc = pa_score_pool<T>(qs, k_base, v_base, row_stride, d, base + lane, seen, slot_of, slot);
+                const float sc = pa_score_pool<T, KB>(qs, k_base, v_base, row_stride, d, base + lane, seen, slot_of, slot);
                 float p;
                 if (!pa_rescale(st, sc, p)) continue;
                 const int cnt = min(WARP, seen - base); // warp-uniform
                 if constexpr (VEC_V) {
-                    pa_add_v_vec<T>(st, p, cnt, lpr, [&](const int j) {
+                    pa_add_v_vec<T, VB>(st, p, cnt, lpr, [&](const int j) {
                         return v_base + (size_t)__shfl_sync(FULL_MASK, slot, j) * row_stride;
                     });
                 } else {
@@ -462,7 +475,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
         auto slot_of = [&](const int i) { return pa_slot(slots, vis[rr], causal, past, i); };
         for (int b = base; b < seen; b += PA_VWARPS * WARP) {
             unsigned int slot;
-            const float sc = pa_score_pool<T>(qs + rr * d, k_base, v_base, row_stride, d, b + lane, seen, slot_of, slot);
+            const float sc = pa_score_pool<T, PA_K_BATCH>(qs + rr * d, k_base, v_base, row_stride, d, b + lane, seen, slot_of, slot);
             float p;
             if (pa_rescale(st[rr], sc, p))
                 pa_add_v_vec<T>(st[rr], p, min(WARP, seen - b), lpr, [&](const int j) {

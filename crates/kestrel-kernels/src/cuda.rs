@@ -121,6 +121,31 @@ fn attention_warps(func: &crate::launch::Kernel, dev: &CudaDevice, blocks: usize
     Ok(1)
 }
 
+/// The block-per-row kernel for a step of `blocks` (query row, head) blocks, and its real
+/// warps a block: `kestrel_paged_attention_*` where every block is resident at once with a
+/// warp per virtual warp (a decode step), else `kestrel_paged_attention_many_*` (fewer loads
+/// in flight a lane, more blocks a multiprocessor: attention.cuh's `PA_MANY_BATCH`). Both give
+/// a row the same bits. `KESTREL_PA_MANY=0` keeps the first for every step, to measure the
+/// choice; `many` forces one (`Some(true)`: the second).
+fn attention_rows_kernel(
+    dev: &CudaDevice,
+    sfx: &str,
+    blocks: usize,
+    many: Option<bool>,
+) -> Result<(crate::launch::Kernel, u32)> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("KESTREL_PA_MANY").as_deref() == Ok("0"));
+    let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
+    let warps = attention_warps(&func, dev, blocks)?;
+    let many = many.unwrap_or(!off && warps < PA_VIRTUAL_WARPS);
+    if !many {
+        return Ok((func, warps));
+    }
+    let func = load_kernel(dev, &format!("kestrel_paged_attention_many_{sfx}"))?;
+    let warps = attention_warps(&func, dev, blocks)?;
+    Ok((func, warps))
+}
+
 pub(crate) struct PagedAttention {
     pub table: Tensor,
     pub n_seq: usize,
@@ -159,7 +184,7 @@ impl PagedAttention {
         let scale = 1.0f32 / (d as f32).sqrt();
         let groups = match self.launch {
             crate::AttnLaunch::Auto => crate::attention_groups_step(self.max_new, self.lmax),
-            crate::AttnLaunch::Rows(_) => false,
+            crate::AttnLaunch::Rows { .. } => false,
             crate::AttnLaunch::Groups => true,
         };
         let grouped = if groups {
@@ -170,10 +195,12 @@ impl PagedAttention {
         let (func, cfg) = match grouped {
             Some(launch) => launch,
             None => {
-                let func = load_kernel(dev, &format!("kestrel_paged_attention_{sfx}"))?;
-                let warps = match self.launch {
-                    crate::AttnLaunch::Rows(w) => w,
-                    _ => attention_warps(&func, dev, n_tok * nh)?,
+                let (func, warps) = match self.launch {
+                    crate::AttnLaunch::Rows { warps, many } => (
+                        attention_rows_kernel(dev, sfx, n_tok * nh, Some(many))?.0,
+                        warps,
+                    ),
+                    _ => attention_rows_kernel(dev, sfx, n_tok * nh, None)?,
                 };
                 // grid.y = heads ≤ 65535; static shared memory (~11 KiB) only.
                 let cfg = launch_cfg((n_tok as u32, nh as u32), warps * 32);
@@ -193,8 +220,8 @@ impl PagedAttention {
         b.arg(&nkv_a);
         b.arg(&d_a);
         b.arg(&scale);
-        // SAFETY: argument types and order match kestrel_paged_attention_* and
-        // kestrel_paged_attention_groups_* in kernels.cu; the metadata was built by
+        // SAFETY: argument types and order match kestrel_paged_attention_*,
+        // kestrel_paged_attention_many_* and kestrel_paged_attention_groups_* in kernels.cu; the metadata was built by
         // PagedAttnMeta for these n_tok / n_seq / lmax / max_new.
         unsafe { b.launch(cfg) }?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

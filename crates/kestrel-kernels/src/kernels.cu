@@ -1118,8 +1118,18 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,         \
         const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,          \
         const int d, const float scale) {                                                       \
-        pdl_enter();                                                                \
-        paged_attention<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale); \
+        pdl_enter();                                                                            \
+        paged_attention<T, PA_K_BATCH, PA_V_BATCH>(q, k_pool, v_pool, out, meta, n_tok, n_seq,  \
+                                                   lmax, nh, nkv, d, scale);                    \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP, PA_MANY_MIN_BLOCKS)          \
+        kestrel_paged_attention_many_##SUFFIX(                                                  \
+            const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,     \
+            const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,      \
+            const int d, const float scale) {                                                   \
+        pdl_enter();                                                                            \
+        paged_attention<T, PA_MANY_BATCH, PA_MANY_BATCH>(q, k_pool, v_pool, out, meta, n_tok,   \
+                                                         n_seq, lmax, nh, nkv, d, scale);       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP)                              \
         kestrel_paged_attention_groups_##SUFFIX(                                                \

@@ -348,16 +348,18 @@ pub(crate) enum AttnLaunch {
     /// The grouped kernel where [`attention_groups_step`] and the head size allow, else the
     /// block-per-row kernel with the warp count the step's size suggests.
     Auto,
-    /// The block-per-row kernel with this many real warps a block.
-    Rows(u32),
+    /// The block-per-row kernel with this many real warps a block: the one for steps of many
+    /// blocks (`kestrel_paged_attention_many_*`) when `many`, else the decode step's.
+    Rows { warps: u32, many: bool },
     /// The grouped kernel, or an error where the head size or the device's shared memory
     /// does not allow it.
     Groups,
 }
 
 /// [`paged_attention`] on the block-per-row kernel with its blocks' real warp count forced
-/// (1, 2, 4 or 8) instead of chosen from the step's size: for tests that every count, and
-/// either kernel, gives a row the same bits.
+/// (1, 2, 4 or 8) instead of chosen from the step's size, on the decode step's build of it or
+/// (`many`) the one for steps of many blocks: for tests that every count, and every kernel,
+/// gives a row the same bits.
 #[doc(hidden)]
 pub fn paged_attention_with_warps(
     q: &Tensor,
@@ -365,11 +367,12 @@ pub fn paged_attention_with_warps(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
     warps: u32,
+    many: bool,
 ) -> Result<Tensor> {
     if ![1, 2, 4, 8].contains(&warps) {
         candle_core::bail!("paged attention: {warps} warps a block (1, 2, 4 or 8)");
     }
-    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Rows(warps))
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Rows { warps, many })
 }
 
 /// [`paged_attention`] on the grouped kernel whatever the step's size (an error where the

@@ -1868,13 +1868,18 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
             let q = to_dev(&q_h, &[n_all, nh, d], dtype, &dev);
             let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
             let all = host(&paged_attention(&q, &kp, &vp, &meta).unwrap());
-            // However many real warps share a block's virtual ones, the bits stay.
-            for warps in [1, 2, 4, 8] {
-                let forced = host(&paged_attention_with_warps(&q, &kp, &vp, &meta, warps).unwrap());
+            // However many real warps share a block's virtual ones, and on either build of
+            // the block-per-row kernel (a decode step's, many blocks'), the bits stay.
+            for (warps, many) in [1, 2, 4, 8]
+                .into_iter()
+                .flat_map(|w| [(w, false), (w, true)])
+            {
+                let forced =
+                    host(&paged_attention_with_warps(&q, &kp, &vp, &meta, warps, many).unwrap());
                 assert!(
                     forced == all,
                     "{dtype:?}, {l} slots, d {d}, masked {masked}: {warps} warps a block \
-                     change the step's output"
+                     (many-block kernel: {many}) change the step's output"
                 );
             }
             // And so do they on the grouped kernel, which refuses the heads it cannot take.
