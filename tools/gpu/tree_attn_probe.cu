@@ -5,8 +5,9 @@
 // itself), both from kernels.cu: every output's bits compared, at several context lengths and
 // two head shapes, then both timed, each launch after the last (K/V hot in L2).
 // Session 47 (H100): grouped 1.15x faster at 128 cached slots, 1.4x at 2,048, same bits; but
-// in the step, where K/V come from DRAM, slower below ~1,000 slots (ATTN_GROUPS_MIN_SLOTS in
-// lib.rs). Its first form, written here for d = 128 with R rows a block: 8 slower than 4.
+// in the step, where K/V come from DRAM, slower below ~1,000 slots. Session 48: K then V
+// through one stage, two blocks a multiprocessor: 1.7x at 128, 2.1x at 2,048, and faster in
+// the step where its blocks fill the GPU (attention_groups_step in lib.rs). Its first form, written here for d = 128 with R rows a block: 8 slower than 4.
 // Reading K/V through L1 instead of staging them (session 47, for the record): 1.35x slower at
 // 2,048 slots, and slower in the step too.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o tree_attn_probe tools/gpu/tree_attn_probe.cu
@@ -20,7 +21,7 @@ using T = __nv_bfloat16;
 
 // attention_groups_shared_bytes in cuda.rs.
 size_t groups_smem(const int d) {
-    return (size_t)PA_VWARPS * 2 * WARP * (d + 8) * sizeof(T) + PA_GROUP_ROWS * d * sizeof(float);
+    return (size_t)PA_VWARPS * WARP * (d + 8) * sizeof(T) + PA_GROUP_ROWS * d * sizeof(float);
 }
 
 int main() {

@@ -36,8 +36,9 @@
 // - paged_attention_groups: a block per (head, sequence, PA_GROUP_ROWS query rows) of steps
 //   that bring a few new tokens a sequence over a cached context (a verification, a draft
 //   tree). Its 8 warps are the 8 virtual warps; each stages its chunks of cached slots (all
-//   of whose slots every row sees) in shared memory once and runs every row of the group over
-//   them, then each row's remaining chunks (its ancestors among the new tokens) from the pool.
+//   of whose slots every row sees) in shared memory once, K rows then V rows through one
+//   stage, and runs every row of the group over them, then each row's remaining chunks (its
+//   ancestors among the new tokens) from the pool.
 //   The block-per-row kernel read those cached K/V rows once per query row: 64 rows of a
 //   Llama-2-7B verification read ~200 MB of L2 a layer, and attention took 1.9 ms of 9.0 on
 //   an H100 (5× a decode step's; docs/gpu-results.md, sessions 46-47).
@@ -63,6 +64,14 @@
 #define PA_CAUSAL 0xffffffffu
 // Query rows a block of paged_attention_groups (ATTN_GROUP_ROWS in lib.rs).
 #define PA_GROUP_ROWS 4
+// Most new tokens a sequence of a step the grouped kernel takes (ATTN_GROUPS_MAX_NEW).
+#define PA_GROUPS_MAX_NEW 128
+// Blocks of paged_attention_groups a multiprocessor holds (ATTN_GROUPS_BLOCKS_PER_SM in
+// lib.rs): 128 registers a thread. At 3 (80) each thread spilled ~0.9 KB. A probe build may
+// set it (-DPA_GROUPS_MIN_BLOCKS=3).
+#ifndef PA_GROUPS_MIN_BLOCKS
+#define PA_GROUPS_MIN_BLOCKS 2
+#endif
 
 template <bool B> struct BoolConst {
     static constexpr bool value = B;
@@ -359,15 +368,15 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
 }
 
 // Dynamic shared memory of paged_attention_groups (attention_groups_shared_bytes in
-// cuda.rs): each warp's stage, 32 K then 32 V rows of d + VEC values (16 bytes past the row,
-// so that lanes reading their own rows at one offset spread over the banks), then the
-// group's scaled query rows, [PA_GROUP_ROWS][d] f32.
+// lib.rs): each warp's stage, 32 rows of d + VEC values (16 bytes past the row, so that lanes
+// reading their own rows at one offset spread over the banks) that take a chunk's K rows and
+// then its V rows, then the group's scaled query rows, [PA_GROUP_ROWS][d] f32.
 extern __shared__ __align__(16) unsigned char attn_stage[];
 
 // A group's static shared memory: its rows' visible new slots and the virtual warps' softmax
 // states (declared once, by the dispatcher, for both head sizes' code).
 struct PaGroupShared {
-    unsigned short vis[PA_GROUP_ROWS][PA_MAX_MASKED_NEW];
+    unsigned short vis[PA_GROUP_ROWS][PA_GROUPS_MAX_NEW];
     int n_vis[PA_GROUP_ROWS];
     int shared_new; // visible new slots at the head of every row's list, the same in all
     float w_m[PA_GROUP_ROWS][PA_VWARPS], w_l[PA_GROUP_ROWS][PA_VWARPS];
@@ -404,7 +413,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
     const T *v_base = v_pool + (size_t)kvh * d;
     constexpr int ld = d + VEC, lpr = d / VEC;
 
-    constexpr size_t region = 2 * WARP * ld * sizeof(T); // a warp's stage
+    constexpr size_t region = WARP * ld * sizeof(T); // a warp's stage
     unsigned char *mine = attn_stage + warp * region;
     T *stage = reinterpret_cast<T *>(mine);
     float *qs = reinterpret_cast<float *>(attn_stage + PA_VWARPS * region);
@@ -446,24 +455,35 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
 #pragma unroll
     for (int rr = 0; rr < R; ++rr) st[rr].reset();
     // The chunks wholly within the common prefix, which every row sees at the same positions:
-    // staged once, run for every row.
-    const T *ks = stage, *vs = stage + WARP * ld;
+    // staged once, run for every row. The stage takes the chunk's K rows, every row's scores
+    // and softmax step, then its V rows (asked of L2 with the K rows'), every row's sum: half
+    // the shared memory of staging both at once, so that three blocks share a multiprocessor.
     int base = warp * WARP;
     for (; base + WARP <= common; base += PA_VWARPS * WARP) {
-        for (int piece = lane; piece < 2 * WARP * lpr; piece += WARP) {
-            const int kv = piece / (WARP * lpr), j = piece / lpr % WARP, c = piece % lpr;
-            const unsigned int slot = pa_slot(slots, vis[0], causal, past, base + j);
-            const T *src = (kv ? v_base : k_base) + (size_t)slot * row_stride + c * VEC;
-            cp_async16(stage + (kv * WARP + j) * ld + c * VEC, src);
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        __syncwarp();
+        const unsigned int slot = pa_slot(slots, vis[0], causal, past, base + lane);
+        const char *vr = reinterpret_cast<const char *>(v_base + (size_t)slot * row_stride);
 #pragma unroll
-        for (int rr = 0; rr < R; ++rr) {
-            float p;
-            if (rr < rows && pa_rescale(st[rr], pa_score<T>(qs + rr * d, ks + lane * ld, d), p))
-                pa_add_v_vec<T>(st[rr], p, WARP, lpr, [&](const int j) { return vs + j * ld; });
-        }
+        for (int b = 0; b < d * (int)sizeof(T); b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
+        auto stage_rows = [&](const T *pool_base) {
+            for (int piece = lane; piece < WARP * lpr; piece += WARP) {
+                const int j = piece / lpr, c = piece % lpr;
+                const unsigned int sj = __shfl_sync(FULL_MASK, slot, j);
+                cp_async16(stage + j * ld + c * VEC, pool_base + (size_t)sj * row_stride + c * VEC);
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            __syncwarp();
+        };
+        stage_rows(k_base);
+        float p[R];
+        bool live[R];
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)
+            live[rr] = rr < rows && pa_rescale(st[rr], pa_score<T>(qs + rr * d, stage + lane * ld, d), p[rr]);
+        __syncwarp(); // every lane is done with the K rows
+        stage_rows(v_base);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)
+            if (live[rr]) pa_add_v_vec<T>(st[rr], p[rr], WARP, lpr, [&](const int j) { return stage + j * ld; });
         __syncwarp(); // the stage is free for the next chunk
     }
     // Each row's remaining chunks (the rest of its ancestors among the new tokens), from the
@@ -483,7 +503,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
                 });
         }
     }
-    // The states, the accumulators in the warp's stage ([R][d] f32, which fits: 2 · 32 rows of
+    // The states, the accumulators in the warp's stage ([R][d] f32, which fits: 32 rows of
     // d + VEC values ≥ 4 · d floats).
     __syncwarp();
     float *w_acc = reinterpret_cast<float *>(mine);

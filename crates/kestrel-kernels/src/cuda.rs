@@ -183,7 +183,11 @@ impl PagedAttention {
         );
         let scale = 1.0f32 / (d as f32).sqrt();
         let groups = match self.launch {
-            crate::AttnLaunch::Auto => crate::attention_groups_step(self.max_new, self.lmax),
+            crate::AttnLaunch::Auto => {
+                let blocks = nh * self.n_seq * self.max_new.div_ceil(crate::ATTN_GROUP_ROWS);
+                let sms = crate::launch::multiprocessors(dev)?;
+                crate::attention_groups_step(self.max_new, self.lmax, blocks, sms)
+            }
             crate::AttnLaunch::Rows { .. } => false,
             crate::AttnLaunch::Groups => true,
         };
@@ -228,9 +232,10 @@ impl PagedAttention {
     }
 
     /// The grouped kernel and its launch for head size `d` of `elem_bytes` values, or `None`
-    /// (an error when forced) where the head size (64 and 128 only) or the device's shared
-    /// memory rules it out: A100s and Hopper hold its ~140 KiB a block for Llama heads in
-    /// f16/bf16; sm_86 / sm_89 (99 KiB) do not, and keep the block-per-row kernel.
+    /// (an error when forced) where the step's new tokens (at most
+    /// [`crate::ATTN_GROUPS_MAX_NEW`] a sequence), the head size (64 and 128 only) or the
+    /// device's shared memory rules it out (~71 KiB a block for Llama heads in f16/bf16, ~134
+    /// KiB for d = 128 in f32).
     fn groups_launch(
         &self,
         dev: &CudaDevice,
@@ -240,6 +245,17 @@ impl PagedAttention {
         sfx: &str,
     ) -> Result<Option<(crate::launch::Kernel, LaunchConfig)>> {
         let forced = self.launch == crate::AttnLaunch::Groups;
+        if self.max_new > crate::ATTN_GROUPS_MAX_NEW {
+            if forced {
+                bail!(
+                    "grouped paged attention: {} new tokens a sequence; the kernel takes at \
+                     most {}",
+                    self.max_new,
+                    crate::ATTN_GROUPS_MAX_NEW
+                );
+            }
+            return Ok(None);
+        }
         let Some(bytes) = crate::attention_groups_shared_bytes(d, elem_bytes) else {
             if forced {
                 bail!(

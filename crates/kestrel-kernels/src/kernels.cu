@@ -1131,7 +1131,7 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         paged_attention<T, PA_MANY_BATCH, PA_MANY_BATCH>(q, k_pool, v_pool, out, meta, n_tok,   \
                                                          n_seq, lmax, nh, nkv, d, scale);       \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP)                              \
+    extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP, PA_GROUPS_MIN_BLOCKS)        \
         kestrel_paged_attention_groups_##SUFFIX(                                                \
             const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,     \
             const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,      \

@@ -140,39 +140,53 @@ pub const ATTN_GROUP_ROWS: usize = 4;
 pub const ATTN_GROUPS_MAX_NEW: usize = 128;
 
 /// Fewest slots in the step's longest sequence (its slot-table row, `PagedAttnMeta::lmax`,
-/// which a graphed step pads to a multiple of 256) for the grouped kernel. Its blocks hold
-/// ~140 KiB of shared memory, one a multiprocessor, and wait out a DRAM round trip per staged
-/// chunk with 8 warps; the block-per-row kernel keeps many more loads in flight and, at short
-/// contexts, its repeated reads of the same rows still hit L2. H100, spec-bench verify:64
-/// (64-token chains), in the step: Llama-2-7B 8.98 → 9.13 ms at 128-token prompts, 11.61 →
-/// 11.39 at 512, 18.72 → 15.75 at 1,536; SmolLM2 1.66 → 1.69, 2.01 → 2.09, 3.00 → 2.88
-/// (docs/gpu-results.md, session 47).
+/// which a graphed step pads to a multiple of 256) from which the grouped kernel takes a step
+/// whatever its size: over long contexts it wins for every head shape measured.
 pub const ATTN_GROUPS_MIN_SLOTS: usize = 1024;
 
+/// Blocks of the grouped attention kernel a multiprocessor holds (`PA_GROUPS_MIN_BLOCKS` in
+/// attention.cuh: 128 registers a thread, ~71 KiB of shared memory for d = 128 in bf16).
+pub const ATTN_GROUPS_BLOCKS_PER_SM: usize = 2;
+
 /// Whether a step whose longest sequence brings `max_new` new tokens over `lmax` slots takes
-/// the grouped attention kernel (where the head size allows, [`attention_groups_shared_bytes`]).
-/// `KESTREL_PA_GROUPS=0` keeps every step on the block-per-row kernel, `1` sends every step
-/// of 2 to [`ATTN_GROUPS_MAX_NEW`] new tokens to the grouped one, to measure the choice.
+/// the grouped attention kernel (where the head size allows, [`attention_groups_shared_bytes`]):
+/// over [`ATTN_GROUPS_MIN_SLOTS`] slots, or at any context when its `group_blocks` (heads ×
+/// sequences × row groups) fill the `multiprocessors` [`ATTN_GROUPS_BLOCKS_PER_SM`] deep. A
+/// grid that leaves multiprocessors idle loses to the block-per-row kernel at short contexts,
+/// where that kernel's repeated reads of the same rows still hit L2. H100, spec-bench
+/// verify:64 (64-token chains), grouped against block-per-row in the step: Llama-2-7B (512
+/// blocks) 8.53 / 8.97 ms at 128-token prompts, 10.30 / 11.64 at 512, 13.12 / 15.45 at 1,536;
+/// SmolLM2 (144 blocks) 1.71 / 1.57 at 128, 2.68 / 2.79 at 1,536 (docs/gpu-results.md,
+/// session 48). Both give every row the same bits. `KESTREL_PA_GROUPS=0` keeps every step on
+/// the block-per-row kernel, `1` sends every step of 2 to [`ATTN_GROUPS_MAX_NEW`] new tokens to
+/// the grouped one, to measure the choice.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn attention_groups_step(max_new: usize, lmax: usize) -> bool {
+pub(crate) fn attention_groups_step(
+    max_new: usize,
+    lmax: usize,
+    group_blocks: usize,
+    multiprocessors: usize,
+) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var("KESTREL_PA_GROUPS").as_deref() {
         Ok("0") => Some(false),
         Ok("1") => Some(true),
         _ => None,
     });
-    (2..=ATTN_GROUPS_MAX_NEW).contains(&max_new) && forced.unwrap_or(lmax >= ATTN_GROUPS_MIN_SLOTS)
+    let fills = group_blocks >= ATTN_GROUPS_BLOCKS_PER_SM * multiprocessors;
+    (2..=ATTN_GROUPS_MAX_NEW).contains(&max_new)
+        && forced.unwrap_or(lmax >= ATTN_GROUPS_MIN_SLOTS || fills)
 }
 
 /// Dynamic shared memory of the grouped attention kernel for head size `d` of `elem_bytes`
 /// values, or `None` for a head size it is not compiled for (64 and 128, Llama-family heads:
-/// attention.cuh says why). 8 warps' stages of 32 K and 32 V rows padded by 16 bytes, then
-/// the group's query rows in f32.
+/// attention.cuh says why). 8 warps' stages of 32 rows (a chunk's K, then its V) padded by 16
+/// bytes, then the group's query rows in f32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn attention_groups_shared_bytes(d: usize, elem_bytes: usize) -> Option<usize> {
     [64, 128]
         .contains(&d)
-        .then(|| 8 * 2 * 32 * (d * elem_bytes + 16) + ATTN_GROUP_ROWS * d * 4)
+        .then(|| 8 * 32 * (d * elem_bytes + 16) + ATTN_GROUP_ROWS * d * 4)
 }
 
 /// `mask_off` of a sequence without an explicit mask: causal over its new tokens.
@@ -1633,22 +1647,31 @@ mod tests {
         );
     }
 
-    /// Verifications and draft trees over long contexts take the grouped kernel; decode
-    /// steps, prefills and short contexts keep the block-per-row one; heads of other sizes than 64 and 128 are refused, and a taken
-    /// head's shared memory is 8 stages of 64 padded rows plus 4 query rows in f32.
+    /// Verifications and draft trees over long contexts, or with enough row groups to fill the
+    /// GPU, take the grouped kernel; decode steps, prefills and small short steps keep the
+    /// block-per-row one; heads of other sizes than 64 and 128 are refused, and a taken head's
+    /// shared memory is 8 stages of 32 padded rows plus 4 query rows in f32.
     #[test]
-    fn grouped_attention_takes_long_trees_of_llama_heads() {
+    fn grouped_attention_takes_long_or_large_trees_of_llama_heads() {
+        // 132 multiprocessors (an H100 or H200); 100 blocks leave most of them idle.
         let steps: Vec<bool> = [1, 2, 64, 128, 129, 2048]
             .into_iter()
-            .map(|new| attention_groups_step(new, 1024))
+            .map(|new| attention_groups_step(new, 1024, 100, 132))
             .collect();
         assert_eq!(steps, [false, true, true, true, false, false]);
-        // Short contexts keep the block-per-row kernel.
-        assert!(!attention_groups_step(64, 1023));
-        assert!(attention_groups_step(64, 4096));
+        // Short contexts keep the block-per-row kernel unless the groups fill the GPU:
+        // Llama-2-7B's 64-row verification (32 heads × 16 groups) does, SmolLM2's (9 × 16)
+        // does not.
+        assert!(!attention_groups_step(64, 1023, 100, 132));
+        assert!(attention_groups_step(64, 4096, 100, 132));
+        assert!(attention_groups_step(64, 256, 32 * 16, 132));
+        assert!(!attention_groups_step(64, 256, 9 * 16, 132));
+        assert!(attention_groups_step(64, 256, 264, 132));
+        assert!(!attention_groups_step(64, 256, 263, 132));
+        assert!(!attention_groups_step(129, 256, 32 * 33, 132));
         // (head size, value bytes, padded row bytes)
         for (d, elem, row) in [(128, 2, 272), (64, 2, 144), (64, 4, 272), (128, 4, 528)] {
-            let want = 8 * 64 * row + 4 * d * 4;
+            let want = 8 * 32 * row + 4 * d * 4;
             assert_eq!(attention_groups_shared_bytes(d, elem), Some(want), "d {d}");
         }
         for d in [40, 80, 96, 256] {
