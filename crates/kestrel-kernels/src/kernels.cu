@@ -1113,32 +1113,27 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
 #include "gemv_quant.cuh"
 #include "gemv_wgmma.cuh"
 
-#define KESTREL_OPS(T, SUFFIX)                                                                  \
-    extern "C" __global__ void kestrel_paged_attention_##SUFFIX(                                \
-        const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,         \
+// The attention kernels' parameters (cuda.rs passes them in this order to all three).
+#define PA_PARAMS(T)                                                                            \
+    const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,             \
         const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,          \
-        const int d, const float scale) {                                                       \
+        const int d, const float scale
+#define PA_ARGS q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale
+
+#define KESTREL_OPS(T, SUFFIX)                                                                  \
+    extern "C" __global__ void kestrel_paged_attention_##SUFFIX(PA_PARAMS(T)) {                 \
         pdl_enter();                                                                            \
-        paged_attention<T, PA_K_BATCH, PA_V_BATCH>(q, k_pool, v_pool, out, meta, n_tok, n_seq,  \
-                                                   lmax, nh, nkv, d, scale);                    \
+        paged_attention<T, PA_K_BATCH, PA_V_BATCH>(PA_ARGS);                                    \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP, PA_MANY_MIN_BLOCKS)          \
-        kestrel_paged_attention_many_##SUFFIX(                                                  \
-            const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,     \
-            const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,      \
-            const int d, const float scale) {                                                   \
+        kestrel_paged_attention_many_##SUFFIX(PA_PARAMS(T)) {                                   \
         pdl_enter();                                                                            \
-        paged_attention<T, PA_MANY_BATCH, PA_MANY_BATCH>(q, k_pool, v_pool, out, meta, n_tok,   \
-                                                         n_seq, lmax, nh, nkv, d, scale);       \
+        paged_attention<T, PA_MANY_BATCH, PA_MANY_BATCH>(PA_ARGS);                              \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(PA_VWARPS * WARP, PA_GROUPS_MIN_BLOCKS)        \
-        kestrel_paged_attention_groups_##SUFFIX(                                                \
-            const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,     \
-            const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,      \
-            const int d, const float scale) {                                                   \
+        kestrel_paged_attention_groups_##SUFFIX(PA_PARAMS(T)) {                                 \
         pdl_enter();                                                                            \
-        paged_attention_groups<T>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, \
-                                  scale);                                                       \
+        paged_attention_groups<T>(PA_ARGS);                                                     \
     }                                                                                           \
     extern "C" __global__ void kestrel_kv_append_##SUFFIX(T *pool, const T *rows,               \
                                                           const unsigned int *slots,            \
