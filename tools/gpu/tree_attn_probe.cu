@@ -11,6 +11,8 @@
 // Reading K/V through L1 instead of staging them (session 47, for the record): 1.35x slower at
 // 2,048 slots, and slower in the step too.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o tree_attn_probe tools/gpu/tree_attn_probe.cu
+// (-DPA_GROUP_ROWS=2: groups of 2 rows, twice the blocks, for grids too small to fill the GPU
+// with 4, such as SmolLM2's 9 heads × 16 groups of a 64-row step; not yet run.)
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
 #include <algorithm>

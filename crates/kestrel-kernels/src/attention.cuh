@@ -62,8 +62,11 @@
 #define PA_MANY_MIN_BLOCKS 3
 // mask_off of a causal sequence.
 #define PA_CAUSAL 0xffffffffu
-// Query rows a block of paged_attention_groups (ATTN_GROUP_ROWS in lib.rs).
+// Query rows a block of paged_attention_groups (ATTN_GROUP_ROWS in lib.rs; a probe build may
+// set another, e.g. tools/gpu/tree_attn_probe.cu with -DPA_GROUP_ROWS=2).
+#ifndef PA_GROUP_ROWS
 #define PA_GROUP_ROWS 4
+#endif
 // Most new tokens a sequence of a step the grouped kernel takes (ATTN_GROUPS_MAX_NEW).
 #define PA_GROUPS_MAX_NEW 128
 // Blocks of paged_attention_groups a multiprocessor holds (ATTN_GROUPS_BLOCKS_PER_SM in
