@@ -52,12 +52,12 @@
 #define PA_K_BATCH 8
 #define PA_V_BATCH 8
 // The block-per-row kernel for steps whose blocks do not all fit the GPU at once
-// (kestrel_paged_attention_many_*, attention_kernel in cuda.rs): half the loads at once,
+// (kestrel_paged_attention_many_*, attention_rows_kernel in cuda.rs): half the loads at once,
 // registers for 3 blocks of 8 warps a multiprocessor (80, against 94 unbounded). The
 // batches change which loads are in flight together, not the order of any sum, so a row
-// gets the same bits from either kernel. H100, spec-bench verify:64 at 128-token prompts:
-// SmolLM2 1.70 → 1.58 ms, Llama-2-7B 9.01 → 8.92; as the only kernel, plain decoding at
-// 1,536-token contexts lost 3-6% (docs/gpu-results.md, session 48).
+// gets the same bits from either kernel. H100, spec-bench verify:64 at 128-token prompts, one
+// binary: SmolLM2 1.61 → 1.55 ms, Llama-2-7B unchanged; as the only kernel, plain decoding
+// at 1,536-token contexts lost 3-6% (docs/gpu-results.md, session 48).
 #define PA_MANY_BATCH 4
 #define PA_MANY_MIN_BLOCKS 3
 // mask_off of a causal sequence.
@@ -460,7 +460,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
     // The chunks wholly within the common prefix, which every row sees at the same positions:
     // staged once, run for every row. The stage takes the chunk's K rows, every row's scores
     // and softmax step, then its V rows (asked of L2 with the K rows'), every row's sum: half
-    // the shared memory of staging both at once, so that three blocks share a multiprocessor.
+    // the shared memory of staging both at once, so that two blocks share a multiprocessor.
     int base = warp * WARP;
     for (; base + WARP <= common; base += PA_VWARPS * WARP) {
         const unsigned int slot = pa_slot(slots, vis[0], causal, past, base + lane);
