@@ -408,6 +408,23 @@ impl InplaceOp3 for KvAppend {
 /// Vectors a thread of `kestrel_add_rmsnorm_*`'s one-pass path holds (`ADD_RMS_VECS`).
 const ADD_RMS_VECS: usize = 4;
 
+/// Threads of `kestrel_add_rmsnorm_cols_*` (`NORM_COL_THREADS` in kernels.cu), and the
+/// 16-column blocks each takes at most (`NORM_COL_BLOCKS`).
+const NORM_COL_THREADS: usize = 256;
+const NORM_COL_BLOCKS: usize = 2;
+
+/// Whether rows of `h` elements of `elem_bytes`, 16-byte aligned (`aligned`), are normed in
+/// column blocks (`kestrel_add_rmsnorm_cols_*`): 16-bit values, whole blocks of 16, at most
+/// `NORM_COL_BLOCKS` a thread. A rule on h, the dtype and alignment, never on the rows, so a
+/// decode row and a verification's rows are normed in the same order.
+fn column_blocks(h: usize, elem_bytes: usize, aligned: bool) -> bool {
+    elem_bytes == 2
+        && aligned
+        && h > 0
+        && h.is_multiple_of(16)
+        && h <= 16 * NORM_COL_THREADS * NORM_COL_BLOCKS
+}
+
 pub(crate) struct AddRmsNorm {
     pub eps: f32,
     /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
@@ -439,7 +456,26 @@ impl AddRmsNorm {
         // SAFETY: the kernel writes both halves of every row (laid: the sums and every row
         // below `rows` of the layout, whose other rows no product reads into a stored output).
         let out = unsafe { dev.alloc::<T>(len)? };
-        if rows > 0 {
+        let elem_bytes = std::mem::size_of::<T>();
+        let aligned = [x.1, r.1, w.1]
+            .iter()
+            .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16));
+        let cols = !self.gemv_order && column_blocks(h, elem_bytes, aligned);
+        if rows > 0 && cols {
+            let func = load_kernel(&dev, &format!("kestrel_add_rmsnorm_cols_{sfx}"))?;
+            let (rows_a, h_a) = (i32_arg(rows, "rows")?, i32_arg(h, "hidden size")?);
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&rv);
+            b.arg(&wv);
+            b.arg(&out);
+            b.arg(&rows_a);
+            b.arg(&h_a);
+            b.arg(&self.eps);
+            // SAFETY: argument types match kestrel_add_rmsnorm_cols_*; column_blocks checked
+            // its conditions on h, the dtype and alignment.
+            unsafe { b.launch(launch_cfg((rows as u32, 1), NORM_COL_THREADS as u32)) }?;
+        } else if rows > 0 {
             let kernel = if self.gemv_order {
                 "kestrel_add_rmsnorm_rows"
             } else {
@@ -465,10 +501,7 @@ impl AddRmsNorm {
             b.arg(&self.eps);
             // The one-pass path of kestrel_add_rmsnorm: 16-byte vectors, at most
             // ADD_RMS_VECS a thread, every row 16-byte aligned.
-            let vec_elems = 16 / std::mem::size_of::<T>();
-            let aligned = [x.1, r.1, w.1]
-                .iter()
-                .all(|l| (l.start_offset() * std::mem::size_of::<T>()).is_multiple_of(16));
+            let vec_elems = 16 / elem_bytes;
             let vectors = h / vec_elems;
             let vec = h % vec_elems == 0 && aligned && vectors <= ADD_RMS_VECS * 1024;
             let vec_arg = i32::from(vec);

@@ -1054,6 +1054,77 @@ __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
 }
 
 // ---------------------------------------------------------------------------------------
+// RMSNorm in column blocks: kestrel_add_rmsnorm's rows (kestrel_add_rmsnorm_cols_*), which
+// the host takes for every 16-bit row it can (`column_blocks` in cuda.rs): one block of
+// NORM_COL_THREADS a row, each thread holding one or two blocks of 16 columns in registers,
+// every load issued before any arithmetic. Block b's partial is its 16 squares added one
+// after another, thread t adds the partials of blocks t, t + NORM_COL_THREADS, … in that
+// order, and block_sum adds the threads'. For Llama-2-7B's 4,096-wide rows this replaced
+// one vector a thread over 512 threads, whose 64-register bound spilled: a decode step 2.5%
+// shorter, a 64-row verification 7% (H100, docs/gpu-results.md, session 49).
+// Needs 16-bit T, h a multiple of 16 and at most 16 · NORM_COL_THREADS · NORM_COL_BLOCKS,
+// 16-byte aligned rows and blockDim.x == NORM_COL_THREADS.
+// ---------------------------------------------------------------------------------------
+#define NORM_COL_THREADS 256
+#define NORM_COL_BLOCKS 2
+
+// sum_out[:h] = round_T(x + res), norm_out[:h] = its norm · w.
+template <typename T>
+__device__ void add_rmsnorm_column_blocks(const T *__restrict__ x, const T *__restrict__ res,
+                                          const T *__restrict__ w, T *__restrict__ sum_out,
+                                          T *__restrict__ norm_out, const int h,
+                                          const float eps) {
+    static_assert(sizeof(T) == 2, "16-bit rows: a block of 16 columns is two vectors");
+    __shared__ float red[32];
+    const int nb = h / 16;
+    uint4 xv[NORM_COL_BLOCKS][2], rv[NORM_COL_BLOCKS][2], wv[NORM_COL_BLOCKS][2];
+    // Every load first, so that the row costs one memory latency.
+#pragma unroll
+    for (int u = 0; u < NORM_COL_BLOCKS; ++u) {
+        const int b = threadIdx.x + u * NORM_COL_THREADS;
+        if (b < nb) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int off = 16 * b + 8 * half;
+                xv[u][half] = *reinterpret_cast<const uint4 *>(x + off);
+                rv[u][half] = *reinterpret_cast<const uint4 *>(res + off);
+                wv[u][half] = *reinterpret_cast<const uint4 *>(w + off);
+            }
+        }
+    }
+    float s[NORM_COL_BLOCKS][16];
+    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < NORM_COL_BLOCKS; ++u) {
+        const int b = threadIdx.x + u * NORM_COL_THREADS;
+        if (b < nb) {
+            residual_vec<T>(xv[u][0], rv[u][0], s[u]);
+            residual_vec<T>(xv[u][1], rv[u][1], s[u] + 8);
+            float part = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) part = __fmaf_rn(s[u][j], s[u][j], part);
+            acc = __fadd_rn(acc, part);
+            store16(sum_out + 16 * b, s[u]);
+            store16(sum_out + 16 * b + 8, s[u] + 8);
+        }
+    }
+    const float scale = rsqrtf(block_sum(acc, red) / h + eps);
+#pragma unroll
+    for (int u = 0; u < NORM_COL_BLOCKS; ++u) {
+        const int b = threadIdx.x + u * NORM_COL_THREADS;
+        if (b < nb) {
+            float wn[16];
+            unpack16<T>(wv[u][0], wn);
+            unpack16<T>(wv[u][1], wn + 8);
+            normed_vec<T>(s[u], wn, scale);
+            normed_vec<T>(s[u] + 8, wn + 8, scale);
+            store16(norm_out + 16 * b, s[u]);
+            store16(norm_out + 16 * b + 8, s[u] + 8);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // SwiGLU on the fused gate_up projection: gu [n_rows, 2·inter] (gate then up) →
 // out [n_rows, inter] = round_T(round_T(silu(gate)) · up), the rounding of candle's
 // `silu(gate) * up` in the tensor's dtype; with `laid`, the rows go there instead, in the
@@ -1207,6 +1278,17 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         swiglu<T>(gu, out, laid, total, inter);                                                 \
     }
 
+// kestrel_add_rmsnorm's rows in column blocks (16-bit T), one block of NORM_COL_THREADS a row.
+#define KESTREL_HALF_OPS(T, SUFFIX)                                                             \
+    extern "C" __global__ void __launch_bounds__(NORM_COL_THREADS) kestrel_add_rmsnorm_cols_##SUFFIX( \
+        const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,            \
+        const float eps) {                                                                      \
+        pdl_enter();                                                                            \
+        const size_t row = blockIdx.x;                                                          \
+        add_rmsnorm_column_blocks<T>(x + row * h, res + row * h, w, out + row * h,              \
+                                     out + (n_rows + row) * h, h, eps);                         \
+    }
+
 // The gemv entry points of steps of several rows with the weights read evict-first
 // (GemvMma's EVICT); only the tensor-core engines, so 16-bit T only.
 #define KESTREL_EVICT_OPS(T, SUFFIX)                                                            \
@@ -1240,3 +1322,5 @@ KESTREL_OPS(__half, f16)
 KESTREL_OPS(__nv_bfloat16, bf16)
 KESTREL_EVICT_OPS(__half, f16)
 KESTREL_EVICT_OPS(__nv_bfloat16, bf16)
+KESTREL_HALF_OPS(__half, f16)
+KESTREL_HALF_OPS(__nv_bfloat16, bf16)

@@ -832,7 +832,9 @@ pub fn kv_move(pools: &[Tensor], moves: &[(u32, u32)]) -> Result<()> {
 
 /// `(x + res, rms_norm(x + res) · w)` for `x`, `res: [rows, h]`, `w: [h]`: the sum rounded to
 /// the dtype, then normalised in f32 (like candle's `rms_norm` for f32; normalised, stored in
-/// the dtype, then scaled for f16/bf16, like the model's RMSNorm).
+/// the dtype, then scaled for f16/bf16, like the model's RMSNorm). Each row's sum of squares
+/// is taken in an order fixed by h and the dtype alone (f16/bf16 rows of whole 16-column
+/// blocks up to 8,192 wide: in those blocks, `kestrel_add_rmsnorm_cols_*`).
 pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     add_rms_norm_in(x, res, w, eps, false, false)
 }

@@ -318,10 +318,12 @@ fn add_rms_norm_matches_candle_cpu() {
     let eps = 1e-5f32;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         // The one-pass path takes 1 to 4 vectors a thread (16,384 f32: 4); 20 and 1,500 in
-        // f16/bf16 are not whole vectors.
+        // f16/bf16 are not whole vectors. f16/bf16 rows of whole 16-column blocks up to 8,192
+        // take the column-block kernel (8,192: two blocks a thread; 576: one or none).
         for (rows, h) in [
             (1usize, 576usize),
             (5, 4096),
+            (2, 8192),
             (3, 20),
             (2, 1500),
             (2, 16384),

@@ -469,14 +469,24 @@ fn chain_rows(m: &Llama, prompt: &[u32], tokens: &[u32], one_step: bool) -> Vec<
 /// rows) against the same 12 decoded one at a time, hidden states and logits.
 #[test]
 fn bf16_verified_rows_equal_decoded_rows_bit_for_bit() {
-    // Widths the gemv kernels take in bf16 (multiples of 8 elements).
-    let cfg: ModelConfig = serde_json::from_str(
-        r#"{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5, "tie_word_embeddings": true}"#,
-    )
-    .unwrap();
-    let mut m = Llama::random(&cfg, SEED, DType::BF16, &gpu()).unwrap();
+    // Widths the gemv kernels take in bf16 (multiples of 8 elements): hidden 64, whose
+    // projections fuse the add + norm before them; and 2,176, too wide for that (as
+    // Llama-2-7B's 4,096 is), whose norms run as a kernel of their own.
+    for (hidden, heads, kv_heads) in [(64, 4, 2), (2176, 17, 1)] {
+        let cfg: ModelConfig = serde_json::from_str(&format!(
+            r#"{{"vocab_size": 96, "hidden_size": {hidden}, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": {heads},
+                "num_key_value_heads": {kv_heads}, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": true}}"#
+        ))
+        .unwrap();
+        verified_rows_equal_decoded_rows(&cfg);
+    }
+}
+
+fn verified_rows_equal_decoded_rows(cfg: &ModelConfig) {
+    let hidden = cfg.hidden_size;
+    let mut m = Llama::random(cfg, SEED, DType::BF16, &gpu()).unwrap();
     m.set_cuda_kernels(CudaKernels::all());
     let prompt = [5u32, 17, 42, 9, 11, 23, 3];
     let tokens: Vec<u32> = (0..12).map(|k| (k * 29 + 7) % 96).collect();
@@ -485,7 +495,7 @@ fn bf16_verified_rows_equal_decoded_rows_bit_for_bit() {
     assert_same_bits(&verified, &decoded, "verified hidden states");
     let logits = |hs: &[Vec<f32>]| {
         let flat: Vec<f32> = hs.concat();
-        let h = candle_core::Tensor::from_slice(&flat, (hs.len(), 64), &gpu())
+        let h = candle_core::Tensor::from_slice(&flat, (hs.len(), hidden), &gpu())
             .unwrap()
             .to_dtype(candle_core::DType::BF16)
             .unwrap();
