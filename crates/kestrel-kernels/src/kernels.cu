@@ -1060,8 +1060,8 @@ __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
 // every load issued before any arithmetic. Block b's partial is its 16 squares added one
 // after another, thread t adds the partials of blocks t, t + NORM_COL_THREADS, … in that
 // order, and block_sum adds the threads'. For Llama-2-7B's 4,096-wide rows this replaced
-// one vector a thread over 512 threads, whose 64-register bound spilled: a decode step 2.5%
-// shorter, a 64-row verification 7% (H100, docs/gpu-results.md, session 49).
+// one vector a thread over 512 threads, whose 64-register bound spilled: a decode step
+// 1.9-2.6% shorter, a 64-row verification 5-7% (two H100s, docs/gpu-results.md, session 49).
 // Needs 16-bit T, h a multiple of 16 and at most 16 · NORM_COL_THREADS · NORM_COL_BLOCKS,
 // 16-byte aligned rows and blockDim.x == NORM_COL_THREADS.
 // ---------------------------------------------------------------------------------------
