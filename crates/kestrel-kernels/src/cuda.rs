@@ -461,23 +461,11 @@ impl AddRmsNorm {
             .iter()
             .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16));
         let cols = !self.gemv_order && column_blocks(h, elem_bytes, aligned);
-        if rows > 0 && cols {
-            let func = load_kernel(&dev, &format!("kestrel_add_rmsnorm_cols_{sfx}"))?;
-            let (rows_a, h_a) = (i32_arg(rows, "rows")?, i32_arg(h, "hidden size")?);
-            let mut b = func.builder();
-            b.arg(&xv);
-            b.arg(&rv);
-            b.arg(&wv);
-            b.arg(&out);
-            b.arg(&rows_a);
-            b.arg(&h_a);
-            b.arg(&self.eps);
-            // SAFETY: argument types match kestrel_add_rmsnorm_cols_*; column_blocks checked
-            // its conditions on h, the dtype and alignment.
-            unsafe { b.launch(launch_cfg((rows as u32, 1), NORM_COL_THREADS as u32)) }?;
-        } else if rows > 0 {
+        if rows > 0 {
             let kernel = if self.gemv_order {
                 "kestrel_add_rmsnorm_rows"
+            } else if cols {
+                "kestrel_add_rmsnorm_cols"
             } else {
                 "kestrel_add_rmsnorm"
             };
@@ -505,12 +493,15 @@ impl AddRmsNorm {
             let vectors = h / vec_elems;
             let vec = h % vec_elems == 0 && aligned && vectors <= ADD_RMS_VECS * 1024;
             let vec_arg = i32::from(vec);
-            if !self.gemv_order {
+            if !self.gemv_order && !cols {
                 b.arg(&vec_arg);
             }
             let cfg = if self.gemv_order {
                 // A warp per row, 8 a block.
                 launch_cfg((rows.div_ceil(8) as u32, 1), 256)
+            } else if cols {
+                // column_blocks checked h, the dtype and alignment.
+                launch_cfg((rows as u32, 1), NORM_COL_THREADS as u32)
             } else if vec {
                 // A vector a thread where 1,024 threads suffice.
                 launch_cfg((rows as u32, 1), threads_for(vectors))
@@ -518,8 +509,8 @@ impl AddRmsNorm {
                 // block_sum needs a multiple of 32 threads, at most 1024.
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
             };
-            // SAFETY: argument types match kestrel_add_rmsnorm_* (`laid` only in the rows
-            // variant, null or the layout's part of `out`).
+            // SAFETY: argument types match kestrel_add_rmsnorm_{,rows_,cols_}* (`laid` only in
+            // the rows variant, null or the layout's part of `out`; `vec` only in the first).
             unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
