@@ -606,8 +606,16 @@ fn bench_refuses_bad_input_in_one_line() {
         "--modes eagle2:4: random weights have no draft head or draft model; with --random_weights run plain and verify:T, and draft_target:K with --draft_quantization q4 or --draft_skip_layers (the model's own derived copy drafts)"
     );
     assert_eq!(
-        bench_error(&["--random_weights", "tiny", "--modes", "verify:x"]),
-        "--modes verify:x: verify needs a positive integer after ':'"
+        bench_error(&["--random_weights", "tiny", "--modes", "verify:0"]),
+        "--modes verify:0: verify needs a positive integer after ':'"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--modes", "verify:[[0,0]]"]),
+        "--modes verify:[[0,0]]: eagle_choices path [0, 0] has no parent [0]: every prefix of a path must be in the tree"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--modes", "verify:no/tree.json"]),
+        "--modes verify:no/tree.json: no/tree.json: no such file (give JSON paths, a preset name or an existing JSON file)"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--dtype", "int8"]),

@@ -76,8 +76,9 @@ pub struct BenchArgs {
     /// --draft_quantization q4 or --draft_skip_layers; `logits`: speculative sampling,
     /// else token matching), prompt_lookup:K[:N[:corpus]] (up to K drafts after the latest
     /// earlier occurrence of the last N-gram, N = 3 by default; `corpus`: backed by
-    /// --prompt_lookup_corpus; any engine), verify:T (T-token verification step vs a
-    /// one-token step). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
+    /// --prompt_lookup_corpus; any engine), verify:T (a T-token chain's verification step vs a
+    /// one-token step), verify:TREE (the same for a static tree's root and nodes; TREE as
+    /// eagle1 takes it). Default: plain,eagle1,eagle2:8 for EAGLE engines (+ draft_target:4
     /// with a draft engine) and prompt_lookup:4, plain,verify:64 with --random_weights,
     /// plain,prompt_lookup:4 otherwise.
     #[arg(long)]
@@ -176,7 +177,7 @@ enum ModeSpec {
         use_logits: bool,
     },
     PromptLookup(LookupSpec),
-    Verify(usize),
+    Verify(verify::DraftShape),
 }
 
 /// `prompt_lookup:K[:N[:corpus]]`.
@@ -201,7 +202,7 @@ impl ModeSpec {
 }
 
 const MODES_HELP: &str =
-    "expected plain, eagle1[:TREE], eagle2:N[:T[:L[:P]]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T, comma-separated; an eagle mode may end in +prompt_lookup:K[:N[:corpus]]";
+    "expected plain, eagle1[:TREE], eagle2:N[:T[:L[:P]]], draft_target:K[:logits], prompt_lookup:K[:N[:corpus]] or verify:T|TREE, comma-separated; an eagle mode may end in +prompt_lookup:K[:N[:corpus]]";
 
 fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
     let count = |name: &str, arg: &str, spec: &str| -> Result<usize> {
@@ -288,7 +289,12 @@ fn parse_modes(list: &str) -> Result<Vec<(String, ModeSpec)>> {
                 }
             }
             "prompt_lookup" => ModeSpec::PromptLookup(lookup(arg)?),
-            "verify" => ModeSpec::Verify(count(name, arg, spec)?),
+            "verify" if arg.is_empty() || arg.bytes().all(|b| b.is_ascii_digit()) => {
+                ModeSpec::Verify(verify::DraftShape::Chain(count(name, arg, spec)?))
+            }
+            "verify" => {
+                ModeSpec::Verify(verify::DraftShape::tree(&format!("--modes {name}:"), arg)?)
+            }
             _ => bail!("unknown mode '{spec}' in --modes: {MODES_HELP}"),
         };
         out.push((spec.to_string(), mode));
@@ -357,7 +363,7 @@ pub fn parse_batch_sizes(list: &str) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// Only for verify:T rows.
+/// Only for verify:T and verify:TREE rows.
 #[derive(Debug, Serialize)]
 pub struct VerifyResult {
     pub tree_tokens: usize,
@@ -381,7 +387,7 @@ pub struct ModeResult {
     /// Prompt tokens per second of prefill.
     pub prefill_tokens_per_s: Option<f64>,
     /// Target forwards after the prompt (one per batch and step), and decode (or verify)
-    /// wall time ÷ that count. For verify:T, the T-token step's latency.
+    /// wall time ÷ that count. For verify:T (:TREE), the verification step's latency.
     pub steps: usize,
     pub step_latency_ms: f64,
     /// Mean over requests of the time from the start of its batch to its first token.
@@ -426,7 +432,7 @@ pub struct ModeResult {
     pub same_output_as_first_batch_size: Option<bool>,
     /// FNV-1a (64-bit, hex) of every request's output ids in order, to compare outputs
     /// across runs and machines (`--dependent_launch on` against `off`, bf16 on two GPUs);
-    /// null for verify:T.
+    /// null for verify:T (:TREE).
     pub output_digest: Option<String>,
     pub verify: Option<VerifyResult>,
     /// Seconds of the untimed warm-up run (`--warmup_tokens`) before this one.
@@ -800,7 +806,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 .iter()
                 .flatten()
                 .filter_map(|(_, m)| match m {
-                    ModeSpec::Verify(t) => Some(*t),
+                    ModeSpec::Verify(draft) => Some(draft.tokens()),
                     ModeSpec::DraftTarget { k, .. } => Some(*k),
                     _ => None,
                 })
@@ -918,13 +924,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 let draft = draft.as_ref().map(Engine::cuda_graph_activity);
                 target.cuda_graph_activity() + draft.unwrap_or_default()
             };
-            if let ModeSpec::Verify(t) = mode {
+            if let ModeSpec::Verify(draft) = mode {
+                let t = &draft.tokens();
                 let graphs_before = activity(&engine);
                 probe.start_run();
                 let v = verify::time_verify(
                     &engine.model,
                     &batch_prompts[..batch],
-                    *t,
+                    draft,
                     args.max_output_len,
                     engine.plan.limits.tokens_per_block,
                     &mut probe,
@@ -1426,7 +1433,7 @@ mod tests {
                 },
                 ModeSpec::PromptLookup(lookup(4, 3, false)),
                 ModeSpec::PromptLookup(lookup(8, 2, true)),
-                ModeSpec::Verify(64),
+                ModeSpec::Verify(verify::DraftShape::Chain(64)),
                 ModeSpec::Eagle1(Some("small_8".into()), Some(lookup(4, 3, true))),
                 ModeSpec::Eagle2 {
                     top_k: 4,
@@ -1462,6 +1469,10 @@ mod tests {
             "--modes verify:0: verify needs a positive integer after ':'"
         );
         assert_eq!(
+            format!("{:#}", parse_modes("verify:[[1,0]]").unwrap_err()),
+            "--modes verify:[[1,0]]: eagle_choices path [1, 0] has no parent [1]: every prefix of a path must be in the tree"
+        );
+        assert_eq!(
             parse_modes("eagle2:8:0").unwrap_err().to_string(),
             "--modes eagle2:8:0: eagle2 needs a positive integer after ':'"
         );
@@ -1478,5 +1489,27 @@ mod tests {
             "--modes draft_target:4:exact: draft_target takes K or K:logits"
         );
         assert!(parse_modes("beam").is_err());
+    }
+
+    /// `verify:TREE` carries the tree's root and nodes: their ancestor mask and depths, in
+    /// the tree's node order (by depth, then path).
+    #[test]
+    fn verify_takes_a_tree_as_its_mask_and_depths() {
+        let modes = parse_modes("verify:[[0],[1],[0,0]],verify:mc_sim_7b_63").unwrap();
+        let (t, f) = (true, false);
+        assert_eq!(
+            modes[0],
+            (
+                "verify:[[0],[1],[0,0]]".to_string(),
+                ModeSpec::Verify(verify::DraftShape::Tree {
+                    mask: vec![t, f, f, f, t, t, f, f, t, f, t, f, t, t, f, t],
+                    depths: vec![0, 1, 1, 2],
+                })
+            )
+        );
+        match &modes[1].1 {
+            ModeSpec::Verify(draft) => assert_eq!(draft.tokens(), 64),
+            other => panic!("verify:mc_sim_7b_63 parsed as {other:?}"),
+        }
     }
 }

@@ -1,14 +1,70 @@
-//! `verify:T`: what verifying a T-token draft costs next to a plain decode step. Both kinds
-//! of step run over the same batch at the same context lengths: forward, LM head, greedy
-//! argmax where the rows are (the runtime's own, [`kestrel_runtime::greedy_tokens`]) and the
-//! chosen ids copied to the host (which is what a greedy verification needs, and which
-//! synchronises the device). A chain (causal) mask stands in for the tree's: the work per
-//! token is the same.
+//! `verify:T` and `verify:TREE`: what verifying a draft costs next to a plain decode step.
+//! Both kinds of step run over the same batch at the same context lengths: forward, LM head,
+//! greedy argmax where the rows are (the runtime's own, [`kestrel_runtime::greedy_tokens`])
+//! and the chosen ids copied to the host (which is what a greedy verification needs, and
+//! which synchronises the device). `verify:T` verifies a chain of T tokens (a causal mask):
+//! the projections' work is a tree's of T tokens, the attention's more (row i sees i new
+//! tokens, where a tree's node sees only its ancestors). `verify:TREE` verifies a static
+//! tree's root and nodes under its ancestor mask, each at its depth's position, as EAGLE does.
 
 use super::measure::MemProbe;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use kestrel_model::{Llama, OutputRows, SeqId, SeqInput};
+use kestrel_spec::{EagleTree, TreeLimits};
 use std::time::Instant;
+
+/// The draft a `verify:` mode verifies after each sequence's last token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DraftShape {
+    /// The last token and T − 1 drafts in a chain.
+    Chain(usize),
+    /// A tree's root (the last token) and nodes: the `(n+1) × (n+1)` ancestor mask and each
+    /// node's depth.
+    Tree { mask: Vec<bool>, depths: Vec<usize> },
+}
+
+impl DraftShape {
+    /// The tree `spec` (a preset name, JSON paths or a JSON file, as `eagle1:TREE`), limited
+    /// in nothing but being a tree: here it is only a mask. Errors name `flag` and `spec`.
+    pub fn tree(flag: &str, spec: &str) -> Result<Self> {
+        let any = TreeLimits {
+            num_eagle_layers: usize::MAX,
+            max_non_leaves_per_layer: usize::MAX,
+            max_draft_len: usize::MAX,
+            max_top_k: usize::MAX,
+        };
+        let tree: EagleTree = crate::decoding::static_tree("", spec, &any)
+            .with_context(|| format!("{flag}{spec}"))?;
+        let b = tree.buffers();
+        Ok(Self::Tree {
+            mask: b.mask().to_vec(),
+            depths: b.depths().to_vec(),
+        })
+    }
+
+    /// Tokens a sequence's verification step brings.
+    pub fn tokens(&self) -> usize {
+        match self {
+            Self::Chain(t) => *t,
+            Self::Tree { depths, .. } => depths.len(),
+        }
+    }
+
+    /// Position offset of token `i` of the step from the sequence's length.
+    fn offset(&self, i: usize) -> usize {
+        match self {
+            Self::Chain(_) => i,
+            Self::Tree { depths, .. } => depths[i],
+        }
+    }
+
+    fn mask(&self) -> Option<&[bool]> {
+        match self {
+            Self::Chain(_) => None,
+            Self::Tree { mask, .. } => Some(mask),
+        }
+    }
+}
 
 pub struct VerifyTiming {
     /// Mean seconds of a one-token step and of a T-token step.
@@ -19,16 +75,17 @@ pub struct VerifyTiming {
     pub mean_context_len: f64,
 }
 
-/// Times `steps` one-token steps, then `steps` T-token steps at the same context lengths:
-/// after each T-token step the cache keeps one token, as if only the root were accepted.
+/// Times `steps` one-token steps, then `steps` steps of `draft` at the same context lengths:
+/// after each verification the cache keeps one token, as if only the root were accepted.
 pub fn time_verify(
     model: &Llama,
     prompts: &[Vec<u32>],
-    tree_tokens: usize,
+    draft: &DraftShape,
     steps: usize,
     block_size: usize,
     probe: &mut MemProbe,
 ) -> Result<VerifyTiming> {
+    let tree_tokens = draft.tokens();
     let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(1);
     let per_seq = (max_prompt + steps + tree_tokens + 1).div_ceil(block_size);
     let mut cache = model.new_cache(prompts.len() * per_seq, block_size)?;
@@ -77,8 +134,10 @@ pub fn time_verify(
                 .collect();
             let pos: Vec<Vec<u32>> = lens
                 .iter()
-                .map(|&l| (l as u32..(l + n) as u32).collect())
+                .map(|&l| (0..n).map(|i| (l + draft.offset(i)) as u32).collect())
                 .collect();
+            // A one-token step is causal; a verification takes the draft's mask.
+            let mask = if n == tree_tokens { draft.mask() } else { None };
             let batch: Vec<SeqInput> = ids
                 .iter()
                 .zip(&toks)
@@ -87,7 +146,7 @@ pub fn time_verify(
                     seq,
                     tokens: t,
                     positions: p,
-                    mask: None,
+                    mask,
                     output_rows: OutputRows::All,
                 })
                 .collect();

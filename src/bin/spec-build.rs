@@ -79,7 +79,7 @@ fn run(args: Args) -> Result<()> {
         eagle_choices: args
             .eagle_choices
             .as_deref()
-            .map(kestrel::decoding::tree_json)
+            .map(|spec| kestrel::decoding::tree_json("--eagle_choices ", spec))
             .transpose()?,
     };
     let summary = build_engine(&opts)?;
