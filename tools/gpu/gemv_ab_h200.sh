@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A gemv change measured on the H200 against the previous build in one call: the kernel probe
 # (tools/gpu/gemv_probe.cu), the GPU tests, then spec-bench from both builds, alternated twice,
-# on random weights (bf16, graphs, batch 1, 128-token prompts, 64 tokens): Llama-2-7B plain and
-# verify:64, SmolLM2 plain and verify:8.
+# on random weights (bf16, graphs, batch 1, 128-token prompts, 64 tokens): Llama-2-7B plain,
+# verify:64 (a 64-token chain) and verify:mc_sim_7b_63 (a 64-token tree), SmolLM2 plain and
+# verify:8.
 # Staging: BINS="spec-bench convert-checkpoint spec-build kernels-gpu model-cuda" tools/gpu/pack.sh
 # (the test binaries copied from target-cuda/release/deps/{gpu,cuda}-* under those names), with
 # the previous build's spec-bench as spec-bench-base.xz and gemv_probe.xz (nvcc -O3 -std=c++17
@@ -30,7 +31,7 @@ for what in ${@:-probe test bench}; do
         name=${build%%:*}; sb=$B/spec-bench-$name; [ $name = new ] && sb=$B/spec-bench
         setting=; [ "$build" != "${build%%:*}" ] && setting=${build#*:} && setting=${setting//,/ }
         label=$(echo "$build" | tr ':=,' '___')
-        for shape in ${SHAPES:-llama2-7b:verify:64 smollm2-135m:verify:8}; do
+        for shape in ${SHAPES:-llama2-7b:verify:64,verify:mc_sim_7b_63 smollm2-135m:verify:8}; do
           env $setting $sb --random_weights ${shape%%:*} --dtype bfloat16 --device cuda:0 \
             --prompt_len ${PROMPT_LEN:-128} --max_output_len 64 --num_prompts 4 --batch_sizes 1 \
             --modes plain,${shape#*:} --output_json $R/${shape%%:*}_${label}_$r.json \
