@@ -21,7 +21,7 @@ kestrel)
   for shape in llama2-7b llama3-8b smollm2-135m; do
     /tmp/spec-bench --random_weights $shape --dtype bfloat16 --device cuda:0 \
       --prompt_len 128 --max_output_len 128 --num_prompts 16 --batch_sizes 1,4,16 \
-      --modes plain,verify:16,verify:64 --output_json "$OUT/kestrel_$shape.json" 2>&1
+      --modes plain,verify:16,verify:64,verify:mc_sim_7b_63 --output_json "$OUT/kestrel_$shape.json" 2>&1
   done
   ;;
 hf)
