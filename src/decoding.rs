@@ -136,14 +136,14 @@ pub fn eagle_mode(engine: &Engine, flags: &EagleFlags, plain: bool) -> Result<De
             max_top_k: DEFAULT_MAX_TOP_K,
         };
         let tree = match (&flags.eagle_choices, &engine.eagle_choices) {
-            (Some(spec), _) => static_tree("--eagle_choices ", spec, &tree_limits)?,
+            (Some(spec), _) => static_tree(spec, &tree_limits)?,
             (None, Some(json)) => EagleTree::from_json(json, &tree_limits).with_context(|| {
                 format!(
                     "{}: the engine's default tree ({EAGLE_CHOICES_FILE}) does not fit its limits; rebuild the engine",
                     engine.dir.display()
                 )
             })?,
-            (None, None) => static_tree("--eagle_choices ", DEFAULT_PRESET, &tree_limits)?,
+            (None, None) => static_tree(DEFAULT_PRESET, &tree_limits)?,
         };
         EagleTreeKind::Static(tree)
     };
@@ -212,8 +212,7 @@ pub fn tree_json(flag: &str, spec: &str) -> Result<String> {
     std::fs::read_to_string(trimmed).with_context(|| format!("{flag}{trimmed}: cannot read it"))
 }
 
-/// `spec` is JSON (`[[0], [1], …]`), a JSON file, or a preset name, given as `flag` (e.g.
-/// `"--eagle_choices "`), checked against `limits`.
-pub fn static_tree(flag: &str, spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
-    EagleTree::from_spec(&tree_json(flag, spec)?, limits).map_err(anyhow::Error::from)
+/// `--eagle_choices`: JSON (`[[0], [1], …]`), a JSON file, or a preset name.
+fn static_tree(spec: &str, limits: &TreeLimits) -> Result<EagleTree> {
+    EagleTree::from_spec(&tree_json("--eagle_choices ", spec)?, limits).map_err(anyhow::Error::from)
 }

@@ -615,7 +615,7 @@ fn bench_refuses_bad_input_in_one_line() {
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--modes", "verify:no/tree.json"]),
-        "--modes verify:no/tree.json: no/tree.json: no such file (give JSON paths, a preset name or an existing JSON file)"
+        "--modes verify:no/tree.json: no such file (give JSON paths, a preset name or an existing JSON file)"
     );
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--dtype", "int8"]),

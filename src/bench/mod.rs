@@ -925,7 +925,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                 target.cuda_graph_activity() + draft.unwrap_or_default()
             };
             if let ModeSpec::Verify(draft) = mode {
-                let t = &draft.tokens();
+                let t = draft.tokens();
                 let graphs_before = activity(&engine);
                 probe.start_run();
                 let v = verify::time_verify(
@@ -988,7 +988,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
                     same_output_as_first_batch_size: None,
                     output_digest: None,
                     verify: Some(VerifyResult {
-                        tree_tokens: *t,
+                        tree_tokens: t,
                         one_token_step_ms: v.one_token_step_s * 1e3,
                         tree_step_ms: v.tree_step_s * 1e3,
                         ratio: v.tree_step_s / v.one_token_step_s.max(f64::EPSILON),

@@ -33,8 +33,8 @@ impl DraftShape {
             max_draft_len: usize::MAX,
             max_top_k: usize::MAX,
         };
-        let tree: EagleTree = crate::decoding::static_tree("", spec, &any)
-            .with_context(|| format!("{flag}{spec}"))?;
+        let json = crate::decoding::tree_json(flag, spec)?;
+        let tree = EagleTree::from_spec(&json, &any).with_context(|| format!("{flag}{spec}"))?;
         let b = tree.buffers();
         Ok(Self::Tree {
             mask: b.mask().to_vec(),
