@@ -76,6 +76,14 @@ fn threads_for(width: usize) -> u32 {
     (width.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
+/// Whether every one of `layouts` starts on a 16-byte boundary (elements of `elem_bytes`),
+/// as a kernel's 16-byte accesses need.
+fn start_aligned(layouts: &[&Layout], elem_bytes: usize) -> bool {
+    layouts
+        .iter()
+        .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16))
+}
+
 fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
@@ -152,6 +160,9 @@ pub(crate) struct PagedAttention {
     pub lmax: usize,
     pub max_new: usize,
     pub launch: crate::AttnLaunch,
+    /// The output rows in the warpgroup engine's layout ([`gemv_wgmma_laid_len`] values of
+    /// rows `nh · d` wide), for an output projection that takes that engine.
+    pub laid: bool,
 }
 
 impl PagedAttention {
@@ -171,8 +182,14 @@ impl PagedAttention {
         let kv = view::<T>(k.0, k.1, "K pool")?;
         let vv = view::<T>(v.0, v.1, "V pool")?;
         let tv = view::<u32>(table.0, table.1, "attention metadata")?;
-        // SAFETY: every element is written by the kernel (each block writes its row's d values).
-        let out = unsafe { dev.alloc::<T>(n_tok * nh * d)? };
+        // SAFETY: every element is written by the kernel (each block writes its row's d values;
+        // laid: every row below n_tok of the layout).
+        let len = if self.laid {
+            gemv_wgmma_laid_len(n_tok, nh * d)
+        } else {
+            n_tok * nh * d
+        };
+        let out = unsafe { dev.alloc::<T>(len)? };
         let (n_tok_a, n_seq, lmax, nh_a, nkv_a, d_a) = (
             i32_arg(n_tok, "query rows")?,
             i32_arg(self.n_seq, "sequences")?,
@@ -224,6 +241,8 @@ impl PagedAttention {
         b.arg(&nkv_a);
         b.arg(&d_a);
         b.arg(&scale);
+        let laid = i32::from(self.laid);
+        b.arg(&laid);
         // SAFETY: argument types and order match kestrel_paged_attention_*,
         // kestrel_paged_attention_many_* and kestrel_paged_attention_groups_* in kernels.cu; the metadata was built by
         // PagedAttnMeta for these n_tok / n_seq / lmax / max_new.
@@ -327,7 +346,12 @@ impl CustomOp3 for PagedAttention {
         let args = ((q, ql), (k, kl), (v, vl), (ts, tl));
         let out = by_dtype!(q.dtype(), "paged attention", |T, sfx| self
             .run::<T>(dev, args.0, args.1, args.2, args.3, dims, sfx)?);
-        Ok((out, Shape::from((n_tok, nh, d))))
+        let shape = if self.laid {
+            Shape::from(gemv_wgmma_laid_len(n_tok, nh * d))
+        } else {
+            Shape::from((n_tok, nh, d))
+        };
+        Ok((out, shape))
     }
 }
 
@@ -417,7 +441,7 @@ const NORM_COL_BLOCKS: usize = 2;
 /// column blocks (`kestrel_add_rmsnorm_cols_*`): 16-bit values, whole blocks of 16, at most
 /// `NORM_COL_BLOCKS` a thread. A rule on h, the dtype and alignment, never on the rows, so a
 /// decode row and a verification's rows are normed in the same order.
-fn column_blocks(h: usize, elem_bytes: usize, aligned: bool) -> bool {
+pub(crate) fn column_blocks(h: usize, elem_bytes: usize, aligned: bool) -> bool {
     elem_bytes == 2
         && aligned
         && h > 0
@@ -430,8 +454,9 @@ pub(crate) struct AddRmsNorm {
     /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
     /// warp per row (for that op's steps of many rows), instead of candle's order.
     pub gemv_order: bool,
-    /// With `gemv_order`: the normed rows in the warpgroup engine's layout
-    /// ([`gemv_wgmma_laid_len`] values after the sums) instead of after them as stored.
+    /// The normed rows in the warpgroup engine's layout ([`gemv_wgmma_laid_len`] values
+    /// after the sums) instead of after them as stored: with `gemv_order`, or where the rows
+    /// are normed in column blocks ([`column_blocks`]).
     pub laid: bool,
 }
 
@@ -457,10 +482,11 @@ impl AddRmsNorm {
         // below `rows` of the layout, whose other rows no product reads into a stored output).
         let out = unsafe { dev.alloc::<T>(len)? };
         let elem_bytes = std::mem::size_of::<T>();
-        let aligned = [x.1, r.1, w.1]
-            .iter()
-            .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16));
+        let aligned = start_aligned(&[x.1, r.1, w.1], elem_bytes);
         let cols = !self.gemv_order && column_blocks(h, elem_bytes, aligned);
+        if self.laid && !self.gemv_order && !cols {
+            bail!("add_rms_norm: rows of {h} are not normed in column blocks, so not laid out");
+        }
         if rows > 0 {
             let kernel = if self.gemv_order {
                 "kestrel_add_rmsnorm_rows"
@@ -478,7 +504,7 @@ impl AddRmsNorm {
             b.arg(&out);
             let laid = self.laid.then(|| out.slice(rows * h..));
             let null: u64 = 0;
-            if self.gemv_order {
+            if self.gemv_order || cols {
                 match &laid {
                     Some(v) => b.arg(v),
                     None => b.arg(&null),
@@ -509,8 +535,9 @@ impl AddRmsNorm {
                 // block_sum needs a multiple of 32 threads, at most 1024.
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
             };
-            // SAFETY: argument types match kestrel_add_rmsnorm_{,rows_,cols_}* (`laid` only in
-            // the rows variant, null or the layout's part of `out`; `vec` only in the first).
+            // SAFETY: argument types match kestrel_add_rmsnorm_{,rows_,cols_}* (`laid` in the
+            // rows and cols variants, null or the layout's part of `out`; `vec` only in the
+            // first).
             unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -599,7 +626,14 @@ impl SwiGlu {
             }
             b.arg(&total);
             b.arg(&inter_a);
-            let blocks = total.div_ceil(256).min(65535) as u32;
+            // 16-byte accesses where the rows allow them: a thread then takes that many columns.
+            let elem_bytes = std::mem::size_of::<T>();
+            let per_vec = 16 / elem_bytes;
+            let vec = inter.is_multiple_of(per_vec) && start_aligned(&[l], elem_bytes);
+            let vec_a = i32::from(vec);
+            b.arg(&vec_a);
+            let units = if vec { total / per_vec } else { total };
+            let blocks = units.div_ceil(256).min(65535) as u32;
             // SAFETY: argument types match kestrel_swiglu_* (total is size_t there).
             unsafe { b.launch(launch_cfg((blocks, 1), 256)) }?;
         }
@@ -1108,9 +1142,19 @@ impl QkvRope {
             b.arg(&nh);
             b.arg(&nkv);
             b.arg(&d_a);
+            // 16-byte accesses where every row allows them: a thread then takes that many
+            // pairs of a head.
+            let elem_bytes = std::mem::size_of::<T>();
+            let per_vec = 16 / elem_bytes;
+            let vec = (d / 2).is_multiple_of(per_vec)
+                && start_aligned(&[qkv.1, cl, sl, kl, vl], elem_bytes);
+            let vec_a = i32::from(vec);
+            b.arg(&vec_a);
+            let units = (self.nh + 2 * self.nkv) * (d / 2) / if vec { per_vec } else { 1 };
+            let threads = threads_for(units).min(128);
             let cfg = launch_cfg(
-                (n_tok as u32, (self.nh + 2 * self.nkv) as u32),
-                threads_for(d / 2).min(128),
+                (n_tok as u32, units.div_ceil(threads as usize) as u32),
+                threads,
             );
             // SAFETY: argument types match kestrel_qkv_rope_*; the kernel writes the pools
             // (through views of read guards: nothing on the host reads them meanwhile, and
