@@ -386,7 +386,7 @@ pub fn paged_attention_gemv(
         );
     }
     let n_tok = q.dim(0)?;
-    if takes_wgmma(q, n_tok, w)? {
+    if lays_out("attention") && takes_wgmma(q, n_tok, w)? {
         let laid = paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto, true)?;
         return gemv_laid(&laid, n_tok, w);
     }
@@ -740,7 +740,7 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     if m > fused_rows || !gemv_swiglu_stages(two_k / 2, gu.dtype().size_in_bytes()) {
         // Apart is cheaper there and gives the same bits; where the product takes the
         // warpgroup engine, SwiGLU writes its rows in the engine's layout.
-        if takes_wgmma(gu, m, w)? {
+        if lays_out("swiglu") && takes_wgmma(gu, m, w)? {
             return gemv_laid(&swiglu_op(gu, true)?, m, w);
         }
         return gemv(&swiglu(gu)?, w);
@@ -877,7 +877,7 @@ fn norm_then_gemv(
     gemv_order: bool,
 ) -> Result<(Tensor, Tensor)> {
     let m = x.dim(0)?;
-    if takes_wgmma(x, m, w)? && norm_lays_out(x, res, norm_w, gemv_order) {
+    if lays_out("norm") && takes_wgmma(x, m, w)? && norm_lays_out(x, res, norm_w, gemv_order) {
         let (sum, laid) = add_rms_norm_in(x, res, norm_w, eps, gemv_order, true)?;
         return Ok((sum, gemv_laid(&laid, m, w)?));
     }
@@ -1027,6 +1027,20 @@ fn swiglu_op(gu: &Tensor, laid: bool) -> Result<Tensor> {
         let _ = (gu, laid);
         no_cuda("swiglu")
     }
+}
+
+/// Whether `producer` ("norm", "swiglu" or "attention") writes the rows of a product that
+/// takes the warpgroup engine in its layout: yes, unless `KESTREL_LAID_OFF` names it (comma-
+/// separated, or `all`), which leaves the layout to its own launch, with the same bits: to
+/// measure what each producer's layout saves.
+fn lays_out(producer: &str) -> bool {
+    static OFF: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let off = OFF.get_or_init(|| {
+        std::env::var("KESTREL_LAID_OFF")
+            .map(|v| v.split(',').map(|p| p.trim().to_string()).collect())
+            .unwrap_or_default()
+    });
+    !off.iter().any(|p| p == producer || p == "all")
 }
 
 /// Whether the product of `m` rows of `x`'s device and dtype by `w [n, k]` takes the warpgroup

@@ -410,7 +410,10 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
             let (kf, vf) = pools();
             let q = qkv_rope_append(&qkv, &cos, &sin, &slot_t, &kf, &vf, nh, nkv).unwrap();
             // The same rows one element past a 16-byte boundary take the kernel's one-pair
-            // path: the same arithmetic, so the same bits as its 16-byte one.
+            // path, written like the 16-byte one (which keeps the old one-pair kernel's bits:
+            // spec-bench's output digests) but contracted by ptxas in its own way: within the
+            // rounding checked below, not bit for bit. Every step of a model takes the same
+            // path (its tensors' alignment does not depend on the step).
             let (ku, vu) = pools();
             let qu =
                 qkv_rope_append(&unaligned(&qkv), &cos, &sin, &slot_t, &ku, &vu, nh, nkv).unwrap();
@@ -457,12 +460,14 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
                 assert!(err <= tol, "{case}: {what} max abs error {err}");
             }
             assert_eq!(host(&vf), host(&vr), "{case}: V rows are copied exactly");
-            for (what, vector, pair) in [("q", &q, &qu), ("K pool", &kf, &ku), ("V pool", &vf, &vu)]
-            {
-                assert!(
-                    host(vector) == host(pair),
-                    "{case}: {what} differs unaligned"
-                );
+            assert_eq!(
+                host(&vu),
+                host(&vr),
+                "{case}: V rows are copied exactly unaligned"
+            );
+            for (what, got, want) in [("q", &qu, &want_q), ("K pool", &ku, &kr)] {
+                let err = max_abs(&host(got), &host(want));
+                assert!(err <= tol, "{case}: {what} unaligned, max abs error {err}");
             }
         }
     }
@@ -1786,6 +1791,16 @@ fn add_rms_norm_gemv_is_add_rms_norm_then_gemv_bit_for_bit() {
             let nw: Vec<f32> = randn(&mut rng, k, 0.5).iter().map(|v| v + 1.0).collect();
             let nw = to_dev(&nw, &[k], dtype, &dev);
             let case = format!("{dtype:?} [{n}, {k}]");
+            if !gemv_applies(&x, &w) {
+                // f32 rows wider than GEMV_MAX_K take no gemv kernel.
+                assert!(dtype == DType::F32 && k > GEMV_MAX_K, "{case}");
+                let err = add_rms_norm_gemv(&x, &r, &nw, eps, &w).unwrap_err();
+                assert!(
+                    err.to_string().contains("do not fit the kernel"),
+                    "{case}: {err}"
+                );
+                continue;
+            }
             let (sum_all, y_all) = add_rms_norm_gemv(&x, &r, &nw, eps, &w).unwrap();
             let y_all = host(&y_all);
             for m in [1, 8, 16, 17, 32, 33, 64, 65, rows] {
@@ -1914,10 +1929,14 @@ fn paged_attention_gemv_is_attention_then_gemv_bit_for_bit() {
     )
     .unwrap();
     let pool = Tensor::zeros((1, 2, 8), DType::F32, &dev).unwrap();
-    let err = paged_attention_gemv(&q, &pool, &pool, &meta, &w).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "paged_attention_gemv: q [1, 2, 8] F32 and w [4, 8] F32 do not fit the gemv kernel"
+    let err = paged_attention_gemv(&q, &pool, &pool, &meta, &w)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "paged_attention_gemv: q [1, 2, 8] F32 and w [4, 8] F32 do not fit the gemv kernel"
+        ),
+        "{err}"
     );
 }
 
