@@ -255,19 +255,8 @@ __device__ __forceinline__ void pa_store_vec(PaState<16 / sizeof(T)> &st, const 
 
 // A row's output from its virtual warps' states (w_m, w_l, acc(w, e)), merged in their
 // order; the block's threads share the d values.
-// Where query row t's head h goes: `out [n_tok, nh·d]` as stored, or with `laid` those rows
-// in the warpgroup engine's layout (wg_rows_offset), for an output projection that takes
-// that engine (the layout's own launch saved; the same values).
-template <typename T>
-__device__ __forceinline__ size_t pa_out_offset(const int laid, const int t, const int h, const int nh,
-                                                const int d, const int e) {
-    return laid ? wg_rows_offset(t, h * d + e, nh * d) : ((size_t)t * nh + h) * d + e;
-}
-
 template <typename T, typename Acc>
-__device__ __forceinline__ void pa_write_row(T *out, const int laid, const int t, const int h,
-                                             const int nh, const float *w_m, const float *w_l,
-                                             const int d, Acc acc) {
+__device__ __forceinline__ void pa_write_row(T *out, const float *w_m, const float *w_l, const int d, Acc acc) {
     float mx = -INFINITY;
     for (int w = 0; w < PA_VWARPS; ++w) mx = fmaxf(mx, w_m[w]);
     float denom = 0.f;
@@ -277,7 +266,7 @@ __device__ __forceinline__ void pa_write_row(T *out, const int laid, const int t
         float o = 0.f;
         for (int w = 0; w < PA_VWARPS; ++w)
             if (w_m[w] != -INFINITY) o += acc(w, e) * expf(w_m[w] - mx);
-        out[pa_out_offset<T>(laid, t, h, nh, d, e)] = from_f<T>(denom > 0.f ? o / denom : 0.f);
+        out[e] = from_f<T>(denom > 0.f ? o / denom : 0.f);
     }
 }
 
@@ -287,7 +276,7 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
                                 const T *__restrict__ v_pool, T *__restrict__ out,
                                 const unsigned int *__restrict__ meta, const int n_tok,
                                 const int n_seq, const int lmax, const int nh, const int nkv,
-                                const int d, const float scale, const int laid) {
+                                const int d, const float scale) {
     const int t = blockIdx.x, h = blockIdx.y;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const PaTable tab(meta, n_tok, n_seq, lmax);
@@ -378,7 +367,7 @@ __device__ void paged_attention(const T *__restrict__ q, const T *__restrict__ k
     else
         walk(BoolConst<false>{});
     __syncthreads();
-    pa_write_row(out, laid, t, h, nh, w_m, w_l, d, [&](const int w, const int e) { return w_acc[w][e]; });
+    pa_write_row(out + ((size_t)t * nh + h) * d, w_m, w_l, d, [&](const int w, const int e) { return w_acc[w][e]; });
 }
 
 // Dynamic shared memory of paged_attention_groups (attention_groups_shared_bytes in
@@ -407,7 +396,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
                                          const T *__restrict__ v_pool, T *__restrict__ out,
                                          const unsigned int *__restrict__ meta, const int n_tok,
                                          const int n_seq, const int lmax, const int nh, const int nkv,
-                                         const float scale, const int laid, PaGroupShared &sh) {
+                                         const float scale, PaGroupShared &sh) {
     constexpr int d = D;
     constexpr int VEC = 16 / sizeof(T), R = PA_GROUP_ROWS;
     static_assert(D % VEC == 0 && D / VEC <= WARP && (D / VEC & (D / VEC - 1)) == 0, "V rows as vectors");
@@ -526,7 +515,7 @@ __device__ void paged_attention_groups_d(const T *__restrict__ q, const T *__res
         if (rr < rows) pa_store_vec<T>(st[rr], lpr, &w_m[rr][warp], &w_l[rr][warp], w_acc + rr * d);
     __syncthreads();
     for (int rr = 0; rr < rows; ++rr)
-        pa_write_row(out, laid, t0 + rr, h, nh, w_m[rr], w_l[rr], d, [&](const int w, const int e) {
+        pa_write_row(out + ((size_t)(t0 + rr) * nh + h) * d, w_m[rr], w_l[rr], d, [&](const int w, const int e) {
             return reinterpret_cast<const float *>(attn_stage + w * region)[rr * d + e];
         });
 }
@@ -536,10 +525,10 @@ __device__ void paged_attention_groups(const T *__restrict__ q, const T *__restr
                                        const T *__restrict__ v_pool, T *__restrict__ out,
                                        const unsigned int *__restrict__ meta, const int n_tok,
                                        const int n_seq, const int lmax, const int nh, const int nkv,
-                                       const int d, const float scale, const int laid) {
+                                       const int d, const float scale) {
     __shared__ PaGroupShared sh;
     if (d == 64)
-        paged_attention_groups_d<T, 64>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, scale, laid, sh);
+        paged_attention_groups_d<T, 64>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, scale, sh);
     else
-        paged_attention_groups_d<T, 128>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, scale, laid, sh);
+        paged_attention_groups_d<T, 128>(q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, scale, sh);
 }

@@ -160,9 +160,6 @@ pub(crate) struct PagedAttention {
     pub lmax: usize,
     pub max_new: usize,
     pub launch: crate::AttnLaunch,
-    /// The output rows in the warpgroup engine's layout ([`gemv_wgmma_laid_len`] values of
-    /// rows `nh · d` wide), for an output projection that takes that engine.
-    pub laid: bool,
 }
 
 impl PagedAttention {
@@ -182,14 +179,8 @@ impl PagedAttention {
         let kv = view::<T>(k.0, k.1, "K pool")?;
         let vv = view::<T>(v.0, v.1, "V pool")?;
         let tv = view::<u32>(table.0, table.1, "attention metadata")?;
-        // SAFETY: every element is written by the kernel (each block writes its row's d values;
-        // laid: every row below n_tok of the layout).
-        let len = if self.laid {
-            gemv_wgmma_laid_len(n_tok, nh * d)
-        } else {
-            n_tok * nh * d
-        };
-        let out = unsafe { dev.alloc::<T>(len)? };
+        // SAFETY: every element is written by the kernel (each block writes its row's d values).
+        let out = unsafe { dev.alloc::<T>(n_tok * nh * d)? };
         let (n_tok_a, n_seq, lmax, nh_a, nkv_a, d_a) = (
             i32_arg(n_tok, "query rows")?,
             i32_arg(self.n_seq, "sequences")?,
@@ -241,8 +232,6 @@ impl PagedAttention {
         b.arg(&nkv_a);
         b.arg(&d_a);
         b.arg(&scale);
-        let laid = i32::from(self.laid);
-        b.arg(&laid);
         // SAFETY: argument types and order match kestrel_paged_attention_*,
         // kestrel_paged_attention_many_* and kestrel_paged_attention_groups_* in kernels.cu; the metadata was built by
         // PagedAttnMeta for these n_tok / n_seq / lmax / max_new.
@@ -346,12 +335,7 @@ impl CustomOp3 for PagedAttention {
         let args = ((q, ql), (k, kl), (v, vl), (ts, tl));
         let out = by_dtype!(q.dtype(), "paged attention", |T, sfx| self
             .run::<T>(dev, args.0, args.1, args.2, args.3, dims, sfx)?);
-        let shape = if self.laid {
-            Shape::from(gemv_wgmma_laid_len(n_tok, nh * d))
-        } else {
-            Shape::from((n_tok, nh, d))
-        };
-        Ok((out, shape))
+        Ok((out, Shape::from((n_tok, nh, d))))
     }
 }
 
@@ -441,7 +425,7 @@ const NORM_COL_BLOCKS: usize = 2;
 /// column blocks (`kestrel_add_rmsnorm_cols_*`): 16-bit values, whole blocks of 16, at most
 /// `NORM_COL_BLOCKS` a thread. A rule on h, the dtype and alignment, never on the rows, so a
 /// decode row and a verification's rows are normed in the same order.
-pub(crate) fn column_blocks(h: usize, elem_bytes: usize, aligned: bool) -> bool {
+fn column_blocks(h: usize, elem_bytes: usize, aligned: bool) -> bool {
     elem_bytes == 2
         && aligned
         && h > 0
@@ -454,9 +438,8 @@ pub(crate) struct AddRmsNorm {
     /// `kestrel_add_rmsnorm_rows_*`: the arithmetic of `gemv_add_rms_norm`'s staging, one
     /// warp per row (for that op's steps of many rows), instead of candle's order.
     pub gemv_order: bool,
-    /// The normed rows in the warpgroup engine's layout ([`gemv_wgmma_laid_len`] values
-    /// after the sums) instead of after them as stored: with `gemv_order`, or where the rows
-    /// are normed in column blocks ([`column_blocks`]).
+    /// With `gemv_order`: the normed rows in the warpgroup engine's layout
+    /// ([`gemv_wgmma_laid_len`] values after the sums) instead of after them as stored.
     pub laid: bool,
 }
 
@@ -484,9 +467,6 @@ impl AddRmsNorm {
         let elem_bytes = std::mem::size_of::<T>();
         let aligned = start_aligned(&[x.1, r.1, w.1], elem_bytes);
         let cols = !self.gemv_order && column_blocks(h, elem_bytes, aligned);
-        if self.laid && !self.gemv_order && !cols {
-            bail!("add_rms_norm: rows of {h} are not normed in column blocks, so not laid out");
-        }
         if rows > 0 {
             let kernel = if self.gemv_order {
                 "kestrel_add_rmsnorm_rows"
@@ -504,7 +484,7 @@ impl AddRmsNorm {
             b.arg(&out);
             let laid = self.laid.then(|| out.slice(rows * h..));
             let null: u64 = 0;
-            if self.gemv_order || cols {
+            if self.gemv_order {
                 match &laid {
                     Some(v) => b.arg(v),
                     None => b.arg(&null),
@@ -535,9 +515,8 @@ impl AddRmsNorm {
                 // block_sum needs a multiple of 32 threads, at most 1024.
                 launch_cfg((rows as u32, 1), threads_for(h).min(1024))
             };
-            // SAFETY: argument types match kestrel_add_rmsnorm_{,rows_,cols_}* (`laid` in the
-            // rows and cols variants, null or the layout's part of `out`; `vec` only in the
-            // first).
+            // SAFETY: argument types match kestrel_add_rmsnorm_{,rows_,cols_}* (`laid` only in
+            // the rows variant, null or the layout's part of `out`; `vec` only in the first).
             unsafe { b.launch(cfg) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))

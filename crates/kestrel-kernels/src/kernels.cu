@@ -1090,21 +1090,18 @@ __device__ void add_rmsnorm(const T *__restrict__ x, const T *__restrict__ res,
 // order, and block_sum adds the threads'. For Llama-2-7B's 4,096-wide rows this replaced
 // one vector a thread over 512 threads, whose 64-register bound spilled: a decode step
 // 1.9-2.6% shorter, a 64-row verification 5-7% (two H100s, docs/gpu-results.md, session 49).
-// With `laid`, the normed rows go there instead of norm_out, in the warpgroup engine's
-// layout (wg_rows_offset; row `row` of it), for a product that takes that engine: the same
-// values, and the layout's own launch saved.
 // Needs 16-bit T, h a multiple of 16 and at most 16 · NORM_COL_THREADS · NORM_COL_BLOCKS,
 // 16-byte aligned rows and blockDim.x == NORM_COL_THREADS.
 // ---------------------------------------------------------------------------------------
 #define NORM_COL_THREADS 256
 #define NORM_COL_BLOCKS 2
 
-// sum_out[:h] = round_T(x + res), norm_out[:h] (or laid's row `row`) = its norm · w.
+// sum_out[:h] = round_T(x + res), norm_out[:h] = its norm · w.
 template <typename T>
 __device__ void add_rmsnorm_column_blocks(const T *__restrict__ x, const T *__restrict__ res,
                                           const T *__restrict__ w, T *__restrict__ sum_out,
-                                          T *__restrict__ norm_out, T *__restrict__ laid,
-                                          const int row, const int h, const float eps) {
+                                          T *__restrict__ norm_out, const int h,
+                                          const float eps) {
     static_assert(sizeof(T) == 2, "16-bit rows: a block of 16 columns is two vectors");
     __shared__ float red[32];
     const int nb = h / 16;
@@ -1149,12 +1146,8 @@ __device__ void add_rmsnorm_column_blocks(const T *__restrict__ x, const T *__re
             unpack16<T>(wv[u][1], wn + 8);
             normed_vec<T>(s[u], wn, scale);
             normed_vec<T>(s[u] + 8, wn + 8, scale);
-            if (laid) {
-                store_laid<16>(laid, row, 16 * b, h, s[u]);
-            } else {
-                store16(norm_out + 16 * b, s[u]);
-                store16(norm_out + 16 * b + 8, s[u] + 8);
-            }
+            store16(norm_out + 16 * b, s[u]);
+            store16(norm_out + 16 * b + 8, s[u] + 8);
         }
     }
 }
@@ -1241,13 +1234,12 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
 #include "gemv_quant.cuh"
 #include "gemv_wgmma.cuh"
 
-// The attention kernels' parameters (cuda.rs passes them in this order to all three); with
-// `laid`, `out` is the output rows in the warpgroup engine's layout (pa_out_offset).
+// The attention kernels' parameters (cuda.rs passes them in this order to all three).
 #define PA_PARAMS(T)                                                                            \
     const T *q, const T *k_pool, const T *v_pool, T *out, const unsigned int *meta,             \
         const int n_tok, const int n_seq, const int lmax, const int nh, const int nkv,          \
-        const int d, const float scale, const int laid
-#define PA_ARGS q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale, laid
+        const int d, const float scale
+#define PA_ARGS q, k_pool, v_pool, out, meta, n_tok, n_seq, lmax, nh, nkv, d, scale
 
 #define KESTREL_OPS(T, SUFFIX)                                                                  \
     extern "C" __global__ void kestrel_paged_attention_##SUFFIX(PA_PARAMS(T)) {                 \
@@ -1346,12 +1338,12 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
 // kestrel_add_rmsnorm's rows in column blocks (16-bit T), one block of NORM_COL_THREADS a row.
 #define KESTREL_HALF_OPS(T, SUFFIX)                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_THREADS) kestrel_add_rmsnorm_cols_##SUFFIX( \
-        const T *x, const T *res, const T *w, T *out, T *laid, const int n_rows, const int h,   \
+        const T *x, const T *res, const T *w, T *out, const int n_rows, const int h,            \
         const float eps) {                                                                      \
         pdl_enter();                                                                            \
         const size_t row = blockIdx.x;                                                          \
         add_rmsnorm_column_blocks<T>(x + row * h, res + row * h, w, out + row * h,              \
-                                     out + (n_rows + row) * h, laid, (int)row, h, eps);         \
+                                     out + (n_rows + row) * h, h, eps);                         \
     }
 
 // The gemv entry points of steps of several rows with the weights read evict-first

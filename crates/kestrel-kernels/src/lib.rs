@@ -5,9 +5,7 @@
 //! - [`kv_append`]: writes a step's new K or V rows into a pool at u32 slot ids.
 //! - [`kv_move`]: compaction after a verification, every layer's pools in one launch.
 //! - [`gemv`]: the projections of a step of a few rows, each weight read once;
-//!   [`gemv_add_rms_norm`] and [`gemv_swiglu`] fold the kernel before a projection into it;
-//!   they, [`add_rms_norm_gemv`] and [`paged_attention_gemv`] have the kernel before a
-//!   projection of many rows write them in the order the warpgroup engine reads them.
+//!   [`gemv_add_rms_norm`] and [`gemv_swiglu`] fold the kernel before a projection into it.
 //! - [`QuantGemvWeights`]: a matrix at 4 or 8 bits and its gemv, for a self-draft that reads
 //!   the target's weights at a third of their bytes.
 //! - [`add_rms_norm`]: residual add fused with RMSNorm, returning both results.
@@ -354,43 +352,7 @@ pub fn paged_attention(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
 ) -> Result<Tensor> {
-    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto, false)
-}
-
-/// Whether [`paged_attention_gemv`] takes the query rows `q [n_tok, n_heads, head_dim]` and
-/// the output projection `w [N, n_heads · head_dim]`: [`gemv_applies`] for the attention's
-/// output rows.
-pub fn paged_attention_gemv_applies(q: &Tensor, w: &Tensor) -> bool {
-    q.dims3()
-        .is_ok_and(|(n_tok, nh, d)| gemv_fits_rows(n_tok, nh * d, q.dtype(), w))
-}
-
-/// [`paged_attention`] and then [`gemv`] of its rows by `w` (the attention's output
-/// projection). Where the product takes the warpgroup engine, the attention writes its rows
-/// in that engine's layout, which spares the layout's own launch: the same bits as the two
-/// ops. Check [`paged_attention_gemv_applies`].
-pub fn paged_attention_gemv(
-    q: &Tensor,
-    k_pool: &Tensor,
-    v_pool: &Tensor,
-    meta: &PagedAttnMeta,
-    w: &Tensor,
-) -> Result<Tensor> {
-    if !paged_attention_gemv_applies(q, w) {
-        candle_core::bail!(
-            "paged_attention_gemv: q {:?} {:?} and w {:?} {:?} do not fit the gemv kernel",
-            q.dims(),
-            q.dtype(),
-            w.dims(),
-            w.dtype()
-        );
-    }
-    let n_tok = q.dim(0)?;
-    if lays_out("attention") && takes_wgmma(q, n_tok, w)? {
-        let laid = paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto, true)?;
-        return gemv_laid(&laid, n_tok, w);
-    }
-    gemv(&paged_attention(q, k_pool, v_pool, meta)?, w)
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto)
 }
 
 /// Which attention kernel a launch takes.
@@ -424,14 +386,7 @@ pub fn paged_attention_with_warps(
     if ![1, 2, 4, 8].contains(&warps) {
         candle_core::bail!("paged attention: {warps} warps a block (1, 2, 4 or 8)");
     }
-    paged_attention_launch(
-        q,
-        k_pool,
-        v_pool,
-        meta,
-        AttnLaunch::Rows { warps, many },
-        false,
-    )
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Rows { warps, many })
 }
 
 /// [`paged_attention`] on the grouped kernel whatever the step's size (an error where the
@@ -444,7 +399,7 @@ pub fn paged_attention_grouped(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
 ) -> Result<Tensor> {
-    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Groups, false)
+    paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Groups)
 }
 
 fn paged_attention_launch(
@@ -453,7 +408,6 @@ fn paged_attention_launch(
     v_pool: &Tensor,
     meta: &PagedAttnMeta,
     launch: AttnLaunch,
-    laid: bool,
 ) -> Result<Tensor> {
     let (n_tok, nh, d) = q.dims3()?;
     let (_, nkv, dk) = k_pool.dims3()?;
@@ -489,17 +443,13 @@ fn paged_attention_launch(
             lmax: meta.lmax,
             max_new: meta.max_new,
             launch,
-            laid,
         };
-        let out = q.apply_op3_no_bwd(k_pool, v_pool, &op)?;
-        if laid {
-            return Ok(out);
-        }
-        out.reshape((n_tok, nh * d))
+        q.apply_op3_no_bwd(k_pool, v_pool, &op)?
+            .reshape((n_tok, nh * d))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (launch, laid);
+        let _ = launch;
         no_cuda("paged attention")
     }
 }
@@ -634,32 +584,23 @@ pub fn gemv_applies(x: &Tensor, w: &Tensor) -> bool {
 /// Whether the gemv kernels take an input `x` `[M, ..]` whose rows give `k` values each
 /// (the input's own width, or half of a fused gate_up's) against `w`.
 fn gemv_fits(x: &Tensor, k: usize, w: &Tensor) -> bool {
-    x.dims2()
-        .is_ok_and(|(m, _)| gemv_fits_rows(m, k, x.dtype(), w) && starts_aligned(x))
-}
-
-/// Whether the gemv kernels take `m` rows of `k` values of `dtype`, stored 16-byte aligned
-/// (a kernel's fresh output), against `w`.
-fn gemv_fits_rows(m: usize, k: usize, dtype: DType, w: &Tensor) -> bool {
-    let Ok((_, wk)) = w.dims2() else {
+    let (Ok((m, _)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
         return false;
     };
-    let size = dtype.size_in_bytes();
+    let size = x.dtype().size_in_bytes();
+    let aligned = |t: &Tensor| {
+        t.layout()
+            .contiguous_offsets()
+            .is_some_and(|(start, _)| (start * size).is_multiple_of(16))
+    };
     m >= 1
         && k == wk
         && (k <= GEMV_MAX_K || gemv_tensor_cores(size, k))
-        && dtype == w.dtype()
-        && dtype_suffix(dtype).is_ok()
+        && x.dtype() == w.dtype()
+        && dtype_suffix(x.dtype()).is_ok()
         && (k * size).is_multiple_of(16)
-        && starts_aligned(w)
-}
-
-/// Whether `t` is contiguous and starts on a 16-byte boundary.
-fn starts_aligned(t: &Tensor) -> bool {
-    let size = t.dtype().size_in_bytes();
-    t.layout()
-        .contiguous_offsets()
-        .is_some_and(|(start, _)| (start * size).is_multiple_of(16))
+        && aligned(x)
+        && aligned(w)
 }
 
 fn gemv_misfit(op: &str, x: &Tensor, w: &Tensor) -> candle_core::Error {
@@ -709,24 +650,23 @@ pub(crate) fn gemv_swiglu_stage(m: usize, k: usize, elem: usize) -> usize {
     (m.min(GEMV_MAX_ROWS) * k * elem).max(GEMV_PART_BYTES)
 }
 
-/// Whether [`gemv_swiglu`] takes the fused gate_up rows `gu [M, 2K]` against `w [N, K]`:
-/// the conditions of [`gemv_applies`] with K = half of `gu`'s width.
+/// Whether [`gemv_swiglu`] takes the fused gate_up rows `gu [M, 2K]` against `w [N, K]`
+/// (the conditions of [`gemv_applies`] with K = half of `gu`'s width, and the staged rows
+/// within [`GEMV_STAGE_MAX_BYTES`]).
 pub fn gemv_swiglu_applies(gu: &Tensor, w: &Tensor) -> bool {
-    gu.dims2()
-        .is_ok_and(|(_, two_k)| two_k % 2 == 0 && gemv_fits(gu, two_k / 2, w))
+    // A full chunk must fit whatever the rows (as for gemv_add_rms_norm_applies).
+    gu.dims2().is_ok_and(|(_, two_k)| {
+        two_k % 2 == 0
+            && gemv_fits(gu, two_k / 2, w)
+            && gemv_swiglu_stage(usize::MAX, two_k / 2, gu.dtype().size_in_bytes())
+                <= GEMV_STAGE_MAX_BYTES
+    })
 }
 
-/// Whether [`gemv_swiglu`] runs in one launch for any rows: a full chunk of staged rows
-/// within [`GEMV_STAGE_MAX_BYTES`] (as for [`gemv_add_rms_norm_applies`]).
-fn gemv_swiglu_stages(k: usize, elem_bytes: usize) -> bool {
-    gemv_swiglu_stage(usize::MAX, k, elem_bytes) <= GEMV_STAGE_MAX_BYTES
-}
-
-/// `swiglu(gu) · wᵀ` with [`swiglu`]'s roundings, e.g. an MLP's down projection: one launch
-/// where the staged rows fit ([`swiglu`]'s output computed inside the [`gemv`] that consumes
-/// it); steps of more than [`GEMV_SWIGLU_MAX_FUSED_ROWS`] rows, and wider products, run the
-/// two apart, with SwiGLU's rows written in the warpgroup engine's layout where the product
-/// takes that engine (the same bits every way). Check [`gemv_swiglu_applies`].
+/// `swiglu(gu) · wᵀ` in one launch: [`swiglu`]'s output (same roundings) computed inside the
+/// [`gemv`] that consumes it, e.g. an MLP's down projection; steps of more than
+/// [`GEMV_SWIGLU_MAX_FUSED_ROWS`] rows run the two apart (the same bits). Check
+/// [`gemv_swiglu_applies`].
 pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !gemv_swiglu_applies(gu, w) {
         return Err(gemv_misfit("gemv_swiglu", gu, w));
@@ -736,8 +676,8 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
         "KESTREL_GEMV_SWIGLU_MAX_ROWS",
         GEMV_SWIGLU_MAX_FUSED_ROWS,
     );
-    let (m, two_k) = gu.dims2()?;
-    if m > fused_rows || !gemv_swiglu_stages(two_k / 2, gu.dtype().size_in_bytes()) {
+    let m = gu.dim(0)?;
+    if m > fused_rows {
         // Apart is cheaper there and gives the same bits; where the product takes the
         // warpgroup engine, SwiGLU writes its rows in the engine's layout.
         if lays_out("swiglu") && takes_wgmma(gu, m, w)? {
@@ -817,7 +757,15 @@ pub fn gemv_add_rms_norm(
                 &zeros
             }
         };
-        let (sum, y) = norm_then_gemv(x, r, norm_w, eps, w, true)?;
+        // Where the product takes the warpgroup engine, the norm writes its rows in the
+        // engine's layout, which spares the layout's own launch; the same values either way.
+        let (sum, y) = if lays_out("norm") && takes_wgmma(x, m, w)? {
+            let (sum, laid) = add_rms_norm_in(x, r, norm_w, eps, true, true)?;
+            (sum, gemv_laid(&laid, m, w)?)
+        } else {
+            let (sum, normed) = add_rms_norm_in(x, r, norm_w, eps, true, false)?;
+            (sum, gemv(&normed, w)?)
+        };
         let sum = if res.is_some() { sum } else { x.clone() };
         return Ok((sum, y));
     }
@@ -842,66 +790,6 @@ pub fn gemv_add_rms_norm(
     {
         let _ = (m, eps);
         no_cuda("gemv_add_rms_norm")
-    }
-}
-
-/// `(x + res, rms_norm(x + res) · norm_w · wᵀ)`: [`add_rms_norm`] and then [`gemv`], for
-/// products that [`gemv_add_rms_norm`] does not stage (its fused rows differ from
-/// [`add_rms_norm`]'s in the last bit, so a rule on K and the dtype alone picks between the
-/// two). Where the product takes the warpgroup engine and the rows are normed in column
-/// blocks, the norm writes its rows in the engine's layout, which spares the layout's own
-/// launch: the same bits as the two ops. Check [`gemv_applies`] for `x` and `w`.
-pub fn add_rms_norm_gemv(
-    x: &Tensor,
-    res: &Tensor,
-    norm_w: &Tensor,
-    eps: f32,
-    w: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    if !gemv_applies(x, w) {
-        return Err(gemv_misfit("add_rms_norm_gemv", x, w));
-    }
-    norm_then_gemv(x, res, norm_w, eps, w, false)
-}
-
-/// [`add_rms_norm_in`] (in `gemv_order` or not) and the product of its normed rows by `w`,
-/// the rows laid out by the norm where the product takes the warpgroup engine and the norm's
-/// kernel can write that layout (the one-warp-a-row kernel of `gemv_order` always can; column
-/// blocks where they apply).
-fn norm_then_gemv(
-    x: &Tensor,
-    res: &Tensor,
-    norm_w: &Tensor,
-    eps: f32,
-    w: &Tensor,
-    gemv_order: bool,
-) -> Result<(Tensor, Tensor)> {
-    let m = x.dim(0)?;
-    if lays_out("norm") && takes_wgmma(x, m, w)? && norm_lays_out(x, res, norm_w, gemv_order) {
-        let (sum, laid) = add_rms_norm_in(x, res, norm_w, eps, gemv_order, true)?;
-        return Ok((sum, gemv_laid(&laid, m, w)?));
-    }
-    let (sum, normed) = add_rms_norm_in(x, res, norm_w, eps, gemv_order, false)?;
-    Ok((sum, gemv(&normed, w)?))
-}
-
-/// Whether [`add_rms_norm_in`]'s kernel for these tensors writes the warpgroup engine's
-/// layout: in `gemv_order`, or in column blocks (16-bit rows of whole blocks, 16-byte
-/// aligned).
-fn norm_lays_out(x: &Tensor, res: &Tensor, norm_w: &Tensor, gemv_order: bool) -> bool {
-    if gemv_order {
-        return true;
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let aligned = [x, res, norm_w].into_iter().all(starts_aligned);
-        x.dims2()
-            .is_ok_and(|(_, h)| cuda::column_blocks(h, x.dtype().size_in_bytes(), aligned))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, res, norm_w);
-        false
     }
 }
 
@@ -953,8 +841,8 @@ pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(T
 
 /// [`add_rms_norm`]; with `gemv_order`, in the order of [`gemv_add_rms_norm`]'s staging
 /// (16-byte vectors, lane-strided, one warp per row), which needs what [`gemv_applies`] asks
-/// of rows; with `laid` ([`norm_lays_out`]), the normed rows in the warpgroup engine's layout
-/// (for [`gemv_laid`]), as one flat tensor.
+/// of rows; with `laid` too, the normed rows in the warpgroup engine's layout (for
+/// [`gemv_laid`]), as one flat tensor.
 fn add_rms_norm_in(
     x: &Tensor,
     res: &Tensor,
@@ -988,10 +876,10 @@ fn add_rms_norm_in(
             &cuda::AddRmsNorm {
                 eps,
                 gemv_order,
-                laid,
+                laid: gemv_order && laid,
             },
         )?;
-        if laid {
+        if gemv_order && laid {
             let len = both.dim(0)?;
             let sum = both.narrow(0, 0, rows * h)?.reshape((rows, h))?;
             return Ok((sum, both.narrow(0, rows * h, len - rows * h)?));
@@ -1029,10 +917,12 @@ fn swiglu_op(gu: &Tensor, laid: bool) -> Result<Tensor> {
     }
 }
 
-/// Whether `producer` ("norm", "swiglu" or "attention") writes the rows of a product that
-/// takes the warpgroup engine in its layout: yes, unless `KESTREL_LAID_OFF` names it (comma-
-/// separated, or `all`), which leaves the layout to its own launch, with the same bits: to
-/// measure what each producer's layout saves.
+/// Whether `producer` ("norm" or "swiglu": the many-row paths of [`gemv_add_rms_norm`] and
+/// [`gemv_swiglu`]) writes the rows of a product that takes the warpgroup engine in its
+/// layout: yes, unless `KESTREL_LAID_OFF` names it (comma-separated, or `all`), which leaves
+/// the layout to its own launch, with the same bits: to measure what each producer's layout
+/// saves (on Llama-2-7B's shapes, where those paths do not apply, such producers were slower
+/// than the layout's launch: docs/gpu-results.md, session 51).
 fn lays_out(producer: &str) -> bool {
     static OFF: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
     let off = OFF.get_or_init(|| {

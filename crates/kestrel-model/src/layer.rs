@@ -117,10 +117,8 @@ impl Linear {
     }
 
     /// `(x + res, self(norm(x + res)))` for the rows `[N, H]` of a CUDA step (no add when
-    /// `res` is `None`): one launch when this projection takes the `gemv` kernel and it
-    /// stages the rows, else Kestrel's fused add + RMSNorm (or the norm alone) and then the
-    /// projection (the norm writing the rows in the order the product reads them, where it
-    /// can).
+    /// `res` is `None`): one launch when this projection takes the `gemv` kernel, else
+    /// Kestrel's fused add + RMSNorm (or the norm alone) and then the projection.
     fn forward_add_norm(
         &self,
         x: &Tensor,
@@ -128,16 +126,10 @@ impl Linear {
         norm: &RmsNorm,
         fast: bool,
     ) -> Result<(Tensor, Tensor)> {
-        let eps = norm.eps as f32;
         if fast && self.takes_gemv() && kestrel_kernels::gemv_add_rms_norm_applies(x, &self.w) {
+            let eps = norm.eps as f32;
             let (sum, y) = kestrel_kernels::gemv_add_rms_norm(x, res, &norm.w, eps, &self.w)?;
             return Ok((sum, self.add_bias(y)?));
-        }
-        if let Some(r) = res {
-            if fast && self.takes_gemv() && kestrel_kernels::gemv_applies(x, &self.w) {
-                let (sum, y) = kestrel_kernels::add_rms_norm_gemv(x, r, &norm.w, eps, &self.w)?;
-                return Ok((sum, self.add_bias(y)?));
-            }
         }
         let (sum, h) = norm.forward_maybe_add(x, res)?;
         Ok((sum, self.forward_with(&h, fast)?))
@@ -576,17 +568,8 @@ impl Attention {
             self.n_heads,
             self.n_kv,
         )?;
-        let fast = ctx.matvec();
-        if fast
-            && self.o.takes_gemv()
-            && kestrel_kernels::paged_attention_gemv_applies(&q, &self.o.w)
-        {
-            // The attention writes its rows in the order the product reads them, where it can.
-            let y = kestrel_kernels::paged_attention_gemv(&q, kp, vp, &ka.meta, &self.o.w)?;
-            return self.o.add_bias(y);
-        }
         let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
-        self.o.forward_with(&out, fast)
+        self.o.forward_with(&out, ctx.matvec())
     }
 
     /// `(x + res, attention(norm(x + res)))` for a CUDA step, the add and norm fused into
@@ -756,8 +739,7 @@ impl Mlp {
         }
     }
 
-    /// The down projection of `swiglu(gu)`: Kestrel's `gemv_swiglu` when it takes the `gemv`
-    /// kernel (one launch where that stages the rows).
+    /// The down projection of `swiglu(gu)`: one launch when it takes the `gemv` kernel.
     fn down_swiglu(&self, gu: &Tensor, fast: bool) -> Result<Tensor> {
         if fast && self.down.takes_gemv() && kestrel_kernels::gemv_swiglu_applies(gu, &self.down.w)
         {
