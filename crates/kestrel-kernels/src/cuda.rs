@@ -76,6 +76,14 @@ fn threads_for(width: usize) -> u32 {
     (width.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
+/// Whether every one of `layouts` starts on a 16-byte boundary (elements of `elem_bytes`),
+/// as a kernel's 16-byte accesses need.
+fn start_aligned(layouts: &[&Layout], elem_bytes: usize) -> bool {
+    layouts
+        .iter()
+        .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16))
+}
+
 fn i32_arg(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds i32")))
 }
@@ -457,9 +465,7 @@ impl AddRmsNorm {
         // below `rows` of the layout, whose other rows no product reads into a stored output).
         let out = unsafe { dev.alloc::<T>(len)? };
         let elem_bytes = std::mem::size_of::<T>();
-        let aligned = [x.1, r.1, w.1]
-            .iter()
-            .all(|l| (l.start_offset() * elem_bytes).is_multiple_of(16));
+        let aligned = start_aligned(&[x.1, r.1, w.1], elem_bytes);
         let cols = !self.gemv_order && column_blocks(h, elem_bytes, aligned);
         if rows > 0 {
             let kernel = if self.gemv_order {
@@ -599,7 +605,14 @@ impl SwiGlu {
             }
             b.arg(&total);
             b.arg(&inter_a);
-            let blocks = total.div_ceil(256).min(65535) as u32;
+            // 16-byte accesses where the rows allow them: a thread then takes that many columns.
+            let elem_bytes = std::mem::size_of::<T>();
+            let per_vec = 16 / elem_bytes;
+            let vec = inter.is_multiple_of(per_vec) && start_aligned(&[l], elem_bytes);
+            let vec_a = i32::from(vec);
+            b.arg(&vec_a);
+            let units = if vec { total / per_vec } else { total };
+            let blocks = units.div_ceil(256).min(65535) as u32;
             // SAFETY: argument types match kestrel_swiglu_* (total is size_t there).
             unsafe { b.launch(launch_cfg((blocks, 1), 256)) }?;
         }
@@ -1108,9 +1121,19 @@ impl QkvRope {
             b.arg(&nh);
             b.arg(&nkv);
             b.arg(&d_a);
+            // 16-byte accesses where every row allows them: a thread then takes that many
+            // pairs of a head.
+            let elem_bytes = std::mem::size_of::<T>();
+            let per_vec = 16 / elem_bytes;
+            let vec = (d / 2).is_multiple_of(per_vec)
+                && start_aligned(&[qkv.1, cl, sl, kl, vl], elem_bytes);
+            let vec_a = i32::from(vec);
+            b.arg(&vec_a);
+            let units = (self.nh + 2 * self.nkv) * (d / 2) / if vec { per_vec } else { 1 };
+            let threads = threads_for(units).min(128);
             let cfg = launch_cfg(
-                (n_tok as u32, (self.nh + 2 * self.nkv) as u32),
-                threads_for(d / 2).min(128),
+                (n_tok as u32, units.div_ceil(threads as usize) as u32),
+                threads,
             );
             // SAFETY: argument types match kestrel_qkv_rope_*; the kernel writes the pools
             // (through views of read guards: nothing on the host reads them meanwhile, and

@@ -155,6 +155,18 @@ template <typename T> __device__ __forceinline__ void store16(T *p, const float 
     *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(out);
 }
 
+// V consecutive values of T, loaded or stored as one access of V · sizeof(T) bytes (the
+// address aligned to that).
+template <typename T, int V> struct alignas(V * sizeof(T)) Pack {
+    T v[V];
+};
+template <typename T, int V> __device__ __forceinline__ Pack<T, V> load_pack(const T *p) {
+    return *reinterpret_cast<const Pack<T, V> *>(p);
+}
+template <typename T, int V> __device__ __forceinline__ void store_pack(T *p, const Pack<T, V> &v) {
+    *reinterpret_cast<Pack<T, V> *>(p) = v;
+}
+
 // One warp's share of a gemv: a part of K of output column n. The weights are loaded first
 // (`prefetch`), so that the fused variants' staging of their inputs overlaps that memory
 // latency, and applied to the rows afterwards (`finish`).
@@ -278,6 +290,23 @@ __device__ __forceinline__ size_t wg_rows_offset(const int m, const int k, const
     const int jc = q / 2; // 2j + c, with j = q / 4 and c = q % 4 / 2
     const int e = 2 * (r / 16) + q % 2;
     return ((size_t)(m / 64) * (K / MMA_KB) + k / MMA_KB) * (64 * MMA_KB) + ((size_t)jc * 64 + m % 64) * 8 + e;
+}
+// N values of row m from column k into the warpgroup engine's layout, rounded to T. The
+// layout keeps each even column's pair together (wg_rows_offset(m, k + 1) is one past
+// wg_rows_offset(m, k) for even k), so an even N at an even k goes as N / 2 four-byte stores.
+template <int N, typename T>
+__device__ __forceinline__ void store_laid(T *laid, const int m, const int k, const int K,
+                                           const float *v) {
+    if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int p = 0; p < N / 2; ++p) {
+            const Pack<T, 2> pair{{from_f<T>(v[2 * p]), from_f<T>(v[2 * p + 1])}};
+            store_pack(laid + wg_rows_offset(m, k + 2 * p, K), pair);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) laid[wg_rows_offset(m, k + i, K)] = from_f<T>(v[i]);
+    }
 }
 // Tiles of 8 rows a pass of the tensor-core engine takes when the rows come from global
 // memory (the fused variants take one tile: GEMV_MAX_ROWS rows).
@@ -940,8 +969,7 @@ __device__ void add_rmsnorm_rows(const T *__restrict__ x, const T *__restrict__ 
         load16(w + v * VEC, wn);
         normed_vec<T>(s, wn, scale);
         if (laid) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) laid[wg_rows_offset(row, v * VEC + i, h)] = from_f<T>(s[i]);
+            store_laid<VEC>(laid, row, v * VEC, h, s);
         } else {
             store16(norm_out + v * VEC, s);
         }
@@ -1129,20 +1157,31 @@ __device__ void add_rmsnorm_column_blocks(const T *__restrict__ x, const T *__re
 // out [n_rows, inter] = round_T(round_T(silu(gate)) · up), the rounding of candle's
 // `silu(gate) * up` in the tensor's dtype; with `laid`, the rows go there instead, in the
 // warpgroup engine's layout (wg_rows_offset), for the down projection.
+// A thread takes V consecutive columns of a row: 16 bytes where the host found inter a
+// multiple of that and the rows aligned to it (one element a thread cost a 64-row Llama-2-7B
+// verification ~7 µs a layer in 2-byte accesses), else one.
 // ---------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, int V>
 __device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, T *__restrict__ laid,
                        const size_t total, const int inter) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+    const int per_row = inter / V;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total / V;
          i += (size_t)gridDim.x * blockDim.x) {
-        const size_t row = i / inter, c = i % inter;
-        const float g = to_f(gu[row * 2 * inter + c]);
-        const float u = to_f(gu[row * 2 * inter + inter + c]);
-        const T v = from_f<T>(silu_t<T>(g) * u);
-        if (laid)
-            laid[wg_rows_offset((int)row, (int)c, inter)] = v;
-        else
-            out[i] = v;
+        const size_t row = i / per_row;
+        const int c = (int)(i % per_row) * V;
+        const Pack<T, V> g = load_pack<T, V>(gu + row * 2 * inter + c);
+        const Pack<T, V> u = load_pack<T, V>(gu + row * 2 * inter + inter + c);
+        float f[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[j] = silu_t<T>(to_f(g.v[j])) * to_f(u.v[j]);
+        if (laid) {
+            store_laid<V>(laid, (int)row, c, inter, f);
+        } else {
+            Pack<T, V> o;
+#pragma unroll
+            for (int j = 0; j < V; ++j) o.v[j] = from_f<T>(f[j]);
+            store_pack(out + row * inter + c, o);
+        }
     }
 }
 
@@ -1153,29 +1192,40 @@ __device__ void swiglu(const T *__restrict__ gu, T *__restrict__ out, T *__restr
 // slots: [n_tok] pool rows. Writes q_out [n_tok, nh, d] (roped), and the roped K and the V
 // rows of every token into the pools at its slot. The rotation is candle's rope_thd written
 // the same way in T (x1·c − x2·s, x1·s + x2·c), so results match the ops it replaces.
-// Grid (n_tok, nh + 2·nkv), one thread per pair of elements.
+// Grid (n_tok, ⌈heads · d/2 / V / blockDim⌉): a thread takes V consecutive pairs (element i
+// and i + d/2) of one head, 16 bytes of each where the host found d/2 a multiple of that and
+// every row aligned to it, else one pair (a thread a pair cost a 64-row Llama-2-7B
+// verification ~10 µs a layer).
 // ---------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, int V>
 __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
                          const T *__restrict__ sin, const unsigned int *__restrict__ slots,
                          T *__restrict__ q_out, T *__restrict__ k_pool, T *__restrict__ v_pool,
                          const int nh, const int nkv, const int d) {
-    const int t = blockIdx.x, hh = blockIdx.y, half = d / 2;
-    const T *src = qkv + ((size_t)t * (nh + 2 * nkv) + hh) * d;
+    const int t = blockIdx.x, half = d / 2, per_head = half / V, heads = nh + 2 * nkv;
+    const int unit = blockIdx.y * blockDim.x + threadIdx.x;
+    if (unit >= heads * per_head) return;
+    const int hh = unit / per_head, i = (unit % per_head) * V;
+    const T *src = qkv + ((size_t)t * heads + hh) * d;
     const size_t slot = slots[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        if (hh >= nh + nkv) {
-            T *dst = v_pool + (slot * nkv + (hh - nh - nkv)) * d;
-            dst[i] = src[i];
-            dst[i + half] = src[i + half];
-            continue;
-        }
-        T *dst = hh < nh ? q_out + ((size_t)t * nh + hh) * d : k_pool + (slot * nkv + (hh - nh)) * d;
-        const T c = cos[(size_t)t * half + i];
-        const T s = sin[(size_t)t * half + i];
-        dst[i] = src[i] * c - src[i + half] * s;
-        dst[i + half] = src[i] * s + src[i + half] * c;
+    const Pack<T, V> x1 = load_pack<T, V>(src + i), x2 = load_pack<T, V>(src + i + half);
+    if (hh >= nh + nkv) {
+        T *dst = v_pool + (slot * nkv + (hh - nh - nkv)) * d;
+        store_pack(dst + i, x1);
+        store_pack(dst + i + half, x2);
+        return;
     }
+    T *dst = hh < nh ? q_out + ((size_t)t * nh + hh) * d : k_pool + (slot * nkv + (hh - nh)) * d;
+    const Pack<T, V> c = load_pack<T, V>(cos + (size_t)t * half + i);
+    const Pack<T, V> s = load_pack<T, V>(sin + (size_t)t * half + i);
+    Pack<T, V> lo, hi;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        lo.v[j] = x1.v[j] * c.v[j] - x2.v[j] * s.v[j];
+        hi.v[j] = x1.v[j] * s.v[j] + x2.v[j] * c.v[j];
+    }
+    store_pack(dst + i, lo);
+    store_pack(dst + i + half, hi);
 }
 
 #include "attention.cuh"
@@ -1226,9 +1276,12 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
     }                                                                                           \
     extern "C" __global__ void kestrel_qkv_rope_##SUFFIX(                                       \
         const T *qkv, const T *cos, const T *sin, const unsigned int *slots, T *q_out,          \
-        T *k_pool, T *v_pool, const int nh, const int nkv, const int d) {                       \
-        pdl_enter();                                                                \
-        qkv_rope<T>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d);                   \
+        T *k_pool, T *v_pool, const int nh, const int nkv, const int d, const int vec) {        \
+        pdl_enter();                                                                            \
+        if (vec)                                                                                \
+            qkv_rope<T, 16 / sizeof(T)>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d); \
+        else                                                                                    \
+            qkv_rope<T, 1>(qkv, cos, sin, slots, q_out, k_pool, v_pool, nh, nkv, d);            \
     }                                                                                           \
     extern "C" __global__ void kestrel_kv_move_##SUFFIX(const unsigned int *table, T *scratch,   \
                                                         const int n_pools, const int m,         \
@@ -1273,9 +1326,13 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         gemv_add_rmsnorm<T>(x, res, nw, w, y, sum_out, M, N, K, eps, split);                    \
     }                                                                                           \
     extern "C" __global__ void kestrel_swiglu_##SUFFIX(const T *gu, T *out, T *laid,             \
-                                                       const size_t total, const int inter) {   \
-        pdl_enter();                                                                \
-        swiglu<T>(gu, out, laid, total, inter);                                                 \
+                                                       const size_t total, const int inter,     \
+                                                       const int vec) {                         \
+        pdl_enter();                                                                            \
+        if (vec)                                                                                \
+            swiglu<T, 16 / sizeof(T)>(gu, out, laid, total, inter);                             \
+        else                                                                                    \
+            swiglu<T, 1>(gu, out, laid, total, inter);                                          \
     }
 
 // kestrel_add_rmsnorm's rows in column blocks (16-bit T), one block of NORM_COL_THREADS a row.

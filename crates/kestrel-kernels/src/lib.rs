@@ -680,7 +680,7 @@ pub fn gemv_swiglu(gu: &Tensor, w: &Tensor) -> Result<Tensor> {
     if m > fused_rows {
         // Apart is cheaper there and gives the same bits; where the product takes the
         // warpgroup engine, SwiGLU writes its rows in the engine's layout.
-        if takes_wgmma(gu, m, w)? {
+        if lays_out("swiglu") && takes_wgmma(gu, m, w)? {
             return gemv_laid(&swiglu_op(gu, true)?, m, w);
         }
         return gemv(&swiglu(gu)?, w);
@@ -759,7 +759,7 @@ pub fn gemv_add_rms_norm(
         };
         // Where the product takes the warpgroup engine, the norm writes its rows in the
         // engine's layout, which spares the layout's own launch; the same values either way.
-        let (sum, y) = if takes_wgmma(x, m, w)? {
+        let (sum, y) = if lays_out("norm") && takes_wgmma(x, m, w)? {
             let (sum, laid) = add_rms_norm_in(x, r, norm_w, eps, true, true)?;
             (sum, gemv_laid(&laid, m, w)?)
         } else {
@@ -915,6 +915,22 @@ fn swiglu_op(gu: &Tensor, laid: bool) -> Result<Tensor> {
         let _ = (gu, laid);
         no_cuda("swiglu")
     }
+}
+
+/// Whether `producer` ("norm" or "swiglu": the many-row paths of [`gemv_add_rms_norm`] and
+/// [`gemv_swiglu`]) writes the rows of a product that takes the warpgroup engine in its
+/// layout: yes, unless `KESTREL_LAID_OFF` names it (comma-separated, or `all`), which leaves
+/// the layout to its own launch, with the same bits: to measure what each producer's layout
+/// saves (on Llama-2-7B's shapes, where those paths do not apply, such producers were slower
+/// than the layout's launch: docs/gpu-results.md, session 51).
+fn lays_out(producer: &str) -> bool {
+    static OFF: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let off = OFF.get_or_init(|| {
+        std::env::var("KESTREL_LAID_OFF")
+            .map(|v| v.split(',').map(|p| p.trim().to_string()).collect())
+            .unwrap_or_default()
+    });
+    !off.iter().any(|p| p == producer || p == "all")
 }
 
 /// Whether the product of `m` rows of `x`'s device and dtype by `w [n, k]` takes the warpgroup

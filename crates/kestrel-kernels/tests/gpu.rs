@@ -385,10 +385,12 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // d = 24: 12 pairs a head, whole 16-byte vectors in f32 only.
         for (n_tok, nh, nkv, d) in [
             (1usize, 9usize, 3usize, 64usize),
             (5, 4, 2, 128),
             (3, 32, 32, 128),
+            (2, 4, 2, 24),
         ] {
             let slots = 16;
             let ids: Vec<u32> = (0..n_tok as u32).map(|i| (i * 7 + 3) % slots).collect();
@@ -406,6 +408,14 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
             };
             let (kf, vf) = pools();
             let q = qkv_rope_append(&qkv, &cos, &sin, &slot_t, &kf, &vf, nh, nkv).unwrap();
+            // The same rows one element past a 16-byte boundary take the kernel's one-pair
+            // path, written like the 16-byte one (which keeps the old one-pair kernel's bits:
+            // spec-bench's output digests) but contracted by ptxas in its own way: within the
+            // rounding checked below, not bit for bit. Every step of a model takes the same
+            // path (its tensors' alignment does not depend on the step).
+            let (ku, vu) = pools();
+            let qu =
+                qkv_rope_append(&unaligned(&qkv), &cos, &sin, &slot_t, &ku, &vu, nh, nkv).unwrap();
 
             let part = |start: usize, heads: usize| {
                 qkv.narrow(1, start * d, heads * d)
@@ -449,6 +459,15 @@ fn qkv_rope_append_matches_rope_and_two_appends() {
                 assert!(err <= tol, "{case}: {what} max abs error {err}");
             }
             assert_eq!(host(&vf), host(&vr), "{case}: V rows are copied exactly");
+            assert_eq!(
+                host(&vu),
+                host(&vr),
+                "{case}: V rows are copied exactly unaligned"
+            );
+            for (what, got, want) in [("q", &qu, &want_q), ("K pool", &ku, &kr)] {
+                let err = max_abs(&host(got), &host(want));
+                assert!(err <= tol, "{case}: {what} unaligned, max abs error {err}");
+            }
         }
     }
 }
@@ -467,8 +486,14 @@ fn swiglu_matches_candle_cpu() {
             let want = (c.narrow(1, 0, inter).unwrap().silu().unwrap()
                 * c.narrow(1, inter, inter).unwrap())
             .unwrap();
-            let got = swiglu(&to_dev(&gu, &[rows, 2 * inter], dtype, &dev)).unwrap();
+            let dev_gu = to_dev(&gu, &[rows, 2 * inter], dtype, &dev);
+            let got = swiglu(&dev_gu).unwrap();
             assert_eq!(got.dims(), [rows, inter]);
+            // One element past a 16-byte boundary: the kernel's one-value path, same bits.
+            assert!(
+                host(&swiglu(&unaligned(&dev_gu)).unwrap()) == host(&got),
+                "{dtype:?} [{rows}, {inter}]: differs unaligned"
+            );
             let tol = match dtype {
                 DType::F32 => 1e-5,
                 DType::F16 => 2e-2,
@@ -1680,6 +1705,14 @@ fn gemv_matches_a_cpu_matmul_and_each_row_ignores_the_others() {
     assert!(!gemv_applies(&x, &w));
     let err = gemv(&x, &w).unwrap_err().to_string();
     assert!(err.contains("do not fit the kernel"), "{err}");
+}
+
+/// `t`'s values in a contiguous view that starts one element past a 16-byte boundary.
+fn unaligned(t: &Tensor) -> Tensor {
+    let n = t.elem_count();
+    let flat = t.flatten_all().unwrap();
+    let padded = Tensor::cat(&[&flat.narrow(0, 0, 1).unwrap(), &flat], 0).unwrap();
+    padded.narrow(0, 1, n).unwrap().reshape(t.dims()).unwrap()
 }
 
 /// A tensor's first `m` rows.
