@@ -395,8 +395,9 @@ fn sampled_runs_are_recorded_and_repeat_with_their_seed() {
         assert!((sampling["temperature"].as_f64().unwrap() - 1.5).abs() < 1e-6);
         assert_eq!(sampling["top_k"], 12);
         assert_eq!(sampling["seed"].as_u64().unwrap().to_string(), seed);
-        // Sampling on the device applies to GPUs only.
+        // Sampling on the device and launching plain steps ahead apply to GPUs only.
         assert_eq!(report["device_sampling"], false);
+        assert_eq!(report["launch_ahead"], false);
         let rs = results(&report);
         // Sampled speculation keeps the target's distribution, not plain decoding's draws:
         // no equality with plain is claimed.
@@ -636,6 +637,10 @@ fn bench_refuses_bad_input_in_one_line() {
     assert_eq!(
         bench_error(&["--random_weights", "tiny", "--in_flight", "sometimes"]),
         "--in_flight sometimes: expected on or off"
+    );
+    assert_eq!(
+        bench_error(&["--random_weights", "tiny", "--launch_ahead", "later"]),
+        "--launch_ahead later: expected on or off"
     );
     assert_eq!(
         bench_error(&[

@@ -146,6 +146,12 @@ pub struct BenchArgs {
     /// to measure what the round trips cost. The output is the same.
     #[arg(long, default_value = "on")]
     pub draft_on_device: String,
+    /// Whether plain decoding on a GPU launches each step before the previous step's tokens
+    /// reach the host: `on` (the host's work between steps overlaps the device's) or `off`
+    /// (each step waits for its tokens), to measure what the overlap saves. The output is
+    /// the same.
+    #[arg(long, default_value = "on")]
+    pub launch_ahead: String,
     /// In-flight batching: `on` (a finished sequence's place goes to the next prompt at once)
     /// or `off` (static batches: the next prompts wait for the whole batch), to measure what
     /// it saves. The output is the same.
@@ -539,6 +545,9 @@ pub struct BenchReport {
     /// Whether EAGLE's static trees kept their top-k drafted tokens on the device
     /// (`--draft_on_device`).
     pub draft_on_device: bool,
+    /// Whether plain decoding launched each step before the previous step's tokens reached
+    /// the host (`--launch_ahead`; false on the CPU).
+    pub launch_ahead: bool,
     /// Whether finished sequences gave their places to the next prompts at once
     /// (`--in_flight`).
     pub in_flight: bool,
@@ -656,6 +665,7 @@ fn draft_target_view(engine: &Engine, k: usize) -> Engine {
         eagle_choices: None,
         device: engine.device.clone(),
         derived_from: engine.derived_from.clone(),
+        launch_ahead: engine.launch_ahead,
     }
 }
 
@@ -788,6 +798,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     kestrel_runtime::device::set_device_sampling(device_sampling);
     let draft_on_device = on_off("--draft_on_device", &args.draft_on_device)?;
     kestrel_runtime::device::set_draft_on_device(draft_on_device);
+    let launch_ahead = on_off("--launch_ahead", &args.launch_ahead)?;
     let in_flight = on_off("--in_flight", &args.in_flight)?;
     kestrel_runtime::set_in_flight_batching(in_flight);
     let sampling = args.sampling.params();
@@ -835,6 +846,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         }
     }
     engine.set_cuda_graphs(!args.no_cuda_graphs);
+    engine.launch_ahead = device.is_cuda() && launch_ahead;
     let draft = match &args.draft_engine_dir {
         Some(dir) => {
             let mut draft = load_draft(&engine, dir, &device, &args.draft_derivation)?;
@@ -1223,6 +1235,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         sampling,
         device_sampling: device.is_cuda() && device_sampling,
         draft_on_device,
+        launch_ahead: device.is_cuda() && launch_ahead,
         in_flight,
         eagle_sampling: args.eagle_sampling.clone(),
         eagle_posterior_threshold: args.eagle_posterior_threshold,

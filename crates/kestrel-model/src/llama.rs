@@ -579,7 +579,8 @@ impl Llama {
         taps: &[usize],
     ) -> Result<Tensor> {
         if self.device.is_cpu() && self.cpu_kernels {
-            let rows = batch.iter().map(|s| s.tokens.len()).sum();
+            // Positions, not host tokens: a step fed device ids carries none.
+            let rows = batch.iter().map(|s| s.positions.len()).sum();
             return crate::team::run(rows, || {
                 self.forward_impl(batch, device_ids, cache, matvec, taps)
             });

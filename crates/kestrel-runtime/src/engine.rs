@@ -29,6 +29,12 @@ pub struct Engine {
     /// reads (at 4 bits, or skipping layers): on the same device the two share the KV cache
     /// in draft-target decoding (the copy's layers, heads and dtype are the engine's).
     pub derived_from: Option<PathBuf>,
+    /// Whether plain decoding launches each step before the previous step's tokens reach
+    /// the host, feeding it those tokens where they were picked (`plain.rs`): on by default
+    /// on a GPU, where the host's work between steps then overlaps the device's; off on the
+    /// CPU, where a step is finished when it returns and going ahead would only send each
+    /// token to the caller one step later. The tokens are the same either way.
+    pub launch_ahead: bool,
 }
 
 /// The tokenizer and chat template an engine (or `--tokenizer_dir`) carries.
@@ -95,6 +101,7 @@ impl Engine {
             eagle_choices,
             device: device.clone(),
             derived_from: None,
+            launch_ahead: device.is_cuda(),
         };
         engine.set_cuda_graphs(true);
         Ok(engine)
@@ -151,6 +158,7 @@ impl Engine {
             plan,
             config,
             device: model.device().clone(),
+            launch_ahead: model.device().is_cuda(),
             model,
             eagle: None,
             draft_vocab: None,

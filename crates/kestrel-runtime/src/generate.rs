@@ -6,7 +6,7 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::kv_budget::{PoolShape, FRACTION_FLAG};
-use crate::logit_rows::row_tokens;
+use crate::logit_rows::{row_ids, RowIds};
 use crate::request::{GenerationParams, KvPoolStats, RunTimings, SequenceOutput, TokenSink};
 use crate::sequence::{validate_prompts, Sequence};
 use candle_core::Tensor;
@@ -190,6 +190,15 @@ impl<'a> Admission<'a> {
         finished
     }
 
+    /// Whether no prompt can join the batch before one of its sequences retires: every
+    /// prompt is admitted, the batch is full, or in-flight batching is off. (A prompt waiting
+    /// for KV blocks counts as able to join.)
+    pub fn waits_for_retirement(&self) -> bool {
+        self.is_empty()
+            || self.active.len() >= self.limits.max_batch_size
+            || (!IN_FLIGHT.load(Ordering::Relaxed) && !self.active.is_empty())
+    }
+
     /// The admitted sequences not retired yet, ascending: after [`Admission::retire`], the
     /// live ones.
     pub fn active(&self) -> &[usize] {
@@ -223,12 +232,21 @@ pub(crate) fn sample_rows(
     seqs: &mut [&mut Sequence],
     params: &GenerationParams,
 ) -> Result<Vec<u32>> {
+    pick_rows(logits, seqs, params)?.fetch()
+}
+
+/// [`sample_rows`], the tokens left where they were picked (on a GPU, the device).
+pub(crate) fn pick_rows(
+    logits: &Tensor,
+    seqs: &mut [&mut Sequence],
+    params: &GenerationParams,
+) -> Result<RowIds> {
     let uniforms: Vec<f64> = if params.sampling.is_greedy() {
         Vec::new()
     } else {
         seqs.iter_mut().map(|s| s.rng.uniform()).collect()
     };
-    row_tokens(logits, &params.sampling, &uniforms)
+    row_ids(logits, &params.sampling, &uniforms)
 }
 
 /// Every sequence's prompt from token `starts[i]` on (the tokens before it came from cached

@@ -28,7 +28,7 @@
 
 use crate::device::device_sampling;
 use crate::error::Result;
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use kestrel_spec::sampling::{self, SamplingParams};
 
 /// A model's rows as an acceptance rule needs them.
@@ -87,6 +87,15 @@ pub(crate) enum RowIds {
 }
 
 impl RowIds {
+    /// The ids as u32 `[rows]` on `device`, for a step that reads them there: the same
+    /// tensor when they were picked on it, else an upload.
+    pub(crate) fn on(&self, device: &Device) -> Result<Tensor> {
+        match self {
+            RowIds::Device(ids) => Ok(ids.clone()),
+            RowIds::Host(ids) => Ok(Tensor::from_slice(ids, ids.len(), device)?),
+        }
+    }
+
     pub(crate) fn fetch(self) -> Result<Vec<u32>> {
         Ok(self.fetch_with(None)?.0)
     }

@@ -3,12 +3,15 @@
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::generate::{
-    count_prompt, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission, Decoder,
+    count_prompt, pick_rows, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission,
+    Decoder,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
+use crate::logit_rows::RowIds;
 use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
+use candle_core::Tensor;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use std::time::Instant;
 
@@ -64,6 +67,58 @@ impl PlainDecoder<'_> {
         }
         Ok(())
     }
+
+    /// Puts a decode step of the sequences `live` on the device and picks their next tokens
+    /// there, without waiting for them. Each sequence is fed its last committed token, or,
+    /// given `fed` (u32 `[live.len()]`, the tokens the step before picked and not committed
+    /// yet), that token at the position after it.
+    fn launch(
+        &mut self,
+        seqs: &mut [Sequence],
+        ids: &[SeqId],
+        live: Vec<usize>,
+        fed: Option<&Tensor>,
+        params: &GenerationParams,
+    ) -> Result<Launched> {
+        let model = &self.engine.model;
+        let logits = {
+            let pos: Vec<[u32; 1]> = live
+                .iter()
+                .map(|&i| {
+                    let len = seqs[i].tokens.len();
+                    [(if fed.is_some() { len } else { len - 1 }) as u32]
+                })
+                .collect();
+            let batch: Vec<SeqInput> = live
+                .iter()
+                .zip(&pos)
+                .map(|(&i, p)| SeqInput {
+                    seq: ids[i],
+                    tokens: match fed {
+                        Some(_) => &[],
+                        None => std::slice::from_ref(seqs[i].tokens.last().expect("non-empty")),
+                    },
+                    positions: p,
+                    mask: None,
+                    output_rows: OutputRows::Last,
+                })
+                .collect();
+            let hidden = match fed {
+                Some(fed) => model.forward_tapped_device_ids(&batch, fed, &mut self.cache, &[])?,
+                None => model.forward(&batch, &mut self.cache)?,
+            };
+            model.logits(&hidden)?
+        };
+        let picked = pick_rows(&logits, &mut seqs_at(seqs, &live), params)?;
+        Ok(Launched { live, ids: picked })
+    }
+}
+
+/// A decode step on the device whose tokens have not been read back: its sequences (indices
+/// into the run's, ascending) and their next tokens, where they were picked.
+struct Launched {
+    live: Vec<usize>,
+    ids: RowIds,
 }
 
 impl Decoder for PlainDecoder<'_> {
@@ -74,56 +129,66 @@ impl Decoder for PlainDecoder<'_> {
         sink: &mut dyn TokenSink,
         timings: &mut RunTimings,
     ) -> Result<Vec<Sequence>> {
-        let model = &self.engine.model;
         let mut seqs: Vec<Sequence> = Vec::new();
         let mut ids: Vec<SeqId> = Vec::new();
         let mut prefixes = PromptPrefixes::new(Slots::Tokens);
+        let mut launched: Option<Launched> = None;
+        // When the last step's tokens were committed (or its batch was first launched): a
+        // step's time runs from there to its own commit, so overlapped steps are not
+        // counted twice.
+        let mut mark = Instant::now();
         loop {
-            for i in admission.retire(&seqs) {
-                prefixes.free(&mut self.cache, i, ids[i])?;
+            let step = match launched.take() {
+                Some(step) => step,
+                None => {
+                    for i in admission.retire(&seqs) {
+                        prefixes.free(&mut self.cache, i, ids[i])?;
+                    }
+                    if let Some(first) = admission.admit_into(&mut seqs)? {
+                        ids.extend((first..seqs.len()).map(|_| self.cache.add_sequence()));
+                        self.prefill(
+                            &mut seqs[first..],
+                            &ids[first..],
+                            &mut prefixes,
+                            params,
+                            sink,
+                            timings,
+                        )?;
+                        continue;
+                    }
+                    let live = admission.active().to_vec();
+                    if live.is_empty() {
+                        return Ok(seqs);
+                    }
+                    mark = Instant::now();
+                    self.launch(&mut seqs, &ids, live, None, params)?
+                }
+            };
+            // The next step goes to the device before this one's tokens come back, fed them
+            // where they were picked, when it is sure to be the next step: every sequence
+            // takes it unless this step gives it an end id (whose row the next step then
+            // computes for nothing), and no prompt can join before a sequence retires.
+            let ahead = if self.engine.launch_ahead
+                && admission.waits_for_retirement()
+                && step.live.iter().all(|&i| seqs[i].outlives_next_token())
+            {
+                let fed = step.ids.on(self.engine.model.device())?;
+                Some(self.launch(&mut seqs, &ids, step.live.clone(), Some(&fed), params)?)
+            } else {
+                None
+            };
+            let next = step.ids.fetch()?;
+            for (s, t) in seqs_at(&mut seqs, &step.live).into_iter().zip(next) {
+                // A sequence that ended on the step before this one had no step here.
+                if s.is_live() {
+                    s.stats.record_step(1);
+                    s.commit(&[t], params, sink);
+                }
             }
-            if let Some(first) = admission.admit_into(&mut seqs)? {
-                ids.extend((first..seqs.len()).map(|_| self.cache.add_sequence()));
-                self.prefill(
-                    &mut seqs[first..],
-                    &ids[first..],
-                    &mut prefixes,
-                    params,
-                    sink,
-                    timings,
-                )?;
-                continue;
-            }
-            let live = admission.active().to_vec();
-            if live.is_empty() {
-                return Ok(seqs);
-            }
-            let step_start = Instant::now();
-            let pos: Vec<[u32; 1]> = live
-                .iter()
-                .map(|&i| [(seqs[i].tokens.len() - 1) as u32])
-                .collect();
-            let batch: Vec<SeqInput> = live
-                .iter()
-                .zip(&pos)
-                .map(|(&i, p)| SeqInput {
-                    seq: ids[i],
-                    tokens: std::slice::from_ref(seqs[i].tokens.last().expect("non-empty")),
-                    positions: p,
-                    mask: None,
-                    output_rows: OutputRows::Last,
-                })
-                .collect();
-            let hidden = model.forward(&batch, &mut self.cache)?;
-            let logits = model.logits(&hidden)?;
-            let mut rows = seqs_at(&mut seqs, &live);
-            let next = sample_rows(&logits, &mut rows, params)?;
-            for (s, t) in rows.iter_mut().zip(next) {
-                s.stats.record_step(1);
-                s.commit(&[t], params, sink);
-            }
-            timings.verify_s += step_start.elapsed().as_secs_f64();
+            timings.verify_s += mark.elapsed().as_secs_f64();
+            mark = Instant::now();
             timings.batch_steps += 1;
+            launched = ahead;
         }
     }
 

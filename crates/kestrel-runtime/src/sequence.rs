@@ -40,6 +40,12 @@ impl Sequence {
         self.finish.is_none()
     }
 
+    /// Whether the sequence is still live after one more token, unless that token is an
+    /// end id: the next token cannot end it by length.
+    pub fn outlives_next_token(&self) -> bool {
+        self.finish.is_none() && self.tokens.len() + 1 < self.max_total
+    }
+
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }
