@@ -27,6 +27,8 @@
 //! - [`capture`] / [`StepGraph`]: a whole step captured as a CUDA graph and replayed, fed
 //!   through [`upload_into`]; what the step allocates is moved into a [`GraphArena`] its
 //!   model's graphs share (`graph_arena.rs`), so replays take nothing from the driver's pool.
+//! - [`IdsReadback`]: token ids read back through page-locked memory, the host waiting for
+//!   their copy only, not for a step queued after it.
 //! - [`open_cuda`] / [`limit_thread_stack`]: a device whose context's per-thread stack is cut
 //!   to what these kernels need.
 //! - [`set_dependent_launch`]: programmatic dependent launch on Hopper (on by default), which
@@ -45,12 +47,14 @@ mod graph;
 mod graph_arena;
 #[cfg(feature = "cuda")]
 mod launch;
+mod readback;
 mod rows;
 mod stack;
 
 pub use gemv_quant::{QuantGemvWeights, QUANT_GEMV_BLOCK, QUANT_GEMV_ROWS};
 pub use graph::{capture, upload_into, with_upload_cache, GraphArena, StepGraph, UploadElem};
 pub use graph_arena::RelocationStats;
+pub use readback::IdsReadback;
 pub use rows::{gather_rows, scatter_rows};
 pub use stack::{limit_thread_stack, open_cuda, thread_stack_limit, THREAD_STACK_BYTES};
 

@@ -13,6 +13,7 @@ use kestrel_kernels::{
     GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
+use kestrel_kernels::{upload_into, IdsReadback};
 use kestrel_spec::accept::{draft_target, exact_tree_sampling, DraftProposal};
 use kestrel_spec::sampling::{probs, sample_token, SamplingParams, SeqRng};
 use kestrel_spec::tree::{EagleTree, TreeLimits};
@@ -2016,4 +2017,26 @@ fn limit_thread_stack_gives_back_the_default_reservation() {
     let logits = Tensor::new(&[[0.5f32, 3.0, -1.0, 2.0]], &dev).unwrap();
     let got = top_k_logp(&logits, 2).unwrap().to_vec2::<u32>().unwrap();
     assert_eq!(got[0][..2], [1, 3], "the 2 best ids of the row");
+}
+
+/// Ids read back through page-locked memory are the values the tensor held when the read was
+/// queued: work queued after it (here, new ids uploaded over them) does not reach them; the
+/// buffer grows for a longer read and is reused.
+#[test]
+fn ids_read_back_are_those_queued_before_later_work() {
+    let dev = gpu();
+    let ids = Tensor::new(&[5u32, 0, 49_151, 7], &dev).unwrap();
+    let mut readback = IdsReadback::default();
+    readback.start(&ids).unwrap();
+    upload_into(&ids, 0, &[9u32, 9, 9, 9]).unwrap();
+    assert_eq!(readback.finish().unwrap(), vec![5, 0, 49_151, 7]);
+    assert_eq!(ids.to_vec1::<u32>().unwrap(), vec![9, 9, 9, 9]);
+    let long = Tensor::arange(0u32, 1000, &dev)
+        .unwrap()
+        .reshape((10, 100))
+        .unwrap();
+    readback.start(&long).unwrap();
+    assert_eq!(readback.finish().unwrap(), (0..1000).collect::<Vec<u32>>());
+    readback.start(&ids).unwrap();
+    assert_eq!(readback.finish().unwrap(), vec![9, 9, 9, 9]);
 }

@@ -12,6 +12,7 @@ use crate::prefix::{PromptPrefixes, Slots};
 use crate::request::{GenerationParams, RunTimings, TokenSink};
 use crate::sequence::Sequence;
 use candle_core::Tensor;
+use kestrel_kernels::IdsReadback;
 use kestrel_model::{OutputRows, PagedKvCache, SeqId, SeqInput};
 use std::time::Instant;
 
@@ -19,6 +20,8 @@ pub(crate) struct PlainDecoder<'e> {
     engine: &'e Engine,
     cache: PagedKvCache,
     pools: Vec<PoolShape>,
+    /// Where a step's ids come back through when the next step has gone out first.
+    readback: IdsReadback,
 }
 
 impl<'e> PlainDecoder<'e> {
@@ -30,6 +33,7 @@ impl<'e> PlainDecoder<'e> {
             engine,
             cache,
             pools,
+            readback: IdsReadback::default(),
         })
     }
 }
@@ -173,11 +177,17 @@ impl Decoder for PlainDecoder<'_> {
                 && step.live.iter().all(|&i| seqs[i].outlives_next_token())
             {
                 let fed = step.ids.on(self.engine.model.device())?;
+                // Queued before the next step, so that reading them back waits for this
+                // step alone, not for the one going out behind it.
+                self.readback.start(&fed)?;
                 Some(self.launch(&mut seqs, &ids, step.live.clone(), Some(&fed), params)?)
             } else {
                 None
             };
-            let next = step.ids.fetch()?;
+            let next = match ahead {
+                Some(_) => self.readback.finish()?,
+                None => step.ids.fetch()?,
+            };
             for (s, t) in seqs_at(&mut seqs, &step.live).into_iter().zip(next) {
                 // A sequence that ended on the step before this one had no step here.
                 if s.is_live() {
