@@ -16,6 +16,9 @@ use candle_core::{Result, Tensor};
 pub struct IdsReadback {
     #[cfg(feature = "cuda")]
     pinned: Option<candle_core::cuda::cudarc::driver::PinnedHostSlice<u32>>,
+    /// Recorded after each copy; `finish` waits for it (created once, with the buffer).
+    #[cfg(feature = "cuda")]
+    copied: Option<candle_core::cuda::cudarc::driver::CudaEvent>,
     pending: Pending,
 }
 
@@ -49,6 +52,7 @@ impl IdsReadback {
     #[cfg(feature = "cuda")]
     fn start_on_device(&mut self, ids: &Tensor) -> Result<()> {
         use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::DevicePtr;
         use candle_core::cuda::WrapErr;
         use candle_core::{bail, Storage};
         let n = ids.elem_count();
@@ -73,8 +77,30 @@ impl IdsReadback {
             self.pinned = Some(buf.w()?);
         }
         let pinned = self.pinned.as_mut().expect("allocated above");
-        // Records the buffer's event after the copy, which `finish` waits for.
-        stream.memcpy_dtoh(&src, pinned).w()?;
+        // Waits for the buffer's own event, which no copy here records: returns at once.
+        let dst = pinned.as_mut_ptr().w()?;
+        if self.copied.is_none() {
+            use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+            let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            self.copied = Some(stream.context().new_event(flags).w()?);
+        }
+        let copied = self.copied.as_ref().expect("created above");
+        // The n ids only: cudarc's `memcpy_dtoh` copies the whole destination, which is
+        // longer than the ids whenever fewer rows than the buffer holds are read.
+        let (src_ptr, _record) = src.device_ptr(&stream);
+        // SAFETY: the buffer holds at least n u32 (allocated above), the host touches them only
+        // in `finish`, after the event recorded below; the copy is queued on the stream the
+        // ids were written on.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(dst, n);
+            candle_core::cuda::cudarc::driver::result::memcpy_dtoh_async(
+                dst,
+                src_ptr,
+                stream.cu_stream(),
+            )
+        }
+        .w()?;
+        copied.record(&stream).w()?;
         self.pending = Pending::Pinned(n);
         Ok(())
     }
@@ -95,6 +121,11 @@ impl IdsReadback {
             #[cfg(feature = "cuda")]
             Pending::Pinned(n) => {
                 use candle_core::cuda::WrapErr;
+                let copied = self
+                    .copied
+                    .as_ref()
+                    .expect("a pinned read recorded its event");
+                copied.synchronize().w()?;
                 let pinned = self.pinned.as_ref().expect("a pinned read has its buffer");
                 Ok(pinned.as_slice().w()?[..n].to_vec())
             }
