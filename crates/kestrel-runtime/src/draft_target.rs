@@ -28,7 +28,9 @@
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::generate::{count_prompt, positions, prompt_positions, sample_rows, Admission, Decoder};
+use crate::generate::{
+    count_prompt, positions, prompt_positions, sample_rows, Admission, Decoder, Turn,
+};
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::logit_rows::{draws_on_device, row_tokens, LogitRows, LogitSlice};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -197,36 +199,33 @@ impl<'e> DraftTargetDecoder<'e> {
         timings: &mut RunTimings,
     ) -> Result<()> {
         loop {
-            for i in admission.retire(seqs) {
-                self.free(i, ids[i], prefixes)?;
-            }
-            if let Some(first) = admission.admit_into(seqs)? {
-                for _ in first..seqs.len() {
-                    let draft = match &mut self.drafter {
-                        Drafter::Model {
-                            cache: Some(cache), ..
-                        } => Some(cache.add_sequence()),
-                        _ => None,
-                    };
-                    ids.push(Ids {
-                        target: self.target_cache.add_sequence(),
-                        draft,
-                    });
+            let live = match admission.next_turn(seqs, |i| self.free(i, ids[i], prefixes))? {
+                Turn::Step(live) => live,
+                Turn::Done => return Ok(()),
+                Turn::Prefill(first) => {
+                    for _ in first..seqs.len() {
+                        let draft = match &mut self.drafter {
+                            Drafter::Model {
+                                cache: Some(cache), ..
+                            } => Some(cache.add_sequence()),
+                            _ => None,
+                        };
+                        ids.push(Ids {
+                            target: self.target_cache.add_sequence(),
+                            draft,
+                        });
+                    }
+                    self.prefill(
+                        &mut seqs[first..],
+                        &ids[first..],
+                        prefixes,
+                        params,
+                        sink,
+                        timings,
+                    )?;
+                    continue;
                 }
-                self.prefill(
-                    &mut seqs[first..],
-                    &ids[first..],
-                    prefixes,
-                    params,
-                    sink,
-                    timings,
-                )?;
-                continue;
-            }
-            let live = admission.active().to_vec();
-            if live.is_empty() {
-                return Ok(());
-            }
+            };
             let draft_start = Instant::now();
             let proposals = self.propose(seqs, ids, &live, params)?;
             timings.draft_s += draft_start.elapsed().as_secs_f64();

@@ -199,11 +199,37 @@ impl<'a> Admission<'a> {
             || (!IN_FLIGHT.load(Ordering::Relaxed) && !self.active.is_empty())
     }
 
-    /// The admitted sequences not retired yet, ascending: after [`Admission::retire`], the
-    /// live ones.
-    pub fn active(&self) -> &[usize] {
-        &self.active
+    /// A decoder's turn: retires the sequences that finished (`free(i)` releases each from
+    /// the decoder's caches), then admits the prompts that fit, else names the live ones.
+    pub fn next_turn(
+        &mut self,
+        seqs: &mut Vec<Sequence>,
+        mut free: impl FnMut(usize) -> Result<()>,
+    ) -> Result<Turn> {
+        for i in self.retire(seqs) {
+            free(i)?;
+        }
+        if let Some(first) = self.admit_into(seqs)? {
+            return Ok(Turn::Prefill(first));
+        }
+        let live = self.active.clone();
+        Ok(if live.is_empty() {
+            Turn::Done
+        } else {
+            Turn::Step(live)
+        })
     }
+}
+
+/// What a decoder does next ([`Admission::next_turn`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// Prefill the sequences admitted from this index of `seqs` on.
+    Prefill(usize),
+    /// A step of these live sequences (ascending).
+    Step(Vec<usize>),
+    /// Every sequence is done.
+    Done,
 }
 
 /// `&mut` to the sequences at the ascending indices `at`, in order, without walking the rest.
@@ -348,8 +374,26 @@ mod tests {
         assert_eq!(a.retire(&seqs), Vec::<usize>::new());
         assert_eq!(a.admit_into(&mut seqs).unwrap(), Some(4));
         assert_eq!(indices_of(&seqs[4..]), vec![4]);
-        assert_eq!(a.active(), &[0, 1, 3, 4]);
         assert!(!a.is_empty());
+        // A decoder's turns: a full batch steps its live sequences, in order; a finished one
+        // is freed and its place prefilled; once all are done, the run is.
+        let mut freed = Vec::new();
+        let mut turn = |a: &mut Admission, seqs: &mut Vec<Sequence>| {
+            a.next_turn(seqs, |i| {
+                freed.push(i);
+                Ok(())
+            })
+            .unwrap()
+        };
+        assert_eq!(turn(&mut a, &mut seqs), Turn::Step(vec![0, 1, 3, 4]));
+        finish(&mut seqs, 1);
+        assert_eq!(turn(&mut a, &mut seqs), Turn::Prefill(5));
+        assert_eq!(turn(&mut a, &mut seqs), Turn::Step(vec![0, 3, 4, 5]));
+        for i in [0, 3, 4, 5] {
+            finish(&mut seqs, i);
+        }
+        assert_eq!(turn(&mut a, &mut seqs), Turn::Done);
+        assert_eq!(freed, vec![1, 0, 3, 4, 5]);
         // The live ones, in order, mutably.
         let live: Vec<usize> = seqs_at(&mut seqs, &[1, 3, 4])
             .iter()

@@ -4,7 +4,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::generate::{
     count_prompt, pick_rows, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission,
-    Decoder,
+    Decoder, Turn,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::logit_rows::RowIds;
@@ -144,11 +144,10 @@ impl Decoder for PlainDecoder<'_> {
         loop {
             let step = match launched.take() {
                 Some(step) => step,
-                None => {
-                    for i in admission.retire(&seqs) {
-                        prefixes.free(&mut self.cache, i, ids[i])?;
-                    }
-                    if let Some(first) = admission.admit_into(&mut seqs)? {
+                None => match admission
+                    .next_turn(&mut seqs, |i| prefixes.free(&mut self.cache, i, ids[i]))?
+                {
+                    Turn::Prefill(first) => {
                         ids.extend((first..seqs.len()).map(|_| self.cache.add_sequence()));
                         self.prefill(
                             &mut seqs[first..],
@@ -160,13 +159,12 @@ impl Decoder for PlainDecoder<'_> {
                         )?;
                         continue;
                     }
-                    let live = admission.active().to_vec();
-                    if live.is_empty() {
-                        return Ok(seqs);
+                    Turn::Done => return Ok(seqs),
+                    Turn::Step(live) => {
+                        mark = Instant::now();
+                        self.launch(&mut seqs, &ids, live, None, params)?
                     }
-                    mark = Instant::now();
-                    self.launch(&mut seqs, &ids, live, None, params)?
-                }
+                },
             };
             // The next step goes to the device before this one's tokens come back, fed them
             // where they were picked, when it is sure to be the next step: every sequence

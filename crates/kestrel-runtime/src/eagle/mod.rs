@@ -18,7 +18,7 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{
     count_prompt, positions, prompt_batch, prompt_positions, sample_rows, seqs_at, Admission,
-    Decoder,
+    Decoder, Turn,
 };
 use crate::kv_budget::{size_pools, KvCacheOptions, PoolShape, PoolSpec};
 use crate::prefix::{PromptPrefixes, Slots};
@@ -327,33 +327,34 @@ impl Decoder for EagleDecoder<'_> {
         let mut base_prefixes = PromptPrefixes::new(Slots::Tokens);
         let mut head_prefixes = PromptPrefixes::new(Slots::Pairs);
         loop {
-            for i in admission.retire(&seqs) {
+            let turn = admission.next_turn(&mut seqs, |i| {
                 base_prefixes.free(&mut self.base_cache, i, base_ids[i])?;
                 head_prefixes.free(&mut self.head_cache, i, head_ids[i])?;
                 pending[i] = None;
-            }
-            if let Some(first) = admission.admit_into(&mut seqs)? {
-                for _ in first..seqs.len() {
-                    base_ids.push(self.base_cache.add_sequence());
-                    head_ids.push(self.head_cache.add_sequence());
+                Ok(())
+            })?;
+            let live = match turn {
+                Turn::Step(live) => live,
+                Turn::Done => return Ok(seqs),
+                Turn::Prefill(first) => {
+                    for _ in first..seqs.len() {
+                        base_ids.push(self.base_cache.add_sequence());
+                        head_ids.push(self.head_cache.add_sequence());
+                    }
+                    let new = self.prefill(
+                        &mut seqs[first..],
+                        &base_ids[first..],
+                        &head_ids[first..],
+                        &mut base_prefixes,
+                        &mut head_prefixes,
+                        params,
+                        sink,
+                        timings,
+                    )?;
+                    pending.extend(new);
+                    continue;
                 }
-                let new = self.prefill(
-                    &mut seqs[first..],
-                    &base_ids[first..],
-                    &head_ids[first..],
-                    &mut base_prefixes,
-                    &mut head_prefixes,
-                    params,
-                    sink,
-                    timings,
-                )?;
-                pending.extend(new);
-                continue;
-            }
-            let live = admission.active().to_vec();
-            if live.is_empty() {
-                return Ok(seqs);
-            }
+            };
 
             // Above the batch size that disables speculation, a plain step: each sequence's
             // root alone, while the head's pairs wait in `pending` until it drafts again.
