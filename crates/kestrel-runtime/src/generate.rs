@@ -130,7 +130,7 @@ impl<'a> Admission<'a> {
     /// that cannot fit even alone is an error.
     pub fn admit_into(&mut self, seqs: &mut Vec<Sequence>) -> Result<Option<usize>> {
         let first = seqs.len();
-        if !IN_FLIGHT.load(Ordering::Relaxed) && !self.active.is_empty() {
+        if self.waits_for_retirement() {
             return Ok(None);
         }
         while !self.is_empty() && self.active.len() < self.limits.max_batch_size {
