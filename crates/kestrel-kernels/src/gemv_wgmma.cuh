@@ -32,14 +32,21 @@
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include <cooperative_groups.h>
 
+// (A probe build may set WG_STAGES and WG_MIN_BLOCKS: tools/gpu/wg_traffic_probe.cu.)
+#ifndef WG_STAGES
 #define WG_STAGES 4
+#endif
 #define WG_THREADS 128
 // Blocks a multiprocessor holds: 3 × 68 KiB of stages, and at most 168 registers a thread.
+#ifndef WG_MIN_BLOCKS
 #define WG_MIN_BLOCKS 3
+#endif
 // A stage: the step's rows (64 × 64 values) then 4 warps' weight strips (16 rows × 72).
 #define WG_X_ELEMS (64 * MMA_KB)
 #define WG_W_LD (MMA_KB + 8)
 #define WG_STAGE_ELEMS (WG_X_ELEMS + 4 * 16 * WG_W_LD)
+#define WG_PROBE_NO_X 1
+#define WG_PROBE_NO_MMA 2
 
 #define WG_ACC32(d)                                                                                \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -90,8 +97,14 @@ __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return 
 // X_AS_STORED (instantiated by tools/gpu/frag_probe.cu only, to measure it against the launch
 // of kestrel_gemv_wgmma_rows): x is the rows as stored, [M, K]; each thread loads 4 pieces of
 // 16 bytes of a block into registers an iteration before they are due, then writes their pairs
-// into the stage in the engine's order.
-template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false>
+// into the stage in the engine's order. PROBE (tools/gpu/wg_traffic_probe.cu only, timings
+// with wrong outputs): WG_PROBE_NO_X never copies the rows, so only the weights travel;
+// WG_PROBE_NO_MMA stages everything and multiplies nothing.
+// RUN: chains walked side by side, each into its own accumulator: their 64-k blocks c, c + 1,
+// …, c + RUN − 1, then the same 8 blocks on, so each weight row is read RUN · 128 contiguous
+// bytes at a time (one chain at a time reads 128 bytes a row, then jumps 1 KiB); the chains'
+// sums are added in chain order whatever RUN is, so a row's bits do not depend on it.
+template <typename T, int SPLIT, bool EVICT, int RUN = 1, bool X_AS_STORED = false, int PROBE = 0>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                                            const int M, const int N, const int K) {
     constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
@@ -135,17 +148,29 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
         }
     };
 
-    // The loader's walk over the block's 64-k blocks, chain by chain (empty chains skipped).
-    int load_c = c0, load_kb = c0, staged = 0;
+    // The loader's walk over the block's 64-k blocks, RUN chains at a time: chains
+    // c0 + RUN·lg + lr, their block lb (64-k block c0 + RUN·lg + lr + 8·lb), blocks past K
+    // skipped.
+    static_assert(CH % RUN == 0, "a block's chains split into runs");
+    const int bases = (nkb + TILED_CHAINS - 1) / TILED_CHAINS;
+    int lg = 0, lb = 0, lr = 0, load_kb = c0, staged = 0;
+    auto advance = [&]() {
+        if (++lr == RUN) {
+            lr = 0;
+            if (++lb == bases) lb = 0, ++lg;
+        }
+        load_kb = c0 + RUN * lg + lr + TILED_CHAINS * lb;
+    };
     auto skip_empty = [&]() {
-        while (load_c < c0 + CH && load_kb >= nkb) load_kb = ++load_c;
+        while (lg < CH / RUN && load_kb >= nkb) advance();
     };
     skip_empty();
     auto load = [&]() {
-        if (load_c < c0 + CH) {
+        if (lg < CH / RUN) {
             T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
             const int k0 = load_kb * MMA_KB;
-            if constexpr (X_AS_STORED) {
+            if constexpr ((PROBE & WG_PROBE_NO_X) != 0) {
+            } else if constexpr (X_AS_STORED) {
                 if (xr_kb != load_kb) x_to_registers(load_kb); // the first stages
                 registers_to_stage(s);
             } else {
@@ -162,65 +187,82 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
                 else
                     cp_async16(ws + 4 * q * WG_W_LD, w_row[q] + k0);
             }
-            load_kb += TILED_CHAINS;
+            advance();
             skip_empty();
-            if (X_AS_STORED && load_c < c0 + CH) x_to_registers(load_kb); // due next iteration
+            if (X_AS_STORED && lg < CH / RUN) x_to_registers(load_kb); // due next iteration
         }
         ++staged;
         asm volatile("cp.async.commit_group;\n" ::);
     };
     for (int s = 0; s < WG_STAGES - 1; ++s) load();
 
-    // keep[0]: rank 0's running total. Another rank's earlier chains' sums, keep[ci] (its last
-    // stays in acc).
+    // keep[0]: rank 0's running total. Another rank's earlier chains' sums, keep[u] (its last
+    // stays in acc[RUN − 1]).
     constexpr int KEEP = SPLIT > 1 && CH > 1 ? CH - 1 : 1;
-    float acc[32], keep[KEEP][32];
+    float acc[RUN][32], keep[KEEP][32];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) acc[e] = keep[0][e] = 0.f;
+    for (int e = 0; e < 32; ++e) {
+        keep[0][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < RUN; ++r) acc[r][e] = 0.f;
+    }
     int i = 0;
 #pragma unroll 1
-    for (int ci = 0; ci < CH; ++ci) {
+    for (int grp = 0; grp < CH / RUN; ++grp) {
 #pragma unroll 1
-        for (int kb = c0 + ci; kb < nkb; kb += TILED_CHAINS, ++i) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
-            load();
-            const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
-            const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
-            uint4 v[4];
-            v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
-            v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
-            v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
-            v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
-            const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
-            const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int b = 0; b < bases; ++b) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
-                wgmma_rs<T>(acc, a, wg_b_desc(s + j * 2 * 64 * 8));
+            for (int r = 0; r < RUN; ++r) {
+                if (c0 + RUN * grp + r + TILED_CHAINS * b >= nkb) continue;
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
+                load();
+                const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
+                const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
+                uint4 v[4];
+                v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
+                v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
+                v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
+                v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
+                const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
+                const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
+                if constexpr ((PROBE & WG_PROBE_NO_MMA) != 0) {
+                    ++i;
+                    continue;
+                }
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
+                    wgmma_rs<T>(acc[r], a, wg_b_desc(s + j * 2 * 64 * 8));
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                ++i;
             }
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
-        // Chain c0 + ci is done (an empty one, past K's blocks, gives zeros as GemvMma's
-        // idle warps do).
-        if (rank == 0) {
+        // Chains c0 + RUN·grp + r are done (an empty one, past K's blocks, gives zeros as
+        // GemvMma's idle warps do); their sums join in chain order.
 #pragma unroll
-            for (int e = 0; e < 32; ++e) {
-                keep[0][e] += acc[e];
-                acc[e] = 0.f;
+        for (int r = 0; r < RUN; ++r) {
+            const int u = RUN * grp + r; // the chain's place in the block
+            if (rank == 0) {
+#pragma unroll
+                for (int e = 0; e < 32; ++e) {
+                    keep[0][e] += acc[r][e];
+                    acc[r][e] = 0.f;
+                }
+            } else if (u + 1 < CH) {
+#pragma unroll
+                for (int q = 0; q < KEEP; ++q)
+                    if (q == u)
+#pragma unroll
+                        for (int e = 0; e < 32; ++e) {
+                            keep[q][e] = acc[r][e];
+                            acc[r][e] = 0.f;
+                        }
             }
-        } else if (ci + 1 < CH) {
-#pragma unroll
-            for (int u = 0; u < KEEP; ++u)
-                if (u == ci)
-#pragma unroll
-                    for (int e = 0; e < 32; ++e) {
-                        keep[u][e] = acc[e];
-                        acc[e] = 0.f;
-                    }
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
@@ -242,7 +284,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             } else {
 #pragma unroll
                 for (int u = 0; u + 1 < CH; ++u) items[(u * 32 + e) * WG_THREADS + threadIdx.x] = keep[u][e];
-                items[((CH - 1) * 32 + e) * WG_THREADS + threadIdx.x] = acc[e];
+                items[((CH - 1) * 32 + e) * WG_THREADS + threadIdx.x] = acc[RUN - 1][e];
             }
         }
         cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();

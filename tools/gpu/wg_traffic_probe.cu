@@ -1,0 +1,115 @@
+// Probe: what holds the warpgroup engine (crates/kestrel-kernels/src/gemv_wgmma.cuh) above a
+// weight stream at 64 rows.
+//
+// A block of the engine reads, for every 64-k block, 8 KiB of weights (from DRAM, once) and 8
+// KiB of the step's rows (from L2, once per 64-row weight group), so L2 hands the
+// multiprocessors twice the bytes DRAM hands L2. On an H100 the engine's 64-row Llama-2-7B
+// gemvs take 1.35× a weight stream, on an H200 1.67× (docs/gpu-results.md, sessions 46 and
+// 54), and the H200's 5.28 ms are the H100's ~5.9 scaled by the SM clocks (1,755 → 1,980
+// MHz): as if the engine were bound by something that runs at the SM clock (L2 → SM
+// bandwidth) rather than by DRAM. Two suspects, timed apart:
+//   - the rows' traffic: `noX` never copies the rows (outputs wrong, timing only); `noMMA`
+//     multiplies nothing (what the walk alone costs);
+//   - bytes in flight: this file built with -DWG_STAGES=S -DWG_MIN_BLOCKS=B (stages a block,
+//     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains);
+//   - DRAM locality: one chain at a time reads 128 bytes of each of a block's 64 weight rows,
+//     then the same rows 1 KiB on; `rR` walks R chains side by side (R · 128 contiguous bytes
+//     a row), each into its own accumulator, the same bits.
+// Each configuration's row 0 is checked against the shipped one-row kernel's bits (the engine's
+// promise) unless it skips the rows.
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DWG_STAGES=4 -DWG_MIN_BLOCKS=3 \
+//     -o wg_traffic_probe tools/gpu/wg_traffic_probe.cu && ./wg_traffic_probe
+#include "../../crates/kestrel-kernels/src/kernels.cu"
+#include "probe_common.cuh"
+
+template <int SPLIT, int RUN, int SKIP>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
+    probe_wgmma(const bf16 *xp, const bf16 *w, bf16 *y, const int M, const int N, const int K) {
+    gemv_wgmma<bf16, SPLIT, true, RUN, false, SKIP>(xp, w, y, M, N, K);
+}
+
+constexpr int STAGE_BYTES = WG_STAGES * WG_STAGE_ELEMS * 2;
+
+template <int SPLIT, int RUN, int SKIP>
+void launch_engine(const bf16 *xp, const bf16 *w, bf16 *y, int M, int N, int K) {
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(probe_wgmma<SPLIT, RUN, SKIP>, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES));
+        sized = true;
+    }
+    probe_wgmma<SPLIT, RUN, SKIP><<<dim3((N + 63) / 64, SPLIT, (M + 63) / 64), WG_THREADS, STAGE_BYTES>>>(xp, w, y, M, N, K);
+}
+
+struct Config {
+    const char *name;
+    void (*launch)(const bf16 *, const bf16 *, bf16 *, int, int, int);
+    bool skip;
+};
+// sS: split S; noX: the rows never copied; noMMA: nothing multiplied.
+constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
+constexpr Config CONFIGS[] = {
+    {"s1", launch_engine<1, 1, 0>, false},
+    {"s1 noX", launch_engine<1, 1, X>, true},
+    {"s1 noX noMMA", launch_engine<1, 1, X | MMA>, true},
+    {"s1 r2 noX noMMA", launch_engine<1, 2, X | MMA>, true},
+    {"s1 r4 noX noMMA", launch_engine<1, 4, X | MMA>, true},
+    {"s1 r8 noX noMMA", launch_engine<1, 8, X | MMA>, true},
+    {"s1 r8 noMMA", launch_engine<1, 8, MMA>, true},
+    {"s4", launch_engine<4, 1, 0>, false},
+    {"s4 noX noMMA", launch_engine<4, 1, X | MMA>, true},
+    {"s4 r2 noX noMMA", launch_engine<4, 2, X | MMA>, true},
+};
+
+int main() {
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("%s, %d SMs; WG_STAGES %d, WG_MIN_BLOCKS %d (%d bytes of stages a block)\n", prop.name, sms, WG_STAGES,
+           WG_MIN_BLOCKS, STAGE_BYTES);
+    constexpr int M = 64;
+    const int KMAX = 11008, NMAX = 22016;
+    bf16 *x = random_bf16((size_t)M * KMAX, 7), *xp, *y, *y1;
+    unsigned *sink;
+    CK(cudaMalloc(&xp, (size_t)M * KMAX * 2));
+    CK(cudaMalloc(&y, (size_t)M * NMAX * 2));
+    CK(cudaMalloc(&y1, (size_t)NMAX * 2));
+    CK(cudaMalloc(&sink, 4));
+    LaunchTimer timer;
+    const int reps = 60;
+    printf("us a launch | shape | stream | rows layout |");
+    for (const auto &c : CONFIGS) printf(" %s |", c.name);
+    printf(" row 0 = one row's bits\n");
+    for (int p = 0; p < 4; ++p) { // Llama-2-7B's four projections
+        const ProbeShape s = PROJECTIONS[p];
+        const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
+        const int copies = (int)((600ull << 20) / bytes) + 1;
+        std::vector<bf16 *> w(copies);
+        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems, 12345u + i);
+        CK(cudaDeviceSynchronize());
+        auto time = [&](auto launch) { return timer.us(launch, copies, reps); };
+        const float t_stream = time([&](int i) {
+            stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4 *>(w[i]), bytes / 16, sink);
+        });
+        const float t_rows = time([&](int) { kestrel_gemv_wgmma_rows_bf16<<<dim3(s.k / 64, 1), 512>>>(x, xp, M, s.k); });
+        printf("| %s | %.1f | %.1f |", s.name, t_stream, t_rows);
+        kestrel_gemv_row_mma_bf16<<<s.n / 16, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
+        std::vector<bf16> one(s.n), many(s.n);
+        CK(cudaMemcpy(one.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
+        bool same = true;
+        for (const auto &c : CONFIGS) {
+            const float t = time([&](int i) { c.launch(xp, w[i], y, M, s.n, s.k); });
+            CK(cudaGetLastError());
+            printf(" %.1f (%.2fx) |", t, t / t_stream);
+            if (!c.skip) {
+                c.launch(xp, w[0], y, M, s.n, s.k);
+                CK(cudaMemcpy(many.data(), y, s.n * 2, cudaMemcpyDeviceToHost));
+                for (int n = 0; n < s.n; ++n)
+                    same = same && __bfloat16_as_ushort(many[n]) == __bfloat16_as_ushort(one[n]);
+            }
+        }
+        printf(" %s\n", same ? "same" : "DIFFERENT");
+        for (auto p : w) CK(cudaFree(p));
+    }
+    return 0;
+}
