@@ -573,7 +573,7 @@ void launch_runtime_wgmma(const uint4 *x, const uint4 *wf, float *, bf16 *y, int
 template <int SPLIT, bool EVICT>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
     wgmma_x_as_stored(const bf16 *x, const bf16 *w, bf16 *y, const int M, const int N, const int K) {
-    gemv_wgmma<bf16, SPLIT, EVICT, 1, true>(x, w, y, M, N, K);
+    gemv_wgmma<bf16, SPLIT, EVICT, true>(x, w, y, M, N, K);
 }
 
 template <int SPLIT, bool EVICT>

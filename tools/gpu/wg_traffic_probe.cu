@@ -7,14 +7,15 @@
 // gemvs take 1.35× a weight stream, on an H200 1.67× (docs/gpu-results.md, sessions 46 and
 // 54), and the H200's 5.28 ms are the H100's ~5.9 scaled by the SM clocks (1,755 → 1,980
 // MHz): as if the engine were bound by something that runs at the SM clock (L2 → SM
-// bandwidth) rather than by DRAM. Two suspects, timed apart:
+// bandwidth) rather than by DRAM. The suspects, timed apart:
 //   - the rows' traffic: `noX` never copies the rows (outputs wrong, timing only); `noMMA`
 //     multiplies nothing (what the walk alone costs);
+//   - the weight rows' stride, a power of two (8 KiB) on three of Llama-2-7B's projections:
+//     `pad` reads rows K + 64 values apart;
 //   - bytes in flight: this file built with -DWG_STAGES=S -DWG_MIN_BLOCKS=B (stages a block,
-//     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains);
-//   - DRAM locality: one chain at a time reads 128 bytes of each of a block's 64 weight rows,
-//     then the same rows 1 KiB on; `rR` walks R chains side by side (R · 128 contiguous bytes
-//     a row), each into its own accumulator, the same bits.
+//     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains).
+// (A third, DRAM locality, was timed at c12b534: RUN chains walked side by side, each weight
+// row read RUN · 128 contiguous bytes at a time; no change on an H100.)
 // Each configuration's row 0 is checked against the shipped one-row kernel's bits (the engine's
 // promise) unless it skips the rows.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DWG_STAGES=4 -DWG_MIN_BLOCKS=3 \
@@ -22,22 +23,22 @@
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
 
-template <int SPLIT, int RUN, int SKIP>
+template <int SPLIT, int PROBE>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
     probe_wgmma(const bf16 *xp, const bf16 *w, bf16 *y, const int M, const int N, const int K) {
-    gemv_wgmma<bf16, SPLIT, true, RUN, false, SKIP>(xp, w, y, M, N, K);
+    gemv_wgmma<bf16, SPLIT, true, false, PROBE>(xp, w, y, M, N, K);
 }
 
 constexpr int STAGE_BYTES = WG_STAGES * WG_STAGE_ELEMS * 2;
 
-template <int SPLIT, int RUN, int SKIP>
+template <int SPLIT, int PROBE>
 void launch_engine(const bf16 *xp, const bf16 *w, bf16 *y, int M, int N, int K) {
     static bool sized = false;
     if (!sized) {
-        CK(cudaFuncSetAttribute(probe_wgmma<SPLIT, RUN, SKIP>, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES));
+        CK(cudaFuncSetAttribute(probe_wgmma<SPLIT, PROBE>, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES));
         sized = true;
     }
-    probe_wgmma<SPLIT, RUN, SKIP><<<dim3((N + 63) / 64, SPLIT, (M + 63) / 64), WG_THREADS, STAGE_BYTES>>>(xp, w, y, M, N, K);
+    probe_wgmma<SPLIT, PROBE><<<dim3((N + 63) / 64, SPLIT, (M + 63) / 64), WG_THREADS, STAGE_BYTES>>>(xp, w, y, M, N, K);
 }
 
 struct Config {
@@ -45,19 +46,18 @@ struct Config {
     void (*launch)(const bf16 *, const bf16 *, bf16 *, int, int, int);
     bool skip;
 };
-// sS: split S; noX: the rows never copied; noMMA: nothing multiplied.
-constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
+// sS: split S; noX: the rows never copied; noMMA: nothing multiplied; pad: weight rows K + 64
+// values apart instead of K (a stride that is not a power of two).
+constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA, PAD = WG_PROBE_PAD_ROWS;
 constexpr Config CONFIGS[] = {
-    {"s1", launch_engine<1, 1, 0>, false},
-    {"s1 noX", launch_engine<1, 1, X>, true},
-    {"s1 noX noMMA", launch_engine<1, 1, X | MMA>, true},
-    {"s1 r2 noX noMMA", launch_engine<1, 2, X | MMA>, true},
-    {"s1 r4 noX noMMA", launch_engine<1, 4, X | MMA>, true},
-    {"s1 r8 noX noMMA", launch_engine<1, 8, X | MMA>, true},
-    {"s1 r8 noMMA", launch_engine<1, 8, MMA>, true},
-    {"s4", launch_engine<4, 1, 0>, false},
-    {"s4 noX noMMA", launch_engine<4, 1, X | MMA>, true},
-    {"s4 r2 noX noMMA", launch_engine<4, 2, X | MMA>, true},
+    {"s1", launch_engine<1, 0>, false},
+    {"s1 noX noMMA", launch_engine<1, X | MMA>, true},
+    {"s1 pad", launch_engine<1, PAD>, true},
+    {"s1 pad noX noMMA", launch_engine<1, PAD | X | MMA>, true},
+    {"s4", launch_engine<4, 0>, false},
+    {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
+    {"s4 pad", launch_engine<4, PAD>, true},
+    {"s4 pad noX noMMA", launch_engine<4, PAD | X | MMA>, true},
 };
 
 int main() {
@@ -80,12 +80,12 @@ int main() {
     printf("us a launch | shape | stream | rows layout |");
     for (const auto &c : CONFIGS) printf(" %s |", c.name);
     printf(" row 0 = one row's bits\n");
-    for (int p = 0; p < 4; ++p) { // Llama-2-7B's four projections
-        const ProbeShape s = PROJECTIONS[p];
+    for (const ProbeShape s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
         std::vector<bf16 *> w(copies);
-        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems, 12345u + i);
+        // Each copy with room for rows K + 64 apart (`pad`); the others read its first N · K.
+        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems + (size_t)s.n * 64, 12345u + i);
         CK(cudaDeviceSynchronize());
         auto time = [&](auto launch) { return timer.us(launch, copies, reps); };
         const float t_stream = time([&](int i) {

@@ -45,8 +45,10 @@
 #define WG_X_ELEMS (64 * MMA_KB)
 #define WG_W_LD (MMA_KB + 8)
 #define WG_STAGE_ELEMS (WG_X_ELEMS + 4 * 16 * WG_W_LD)
+// PROBE flags (tools/gpu/wg_traffic_probe.cu only; timings, outputs wrong).
 #define WG_PROBE_NO_X 1
 #define WG_PROBE_NO_MMA 2
+#define WG_PROBE_PAD_ROWS 4
 
 #define WG_ACC32(d)                                                                                \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -97,14 +99,10 @@ __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return 
 // X_AS_STORED (instantiated by tools/gpu/frag_probe.cu only, to measure it against the launch
 // of kestrel_gemv_wgmma_rows): x is the rows as stored, [M, K]; each thread loads 4 pieces of
 // 16 bytes of a block into registers an iteration before they are due, then writes their pairs
-// into the stage in the engine's order. PROBE (tools/gpu/wg_traffic_probe.cu only, timings
-// with wrong outputs): WG_PROBE_NO_X never copies the rows, so only the weights travel;
-// WG_PROBE_NO_MMA stages everything and multiplies nothing.
-// RUN: chains walked side by side, each into its own accumulator: their 64-k blocks c, c + 1,
-// …, c + RUN − 1, then the same 8 blocks on, so each weight row is read RUN · 128 contiguous
-// bytes at a time (one chain at a time reads 128 bytes a row, then jumps 1 KiB); the chains'
-// sums are added in chain order whatever RUN is, so a row's bits do not depend on it.
-template <typename T, int SPLIT, bool EVICT, int RUN = 1, bool X_AS_STORED = false, int PROBE = 0>
+// into the stage in the engine's order. PROBE: WG_PROBE_NO_X never copies the rows, so only
+// the weights travel; WG_PROBE_NO_MMA stages everything and multiplies nothing;
+// WG_PROBE_PAD_ROWS reads weight rows K + 64 values apart (the probe allocates them so).
+template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false, int PROBE = 0>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                                            const int M, const int N, const int K) {
     constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
@@ -118,7 +116,9 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     // rows past N copy row N − 1, and their outputs are never stored.
     const T *w_row[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
+    for (int q = 0; q < 4; ++q)
+        w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * (K + ((PROBE & WG_PROBE_PAD_ROWS) != 0 ? 64 : 0)) +
+                   8 * (lane % 8);
     unsigned long long policy = 0;
     if constexpr (EVICT) policy = evict_first_policy();
     // X_AS_STORED: piece qq of a thread is row xn + 16qq's 16 bytes at 8xq of a block; the
@@ -148,25 +148,14 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
         }
     };
 
-    // The loader's walk over the block's 64-k blocks, RUN chains at a time: chains
-    // c0 + RUN·lg + lr, their block lb (64-k block c0 + RUN·lg + lr + 8·lb), blocks past K
-    // skipped.
-    static_assert(CH % RUN == 0, "a block's chains split into runs");
-    const int bases = (nkb + TILED_CHAINS - 1) / TILED_CHAINS;
-    int lg = 0, lb = 0, lr = 0, load_kb = c0, staged = 0;
-    auto advance = [&]() {
-        if (++lr == RUN) {
-            lr = 0;
-            if (++lb == bases) lb = 0, ++lg;
-        }
-        load_kb = c0 + RUN * lg + lr + TILED_CHAINS * lb;
-    };
+    // The loader's walk over the block's 64-k blocks, chain by chain (empty chains skipped).
+    int load_c = c0, load_kb = c0, staged = 0;
     auto skip_empty = [&]() {
-        while (lg < CH / RUN && load_kb >= nkb) advance();
+        while (load_c < c0 + CH && load_kb >= nkb) load_kb = ++load_c;
     };
     skip_empty();
     auto load = [&]() {
-        if (lg < CH / RUN) {
+        if (load_c < c0 + CH) {
             T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
             const int k0 = load_kb * MMA_KB;
             if constexpr ((PROBE & WG_PROBE_NO_X) != 0) {
@@ -187,82 +176,66 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
                 else
                     cp_async16(ws + 4 * q * WG_W_LD, w_row[q] + k0);
             }
-            advance();
+            load_kb += TILED_CHAINS;
             skip_empty();
-            if (X_AS_STORED && lg < CH / RUN) x_to_registers(load_kb); // due next iteration
+            if (X_AS_STORED && load_c < c0 + CH) x_to_registers(load_kb); // due next iteration
         }
         ++staged;
         asm volatile("cp.async.commit_group;\n" ::);
     };
     for (int s = 0; s < WG_STAGES - 1; ++s) load();
 
-    // keep[0]: rank 0's running total. Another rank's earlier chains' sums, keep[u] (its last
-    // stays in acc[RUN − 1]).
+    // keep[0]: rank 0's running total. Another rank's earlier chains' sums, keep[ci] (its last
+    // stays in acc).
     constexpr int KEEP = SPLIT > 1 && CH > 1 ? CH - 1 : 1;
-    float acc[RUN][32], keep[KEEP][32];
+    float acc[32], keep[KEEP][32];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-        keep[0][e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < RUN; ++r) acc[r][e] = 0.f;
-    }
+    for (int e = 0; e < 32; ++e) acc[e] = keep[0][e] = 0.f;
     int i = 0;
 #pragma unroll 1
-    for (int grp = 0; grp < CH / RUN; ++grp) {
+    for (int ci = 0; ci < CH; ++ci) {
 #pragma unroll 1
-        for (int b = 0; b < bases; ++b) {
+        for (int kb = c0 + ci; kb < nkb; kb += TILED_CHAINS, ++i) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
+            load();
+            const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
+            const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
+            uint4 v[4];
+            v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
+            v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
+            v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
+            v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
+            const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
+            const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
+            if constexpr ((PROBE & WG_PROBE_NO_MMA) != 0) continue;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int r = 0; r < RUN; ++r) {
-                if (c0 + RUN * grp + r + TILED_CHAINS * b >= nkb) continue;
-                asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
-                load();
-                const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
-                const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
-                uint4 v[4];
-                v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
-                v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
-                v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
-                v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
-                const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
-                const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
-                if constexpr ((PROBE & WG_PROBE_NO_MMA) != 0) {
-                    ++i;
-                    continue;
-                }
-                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
-                    wgmma_rs<T>(acc[r], a, wg_b_desc(s + j * 2 * 64 * 8));
-                }
-                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                ++i;
+            for (int j = 0; j < 4; ++j) {
+                const unsigned a[4] = {wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1]};
+                wgmma_rs<T>(acc, a, wg_b_desc(s + j * 2 * 64 * 8));
             }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
-        // Chains c0 + RUN·grp + r are done (an empty one, past K's blocks, gives zeros as
-        // GemvMma's idle warps do); their sums join in chain order.
+        // Chain c0 + ci is done (an empty one, past K's blocks, gives zeros as GemvMma's
+        // idle warps do).
+        if (rank == 0) {
 #pragma unroll
-        for (int r = 0; r < RUN; ++r) {
-            const int u = RUN * grp + r; // the chain's place in the block
-            if (rank == 0) {
-#pragma unroll
-                for (int e = 0; e < 32; ++e) {
-                    keep[0][e] += acc[r][e];
-                    acc[r][e] = 0.f;
-                }
-            } else if (u + 1 < CH) {
-#pragma unroll
-                for (int q = 0; q < KEEP; ++q)
-                    if (q == u)
-#pragma unroll
-                        for (int e = 0; e < 32; ++e) {
-                            keep[q][e] = acc[r][e];
-                            acc[r][e] = 0.f;
-                        }
+            for (int e = 0; e < 32; ++e) {
+                keep[0][e] += acc[e];
+                acc[e] = 0.f;
             }
+        } else if (ci + 1 < CH) {
+#pragma unroll
+            for (int u = 0; u < KEEP; ++u)
+                if (u == ci)
+#pragma unroll
+                    for (int e = 0; e < 32; ++e) {
+                        keep[u][e] = acc[e];
+                        acc[e] = 0.f;
+                    }
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
@@ -284,7 +257,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             } else {
 #pragma unroll
                 for (int u = 0; u + 1 < CH; ++u) items[(u * 32 + e) * WG_THREADS + threadIdx.x] = keep[u][e];
-                items[((CH - 1) * 32 + e) * WG_THREADS + threadIdx.x] = acc[RUN - 1][e];
+                items[((CH - 1) * 32 + e) * WG_THREADS + threadIdx.x] = acc[e];
             }
         }
         cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
