@@ -10,12 +10,11 @@
 // bandwidth) rather than by DRAM. The suspects, timed apart:
 //   - the rows' traffic: `noX` never copies the rows (outputs wrong, timing only); `noMMA`
 //     multiplies nothing (what the walk alone costs);
-//   - the weight rows' stride, a power of two (8 KiB) on three of Llama-2-7B's projections:
-//     `pad` reads rows K + 64 values apart;
 //   - bytes in flight: this file built with -DWG_STAGES=S -DWG_MIN_BLOCKS=B (stages a block,
 //     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains).
-// (A third, DRAM locality, was timed at c12b534: RUN chains walked side by side, each weight
-// row read RUN · 128 contiguous bytes at a time; no change on an H100.)
+// Two more were timed and changed nothing on an H100: DRAM locality (c12b534: RUN chains walked
+// side by side, each weight row read RUN · 128 contiguous bytes at a time) and the weight rows'
+// power-of-two stride (b6fe0af: rows K + 64 values apart).
 // Each configuration's row 0 is checked against the shipped one-row kernel's bits (the engine's
 // promise) unless it skips the rows.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DWG_STAGES=4 -DWG_MIN_BLOCKS=3 \
@@ -46,18 +45,13 @@ struct Config {
     void (*launch)(const bf16 *, const bf16 *, bf16 *, int, int, int);
     bool skip;
 };
-// sS: split S; noX: the rows never copied; noMMA: nothing multiplied; pad: weight rows K + 64
-// values apart instead of K (a stride that is not a power of two).
-constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA, PAD = WG_PROBE_PAD_ROWS;
+// sS: split S; noX: the rows never copied; noMMA: nothing multiplied.
+constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
 constexpr Config CONFIGS[] = {
-    {"s1", launch_engine<1, 0>, false},
-    {"s1 noX noMMA", launch_engine<1, X | MMA>, true},
-    {"s1 pad", launch_engine<1, PAD>, true},
-    {"s1 pad noX noMMA", launch_engine<1, PAD | X | MMA>, true},
-    {"s4", launch_engine<4, 0>, false},
-    {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
-    {"s4 pad", launch_engine<4, PAD>, true},
-    {"s4 pad noX noMMA", launch_engine<4, PAD | X | MMA>, true},
+    {"s1", launch_engine<1, 0>, false},           {"s1 noX", launch_engine<1, X>, true},
+    {"s1 noX noMMA", launch_engine<1, X | MMA>, true}, {"s4", launch_engine<4, 0>, false},
+    {"s4 noX", launch_engine<4, X>, true},        {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
+    {"s8", launch_engine<8, 0>, false},
 };
 
 int main() {
@@ -84,8 +78,7 @@ int main() {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
         std::vector<bf16 *> w(copies);
-        // Each copy with room for rows K + 64 apart (`pad`); the others read its first N · K.
-        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems + (size_t)s.n * 64, 12345u + i);
+        for (int i = 0; i < copies; ++i) w[i] = random_bf16(elems, 12345u + i);
         CK(cudaDeviceSynchronize());
         auto time = [&](auto launch) { return timer.us(launch, copies, reps); };
         const float t_stream = time([&](int i) {

@@ -32,12 +32,14 @@
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include <cooperative_groups.h>
 
-// (A probe build may set WG_STAGES and WG_MIN_BLOCKS: tools/gpu/wg_traffic_probe.cu.)
+// Stages a block, and blocks a multiprocessor: 3 × 68 KiB of stages, at most 168 registers a
+// thread. A probe build may set others (tools/gpu/wg_traffic_probe.cu): 3 stages × 4 blocks
+// took 2% less in the probe but made Llama-2-7B's 64-row step 4% slower; 6 or 8 stages were
+// slower in the probe too (docs/gpu-results.md, session 59).
 #ifndef WG_STAGES
 #define WG_STAGES 4
 #endif
 #define WG_THREADS 128
-// Blocks a multiprocessor holds: 3 × 68 KiB of stages, and at most 168 registers a thread.
 #ifndef WG_MIN_BLOCKS
 #define WG_MIN_BLOCKS 3
 #endif
@@ -48,7 +50,6 @@
 // PROBE flags (tools/gpu/wg_traffic_probe.cu only; timings, outputs wrong).
 #define WG_PROBE_NO_X 1
 #define WG_PROBE_NO_MMA 2
-#define WG_PROBE_PAD_ROWS 4
 
 #define WG_ACC32(d)                                                                                \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -100,8 +101,7 @@ __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return 
 // of kestrel_gemv_wgmma_rows): x is the rows as stored, [M, K]; each thread loads 4 pieces of
 // 16 bytes of a block into registers an iteration before they are due, then writes their pairs
 // into the stage in the engine's order. PROBE: WG_PROBE_NO_X never copies the rows, so only
-// the weights travel; WG_PROBE_NO_MMA stages everything and multiplies nothing;
-// WG_PROBE_PAD_ROWS reads weight rows K + 64 values apart (the probe allocates them so).
+// the weights travel; WG_PROBE_NO_MMA stages everything and multiplies nothing.
 template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false, int PROBE = 0>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
                                            const int M, const int N, const int K) {
@@ -116,9 +116,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     // rows past N copy row N − 1, and their outputs are never stored.
     const T *w_row[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-        w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * (K + ((PROBE & WG_PROBE_PAD_ROWS) != 0 ? 64 : 0)) +
-                   8 * (lane % 8);
+    for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
     unsigned long long policy = 0;
     if constexpr (EVICT) policy = evict_first_policy();
     // X_AS_STORED: piece qq of a thread is row xn + 16qq's 16 bytes at 8xq of a block; the
