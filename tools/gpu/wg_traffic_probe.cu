@@ -11,7 +11,9 @@
 //   - the rows' traffic: `noX` never copies the rows (outputs wrong, timing only); `noMMA`
 //     multiplies nothing (what the walk alone costs);
 //   - bytes in flight: this file built with -DWG_STAGES=S -DWG_MIN_BLOCKS=B (stages a block,
-//     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains).
+//     blocks a multiprocessor), and every split (1, 4, 8 blocks a weight group's chains);
+//   - the copies' way into shared memory: `tmaT` walks the same addresses, its stages filled
+//     by the TMA (probe_tma_walk.cuh).
 // Two more were timed and changed nothing on an H100: DRAM locality (c12b534: RUN chains walked
 // side by side, each weight row read RUN · 128 contiguous bytes at a time) and the weight rows'
 // power-of-two stride (b6fe0af: rows K + 64 values apart).
@@ -21,6 +23,7 @@
 //     -o wg_traffic_probe tools/gpu/wg_traffic_probe.cu && ./wg_traffic_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
+#include "probe_tma_walk.cuh"
 
 template <int SPLIT, int PROBE>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
@@ -45,12 +48,21 @@ struct Config {
     void (*launch)(const bf16 *, const bf16 *, bf16 *, int, int, int);
     bool skip;
 };
-// sS: split S; noX: the rows never copied; noMMA: nothing multiplied.
+// sS: split S; noX: the rows never copied; noMMA: nothing multiplied; tmaT sS: the same walk
+// as noX noMMA, its T stages filled by the TMA (probe_tma_walk.cuh).
 constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
 constexpr Config CONFIGS[] = {
-    {"s1", launch_engine<1, 0>, false},           {"s1 noX", launch_engine<1, X>, true},
-    {"s1 noX noMMA", launch_engine<1, X | MMA>, true}, {"s4", launch_engine<4, 0>, false},
-    {"s4 noX", launch_engine<4, X>, true},        {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
+    {"s1", launch_engine<1, 0>, false},
+    {"s1 noX", launch_engine<1, X>, true},
+    {"s1 noX noMMA", launch_engine<1, X | MMA>, true},
+    {"tma4 s1", tma_walk::launch<4, 1>, true},
+    {"tma8 s1", tma_walk::launch<8, 1>, true},
+    {"tma16 s1", tma_walk::launch<16, 1>, true},
+    {"s4", launch_engine<4, 0>, false},
+    {"s4 noX", launch_engine<4, X>, true},
+    {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
+    {"tma4 s4", tma_walk::launch<4, 4>, true},
+    {"tma8 s4", tma_walk::launch<8, 4>, true},
     {"s8", launch_engine<8, 0>, false},
 };
 

@@ -1,0 +1,126 @@
+// The warpgroup engine's walk over its weights (gemv_wgmma.cuh: a block's 64 weight rows, 64-k
+// block by 64-k block, chain by chain: blocks c, c + 8, … of chain c), its 8 KiB stages filled
+// by the Tensor Memory Accelerator instead of 128 threads' cp.async: one thread issues a
+// 64 × 64 box a stage (cp.async.bulk.tensor.2d, evict-first as the engine's loads), the block
+// waits on the stage's mbarrier, reads it and hands the stage back to the next box. Nothing is
+// multiplied and the rows are never copied: set against the engine's `noX noMMA`, it says
+// whether the copies' way into shared memory, rather than the walk's addresses, holds the
+// engine above a stream (tools/gpu/wg_traffic_probe.cu includes it).
+#pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <map>
+#include <tuple>
+
+namespace tma_walk {
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void wait_parity(const uint64_t *bar, const unsigned parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT%=;\n}\n" ::"r"(smem_u32(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
+// One 64 × 64 box (k from k0, rows from n0) into `dst`, completing on `bar`.
+__device__ __forceinline__ void load_box(void *dst, const CUtensorMap *map, const int k0, const int n0, uint64_t *bar,
+                                         const unsigned long long policy) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(64 * 64 * 2)
+                 : "memory");
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
+                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(smem_u32(bar)), "l"(policy)
+                 : "memory");
+}
+
+template <int STAGES, int SPLIT>
+__global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap map, const int K, unsigned *sink) {
+    extern __shared__ __align__(1024) unsigned char stage[];
+    uint64_t *full = reinterpret_cast<uint64_t *>(stage + STAGES * 8192);
+    constexpr int CH = 8 / SPLIT;
+    const int nkb = K / 64, c0 = blockIdx.y * CH, n0 = blockIdx.x * 64;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[s])));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const unsigned long long policy = evict_first_policy();
+    // The loader's place in the walk (thread 0 only issues).
+    int lc = c0, lkb = c0, issued = 0;
+    auto skip_empty = [&]() {
+        while (lc < c0 + CH && lkb >= nkb) lkb = ++lc;
+    };
+    skip_empty();
+    auto issue = [&]() {
+        if (lc < c0 + CH) {
+            load_box(stage + (issued % STAGES) * 8192, &map, lkb * 64, n0, &full[issued % STAGES], policy);
+            lkb += 8;
+            skip_empty();
+        }
+        ++issued;
+    };
+    if (threadIdx.x == 0)
+        for (int s = 0; s < STAGES; ++s) issue();
+    unsigned acc = 0;
+    int i = 0;
+    for (int c = c0; c < c0 + CH; ++c) {
+        for (int kb = c; kb < nkb; kb += 8, ++i) {
+            wait_parity(&full[i % STAGES], (i / STAGES) & 1);
+            const uint4 *s = reinterpret_cast<const uint4 *>(stage + (i % STAGES) * 8192);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint4 v = s[threadIdx.x + 128 * q];
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+            __syncthreads(); // every thread is done with stage i % STAGES
+            if (threadIdx.x == 0) issue();
+        }
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
+// The map of w [n, k] (bf16, row-major) in 64 × 64 boxes, made once per weight and shape (a
+// freed weight's address comes back with the next shape's).
+inline const CUtensorMap &map_of(const bf16 *w, const int n, const int k) {
+    static std::map<std::tuple<const bf16 *, int, int>, CUtensorMap> maps;
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult found;
+        CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void **>(&encode), 12000,
+                                            cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess) {
+            printf("cuTensorMapEncodeTiled not found\n");
+            exit(1);
+        }
+    }
+    const auto key = std::make_tuple(w, n, k);
+    auto it = maps.find(key);
+    if (it != maps.end()) return it->second;
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)n}, strides[1] = {(cuuint64_t)k * 2};
+    const cuuint32_t box[2] = {64, 64}, element_strides[2] = {1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(w), dims, strides, box,
+                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        printf("cuTensorMapEncodeTiled: %d\n", (int)r);
+        exit(1);
+    }
+    return maps.emplace(key, map).first->second;
+}
+
+// A Config launch (wg_traffic_probe.cu's signature): the walk over w's N / 64 row groups.
+template <int STAGES, int SPLIT> void launch(const bf16 *, const bf16 *w, bf16 *, int, int N, int K) {
+    static unsigned *sink = nullptr;
+    constexpr int bytes = STAGES * 8192 + STAGES * 8;
+    if (!sink) {
+        CK(cudaMalloc(&sink, 4));
+        CK(cudaFuncSetAttribute(walk<STAGES, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    }
+    walk<STAGES, SPLIT><<<dim3(N / 64, SPLIT), 128, bytes>>>(map_of(w, N, K), K, sink);
+}
+
+} // namespace tma_walk
