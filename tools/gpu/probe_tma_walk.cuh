@@ -35,11 +35,22 @@ __device__ __forceinline__ void load_box(void *dst, const CUtensorMap *map, cons
                  : "memory");
 }
 
+// The j-th 64-k block of the engine's walk over chains c0 … c0 + chains − 1 (chain c's blocks
+// c, c + TILED_CHAINS, … below nkb), or −1 past its end.
+__device__ __forceinline__ int walk_block(int j, const int c0, const int chains, const int nkb) {
+    for (int c = c0; c < c0 + chains; ++c) {
+        const int blocks = c < nkb ? (nkb - c + TILED_CHAINS - 1) / TILED_CHAINS : 0;
+        if (j < blocks) return c + TILED_CHAINS * j;
+        j -= blocks;
+    }
+    return -1;
+}
+
 template <int STAGES, int SPLIT>
 __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap map, const int K, unsigned *sink) {
     extern __shared__ __align__(1024) unsigned char stage[];
     uint64_t *full = reinterpret_cast<uint64_t *>(stage + STAGES * 8192);
-    constexpr int CH = 8 / SPLIT;
+    constexpr int CH = TILED_CHAINS / SPLIT;
     const int nkb = K / 64, c0 = blockIdx.y * CH, n0 = blockIdx.x * 64;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
@@ -48,18 +59,11 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
     }
     __syncthreads();
     const unsigned long long policy = evict_first_policy();
-    // The loader's place in the walk (thread 0 only issues).
-    int lc = c0, lkb = c0, issued = 0;
-    auto skip_empty = [&]() {
-        while (lc < c0 + CH && lkb >= nkb) lkb = ++lc;
-    };
-    skip_empty();
+    // Thread 0 issues the walk's boxes in order, STAGES ahead of the block.
+    int issued = 0;
     auto issue = [&]() {
-        if (lc < c0 + CH) {
-            load_box(stage + (issued % STAGES) * 8192, &map, lkb * 64, n0, &full[issued % STAGES], policy);
-            lkb += 8;
-            skip_empty();
-        }
+        const int kb = walk_block(issued, c0, CH, nkb);
+        if (kb >= 0) load_box(stage + (issued % STAGES) * 8192, &map, kb * 64, n0, &full[issued % STAGES], policy);
         ++issued;
     };
     if (threadIdx.x == 0)
@@ -67,7 +71,7 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
     unsigned acc = 0;
     int i = 0;
     for (int c = c0; c < c0 + CH; ++c) {
-        for (int kb = c; kb < nkb; kb += 8, ++i) {
+        for (int kb = c; kb < nkb; kb += TILED_CHAINS, ++i) {
             wait_parity(&full[i % STAGES], (i / STAGES) & 1);
             const uint4 *s = reinterpret_cast<const uint4 *>(stage + (i % STAGES) * 8192);
 #pragma unroll
