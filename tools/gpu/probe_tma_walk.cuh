@@ -1,4 +1,7 @@
-// The warpgroup engine's walk over its weights (gemv_wgmma.cuh: a block's 64 weight rows, 64-k
+// The warpgroup engine with its stages filled by the Tensor Memory Accelerator (gemv_wgmma.cuh's
+// TMA mode), and first its walk alone.
+//
+// The walk over its weights (gemv_wgmma.cuh: a block's 64 weight rows, 64-k
 // block by 64-k block, chain by chain: blocks c, c + 8, … of chain c), its 8 KiB stages filled
 // by the Tensor Memory Accelerator instead of 128 threads' cp.async: one thread issues a
 // 64 × 64 box a stage (cp.async.bulk.tensor.2d, evict-first as the engine's loads), the block
@@ -14,27 +17,6 @@
 
 namespace tma_walk {
 
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void wait_parity(const uint64_t *bar, const unsigned parity) {
-    asm volatile("{\n.reg .pred p;\nWAIT%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WAIT%=;\n}\n" ::"r"(smem_u32(bar)),
-                 "r"(parity)
-                 : "memory");
-}
-
-// One 64 × 64 box (k from k0, rows from n0) into `dst`, completing on `bar`.
-__device__ __forceinline__ void load_box(void *dst, const CUtensorMap *map, const int k0, const int n0, uint64_t *bar,
-                                         const unsigned long long policy) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(64 * 64 * 2)
-                 : "memory");
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
-                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(smem_u32(bar)), "l"(policy)
-                 : "memory");
-}
-
 // The j-th 64-k block of the engine's walk over chains c0 … c0 + chains − 1 (chain c's blocks
 // c, c + TILED_CHAINS, … below nkb), or −1 past its end.
 __device__ __forceinline__ int walk_block(int j, const int c0, const int chains, const int nkb) {
@@ -48,13 +30,15 @@ __device__ __forceinline__ int walk_block(int j, const int c0, const int chains,
 
 template <int STAGES, int SPLIT>
 __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap map, const int K, unsigned *sink) {
-    extern __shared__ __align__(1024) unsigned char stage[];
+    // The swizzled boxes need 1,024-byte alignment (the launch gives 1,024 bytes of slack).
+    unsigned char *stage =
+        reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(gemv_stage) + 1023) & ~(uintptr_t)1023);
     uint64_t *full = reinterpret_cast<uint64_t *>(stage + STAGES * 8192);
     constexpr int CH = TILED_CHAINS / SPLIT;
     const int nkb = K / 64, c0 = blockIdx.y * CH, n0 = blockIdx.x * 64;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[s])));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(wg_smem(&full[s])));
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -63,7 +47,10 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
     int issued = 0;
     auto issue = [&]() {
         const int kb = walk_block(issued, c0, CH, nkb);
-        if (kb >= 0) load_box(stage + (issued % STAGES) * 8192, &map, kb * 64, n0, &full[issued % STAGES], policy);
+        if (kb >= 0) {
+            wg_expect(&full[issued % STAGES], 8192);
+            wg_load_box(stage + (issued % STAGES) * 8192, &map, kb * 64, n0, &full[issued % STAGES], policy);
+        }
         ++issued;
     };
     if (threadIdx.x == 0)
@@ -72,7 +59,7 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
     int i = 0;
     for (int c = c0; c < c0 + CH; ++c) {
         for (int kb = c; kb < nkb; kb += TILED_CHAINS, ++i) {
-            wait_parity(&full[i % STAGES], (i / STAGES) & 1);
+            wg_wait(&full[i % STAGES], (i / STAGES) & 1);
             const uint4 *s = reinterpret_cast<const uint4 *>(stage + (i % STAGES) * 8192);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -86,8 +73,9 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
-// The map of w [n, k] (bf16, row-major) in 64 × 64 boxes, made once per weight and shape (a
-// freed weight's address comes back with the next shape's).
+// The map of w [n, k] (bf16, row-major) in 64 × 64 boxes with the 128-byte swizzle (the
+// engine's TMA mode reads its fragments through it), made once per weight and shape (a freed
+// weight's address comes back with the next shape's).
 inline const CUtensorMap &map_of(const bf16 *w, const int n, const int k) {
     static std::map<std::tuple<const bf16 *, int, int>, CUtensorMap> maps;
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
@@ -107,7 +95,7 @@ inline const CUtensorMap &map_of(const bf16 *w, const int n, const int k) {
     const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)n}, strides[1] = {(cuuint64_t)k * 2};
     const cuuint32_t box[2] = {64, 64}, element_strides[2] = {1, 1};
     const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(w), dims, strides, box,
-                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         printf("cuTensorMapEncodeTiled: %d\n", (int)r);
@@ -119,12 +107,29 @@ inline const CUtensorMap &map_of(const bf16 *w, const int n, const int k) {
 // A Config launch (wg_traffic_probe.cu's signature): the walk over w's N / 64 row groups.
 template <int STAGES, int SPLIT> void launch(const bf16 *, const bf16 *w, bf16 *, int, int N, int K) {
     static unsigned *sink = nullptr;
-    constexpr int bytes = STAGES * 8192 + STAGES * 8;
+    constexpr int bytes = STAGES * 8192 + 1024 + STAGES * 8;
     if (!sink) {
         CK(cudaMalloc(&sink, 4));
         CK(cudaFuncSetAttribute(walk<STAGES, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     }
     walk<STAGES, SPLIT><<<dim3(N / 64, SPLIT), 128, bytes>>>(map_of(w, N, K), K, sink);
+}
+
+// The engine in its TMA mode (gemv_wgmma.cuh), split SPLIT, PROBE flags as the cp.async one.
+template <int SPLIT, int PROBE>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS)
+    engine(const __grid_constant__ CUtensorMap map, const bf16 *xp, bf16 *y, const int M, const int N, const int K) {
+    gemv_wgmma<bf16, SPLIT, true, false, PROBE, true>(xp, nullptr, y, M, N, K, &map);
+}
+
+template <int SPLIT, int PROBE> void launch_engine(const bf16 *xp, const bf16 *w, bf16 *y, int M, int N, int K) {
+    static bool sized = false;
+    if (!sized) {
+        CK(cudaFuncSetAttribute(engine<SPLIT, PROBE>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_TMA_SMEM_BYTES));
+        sized = true;
+    }
+    engine<SPLIT, PROBE><<<dim3((N + 63) / 64, SPLIT, (M + 63) / 64), WG_THREADS, WG_TMA_SMEM_BYTES>>>(map_of(w, N, K),
+                                                                                                  xp, y, M, N, K);
 }
 
 } // namespace tma_walk

@@ -17,8 +17,8 @@
 // Two more were timed and changed nothing on an H100: DRAM locality (c12b534: RUN chains walked
 // side by side, each weight row read RUN · 128 contiguous bytes at a time) and the weight rows'
 // power-of-two stride (b6fe0af: rows K + 64 values apart).
-// Each configuration's row 0 is checked against the shipped one-row kernel's bits (the engine's
-// promise) unless it skips the rows.
+// Each full configuration's row 0 is checked against the shipped one-row kernel's bits (the
+// engine's promise), and every row against the split-1 engine's.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DWG_STAGES=4 -DWG_MIN_BLOCKS=3 \
 //     -o wg_traffic_probe tools/gpu/wg_traffic_probe.cu && ./wg_traffic_probe
 #include "../../crates/kestrel-kernels/src/kernels.cu"
@@ -49,21 +49,26 @@ struct Config {
     bool skip;
 };
 // sS: split S; noX: the rows never copied; noMMA: nothing multiplied; tmaT sS: the same walk
-// as noX noMMA, its T stages filled by the TMA (probe_tma_walk.cuh).
+// as noX noMMA, its T stages filled by the TMA; tma sS: the engine in its TMA mode
+// (probe_tma_walk.cuh).
 constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
 constexpr Config CONFIGS[] = {
     {"s1", launch_engine<1, 0>, false},
     {"s1 noX", launch_engine<1, X>, true},
     {"s1 noX noMMA", launch_engine<1, X | MMA>, true},
+    {"tma s1", tma_walk::launch_engine<1, 0>, false},
+    {"tma s1 noX", tma_walk::launch_engine<1, X>, true},
+    {"tma s1 noX noMMA", tma_walk::launch_engine<1, X | MMA>, true},
     {"tma4 s1", tma_walk::launch<4, 1>, true},
     {"tma8 s1", tma_walk::launch<8, 1>, true},
     {"tma16 s1", tma_walk::launch<16, 1>, true},
     {"s4", launch_engine<4, 0>, false},
-    {"s4 noX", launch_engine<4, X>, true},
     {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
-    {"tma4 s4", tma_walk::launch<4, 4>, true},
+    {"tma s4", tma_walk::launch_engine<4, 0>, false},
+    {"tma s4 noX noMMA", tma_walk::launch_engine<4, X | MMA>, true},
     {"tma8 s4", tma_walk::launch<8, 4>, true},
     {"s8", launch_engine<8, 0>, false},
+    {"tma s8", tma_walk::launch_engine<8, 0>, false},
 };
 
 int main() {
@@ -85,7 +90,7 @@ int main() {
     const int reps = 60;
     printf("us a launch | shape | stream | rows layout |");
     for (const auto &c : CONFIGS) printf(" %s |", c.name);
-    printf(" row 0 = one row's bits\n");
+    printf(" bits: row 0 = one row, every row = s1\n");
     for (const ProbeShape s : PROJECTIONS) {
         const size_t elems = (size_t)s.n * s.k, bytes = elems * 2;
         const int copies = (int)((600ull << 20) / bytes) + 1;
@@ -98,19 +103,25 @@ int main() {
         });
         const float t_rows = time([&](int) { kestrel_gemv_wgmma_rows_bf16<<<dim3(s.k / 64, 1), 512>>>(x, xp, M, s.k); });
         printf("| %s | %.1f | %.1f |", s.name, t_stream, t_rows);
+        // The bits every full configuration must give: row 0 the one-row kernel's, every row the
+        // split-1 engine's (each row's bits are the one-row kernel's whatever the split).
         kestrel_gemv_row_mma_bf16<<<s.n / 16, GEMV_WARPS * WARP>>>(x, w[0], y1, 1, s.n, s.k, GEMV_MMA);
-        std::vector<bf16> one(s.n), many(s.n);
+        std::vector<bf16> one(s.n), all((size_t)M * s.n), many((size_t)M * s.n);
         CK(cudaMemcpy(one.data(), y1, s.n * 2, cudaMemcpyDeviceToHost));
+        kestrel_gemv_wgmma_rows_bf16<<<dim3(s.k / 64, 1), 512>>>(x, xp, M, s.k);
+        launch_engine<1, 0>(xp, w[0], y, M, s.n, s.k);
+        CK(cudaMemcpy(all.data(), y, all.size() * 2, cudaMemcpyDeviceToHost));
         bool same = true;
         for (const auto &c : CONFIGS) {
             const float t = time([&](int i) { c.launch(xp, w[i], y, M, s.n, s.k); });
             CK(cudaGetLastError());
             printf(" %.1f (%.2fx) |", t, t / t_stream);
             if (!c.skip) {
+                CK(cudaMemset(y, 0xff, many.size() * 2));
                 c.launch(xp, w[0], y, M, s.n, s.k);
-                CK(cudaMemcpy(many.data(), y, s.n * 2, cudaMemcpyDeviceToHost));
-                for (int n = 0; n < s.n; ++n)
-                    same = same && __bfloat16_as_ushort(many[n]) == __bfloat16_as_ushort(one[n]);
+                CK(cudaMemcpy(many.data(), y, many.size() * 2, cudaMemcpyDeviceToHost));
+                for (size_t e = 0; e < many.size(); ++e)
+                    same = same && __bfloat16_as_ushort(many[e]) == __bfloat16_as_ushort(e < (size_t)s.n ? one[e] : all[e]);
             }
         }
         printf(" %s\n", same ? "same" : "DIFFERENT");

@@ -50,6 +50,8 @@
 // PROBE flags (tools/gpu/wg_traffic_probe.cu only; timings, outputs wrong).
 #define WG_PROBE_NO_X 1
 #define WG_PROBE_NO_MMA 2
+// The TMA mode's shared memory: its stages, 1,024 bytes of alignment slack, the mbarriers.
+#define WG_TMA_SMEM_BYTES (WG_STAGES * 2 * WG_X_ELEMS * 2 + 1024 + WG_STAGES * 8)
 
 #define WG_ACC32(d)                                                                                \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -80,6 +82,44 @@ __device__ __forceinline__ uint64_t wg_b_desc(const void *smem) {
     return (uint64_t)((addr >> 4) & 0x3fff) | ((uint64_t)(1024 >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
 }
 
+// The Tensor Memory Accelerator's side of the engine's TMA mode (instantiated by
+// tools/gpu/wg_traffic_probe.cu only, to measure it against the cp.async walk): a stage is
+// 8 KiB of the step's rows (one bulk copy of their laid-out block) then the 64 × 64 weight box
+// (one tensor copy, 128-byte swizzle), both completing on the stage's mbarrier.
+__device__ __forceinline__ unsigned wg_smem(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Thread 0's arrival on `bar`, expecting `bytes` of copies to complete on it.
+__device__ __forceinline__ void wg_expect(uint64_t *bar, const unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(wg_smem(bar)), "r"(bytes) : "memory");
+}
+
+// Until `bar`'s phase of parity `parity` completes.
+__device__ __forceinline__ void wg_wait(const uint64_t *bar, const unsigned parity) {
+    asm volatile("{\n.reg .pred p;\nWG_WAIT%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WG_WAIT%=;\n}\n" ::"r"(wg_smem(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
+// `bytes` contiguous bytes from global `src` into `dst`, completing on `bar`.
+__device__ __forceinline__ void wg_bulk_copy(void *dst, const void *src, const unsigned bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     wg_smem(dst)),
+                 "l"(src), "r"(bytes), "r"(wg_smem(bar))
+                 : "memory");
+}
+
+// The box of tensor map `map` (a __grid_constant__ CUtensorMap's address) at (k0, n0) into
+// `dst`, completing on `bar`, under the L2 policy `policy`.
+__device__ __forceinline__ void wg_load_box(void *dst, const void *map, const int k0, const int n0, uint64_t *bar,
+                                            const unsigned long long policy) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(wg_smem(dst)),
+                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(wg_smem(bar)), "l"(policy)
+                 : "memory");
+}
+
 // x [M, K] → the warpgroup engine's rows (wg_rows_offset in kernels.cu), zeros past row M.
 // Grid (K / 64, tiles), 512 threads, each one 16-byte piece: slots 0-7 of (j, c) for row n
 // (a warp reads 4 rows' 128 bytes).
@@ -101,12 +141,30 @@ __device__ __forceinline__ int wg_acc_col(const int lane, const int e) { return 
 // of kestrel_gemv_wgmma_rows): x is the rows as stored, [M, K]; each thread loads 4 pieces of
 // 16 bytes of a block into registers an iteration before they are due, then writes their pairs
 // into the stage in the engine's order. PROBE: WG_PROBE_NO_X never copies the rows, so only
-// the weights travel; WG_PROBE_NO_MMA stages everything and multiplies nothing.
-template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false, int PROBE = 0>
+// the weights travel; WG_PROBE_NO_MMA stages everything and multiplies nothing. TMA: the
+// stages filled by the TMA from `wmap` (w's map in 64 × 64 boxes, 128-byte swizzle) and the
+// rows' bulk copies, thread 0 issuing, the block waiting on each stage's mbarrier; the same
+// MMAs on the same fragments, so the same bits (WG_TMA_SMEM_BYTES of shared memory).
+template <typename T, int SPLIT, bool EVICT, bool X_AS_STORED = false, int PROBE = 0, bool TMA = false>
 __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__restrict__ w, T *__restrict__ y,
-                                           const int M, const int N, const int K) {
+                                           const int M, const int N, const int K, const void *wmap = nullptr) {
+    static_assert(!(TMA && X_AS_STORED), "the TMA copies the rows as laid out");
     constexpr int CH = TILED_CHAINS / SPLIT; // chains a block
+    // A stage: the rows' block, then the weights' (padded rows, or TMA's swizzled box).
+    constexpr int STAGE_ELEMS = TMA ? 2 * WG_X_ELEMS : WG_STAGE_ELEMS;
     T *stage = reinterpret_cast<T *>(gemv_stage);
+    uint64_t *full = nullptr; // TMA: a stage's mbarrier
+    if constexpr (TMA) {
+        // The swizzled boxes need 1,024-byte alignment.
+        stage = reinterpret_cast<T *>((reinterpret_cast<uintptr_t>(gemv_stage) + 1023) & ~(uintptr_t)1023);
+        full = reinterpret_cast<uint64_t *>(stage + WG_STAGES * STAGE_ELEMS);
+        if (threadIdx.x == 0) {
+            for (int st = 0; st < WG_STAGES; ++st)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(wg_smem(&full[st])));
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+    }
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const int nkb = K / MMA_KB, rank = SPLIT == 1 ? 0 : blockIdx.y, c0 = rank * CH;
     const int n0 = blockIdx.x * 64 + 16 * warp, m0 = blockIdx.z * 64;
@@ -154,9 +212,19 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     skip_empty();
     auto load = [&]() {
         if (load_c < c0 + CH) {
-            T *s = stage + (staged % WG_STAGES) * WG_STAGE_ELEMS;
+            T *s = stage + (staged % WG_STAGES) * STAGE_ELEMS;
             const int k0 = load_kb * MMA_KB;
-            if constexpr ((PROBE & WG_PROBE_NO_X) != 0) {
+            if constexpr (TMA) {
+                if (threadIdx.x == 0) {
+                    uint64_t *bar = &full[staged % WG_STAGES];
+                    constexpr bool no_x = (PROBE & WG_PROBE_NO_X) != 0;
+                    wg_expect(bar, (no_x ? 1 : 2) * WG_X_ELEMS * (unsigned)sizeof(T));
+                    if (!no_x)
+                        wg_bulk_copy(s, x + ((size_t)blockIdx.z * nkb + load_kb) * WG_X_ELEMS,
+                                     WG_X_ELEMS * sizeof(T), bar);
+                    wg_load_box(s + WG_X_ELEMS, wmap, k0, blockIdx.x * 64, bar, policy);
+                }
+            } else if constexpr ((PROBE & WG_PROBE_NO_X) != 0) {
             } else if constexpr (X_AS_STORED) {
                 if (xr_kb != load_kb) x_to_registers(load_kb); // the first stages
                 registers_to_stage(s);
@@ -168,7 +236,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             }
             T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + (lane / 8) * WG_W_LD + 8 * (lane % 8);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
+            for (int q = 0; q < 4 && !TMA; ++q) {
                 if constexpr (EVICT)
                     cp_async16_hinted(ws + 4 * q * WG_W_LD, w_row[q] + k0, policy);
                 else
@@ -179,7 +247,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
             if (X_AS_STORED && load_c < c0 + CH) x_to_registers(load_kb); // due next iteration
         }
         ++staged;
-        asm volatile("cp.async.commit_group;\n" ::);
+        if constexpr (!TMA) asm volatile("cp.async.commit_group;\n" ::);
     };
     for (int s = 0; s < WG_STAGES - 1; ++s) load();
 
@@ -194,17 +262,30 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     for (int ci = 0; ci < CH; ++ci) {
 #pragma unroll 1
         for (int kb = c0 + ci; kb < nkb; kb += TILED_CHAINS, ++i) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
+            if constexpr (TMA)
+                wg_wait(&full[i % WG_STAGES], (i / WG_STAGES) & 1);
+            else
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2));
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads(); // block i is in; every warp's MMAs on block i − 1 are done
             load();
-            const T *s = stage + (i % WG_STAGES) * WG_STAGE_ELEMS;
-            const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
+            const T *s = stage + (i % WG_STAGES) * STAGE_ELEMS;
             uint4 v[4];
-            v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
-            v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
-            v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
-            v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
+            if constexpr (TMA) {
+                // Row r's 16-byte piece c of the box sits at piece c ^ (r % 8) of its 128 bytes.
+                const T *box = s + WG_X_ELEMS;
+                const int r0 = 16 * warp + g, r1 = r0 + 8;
+                v[0] = *reinterpret_cast<const uint4 *>(box + r0 * MMA_KB + 8 * ((2 * t) ^ (r0 % 8)));
+                v[1] = *reinterpret_cast<const uint4 *>(box + r0 * MMA_KB + 8 * ((2 * t + 1) ^ (r0 % 8)));
+                v[2] = *reinterpret_cast<const uint4 *>(box + r1 * MMA_KB + 8 * ((2 * t) ^ (r1 % 8)));
+                v[3] = *reinterpret_cast<const uint4 *>(box + r1 * MMA_KB + 8 * ((2 * t + 1) ^ (r1 % 8)));
+            } else {
+                const T *ws = s + WG_X_ELEMS + warp * 16 * WG_W_LD + 16 * t;
+                v[0] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD);
+                v[1] = *reinterpret_cast<const uint4 *>(ws + g * WG_W_LD + 8);
+                v[2] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD);
+                v[3] = *reinterpret_cast<const uint4 *>(ws + (g + 8) * WG_W_LD + 8);
+            }
             const unsigned *wl = reinterpret_cast<const unsigned *>(&v[0]);
             const unsigned *wh = reinterpret_cast<const unsigned *>(&v[2]);
             if constexpr ((PROBE & WG_PROBE_NO_MMA) != 0) continue;
