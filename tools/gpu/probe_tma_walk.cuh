@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(128) walk(const __grid_constant__ CUtensorMap 
         const int kb = walk_block(issued, c0, CH, nkb);
         if (kb >= 0) {
             wg_expect(&full[issued % STAGES], 8192);
-            wg_load_box(stage + (issued % STAGES) * 8192, &map, kb * 64, n0, &full[issued % STAGES], policy);
+            wg_load_box<true>(stage + (issued % STAGES) * 8192, &map, kb * 64, n0, &full[issued % STAGES], policy);
         }
         ++issued;
     };

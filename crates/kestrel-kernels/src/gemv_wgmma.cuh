@@ -111,13 +111,20 @@ __device__ __forceinline__ void wg_bulk_copy(void *dst, const void *src, const u
 }
 
 // The box of tensor map `map` (a __grid_constant__ CUtensorMap's address) at (k0, n0) into
-// `dst`, completing on `bar`, under the L2 policy `policy`.
+// `dst`, completing on `bar`; HINTED: under the L2 policy `policy` (evict_first_policy).
+template <bool HINTED>
 __device__ __forceinline__ void wg_load_box(void *dst, const void *map, const int k0, const int n0, uint64_t *bar,
                                             const unsigned long long policy) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(wg_smem(dst)),
-                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(wg_smem(bar)), "l"(policy)
-                 : "memory");
+    if constexpr (HINTED)
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                     " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(wg_smem(dst)),
+                     "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(wg_smem(bar)), "l"(policy)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(wg_smem(dst)),
+                     "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(n0), "r"(wg_smem(bar))
+                     : "memory");
 }
 
 // x [M, K] → the warpgroup engine's rows (wg_rows_offset in kernels.cu), zeros past row M.
@@ -222,7 +229,7 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
                     if (!no_x)
                         wg_bulk_copy(s, x + ((size_t)blockIdx.z * nkb + load_kb) * WG_X_ELEMS,
                                      WG_X_ELEMS * sizeof(T), bar);
-                    wg_load_box(s + WG_X_ELEMS, wmap, k0, blockIdx.x * 64, bar, policy);
+                    wg_load_box<EVICT>(s + WG_X_ELEMS, wmap, k0, blockIdx.x * 64, bar, policy);
                 }
             } else if constexpr ((PROBE & WG_PROBE_NO_X) != 0) {
             } else if constexpr (X_AS_STORED) {
