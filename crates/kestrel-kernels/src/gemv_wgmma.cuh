@@ -178,10 +178,10 @@ __device__ __forceinline__ void gemv_wgmma(const T *__restrict__ x, const T *__r
     // The step's rows, as kestrel_gemv_wgmma_rows laid them out: 4 pieces of 16 bytes a thread.
     const T *x_tile = x + (size_t)blockIdx.z * nkb * WG_X_ELEMS + 8 * threadIdx.x;
     // The warp's 16 weight rows, 8 pieces of 16 bytes each, 4 a lane (rows lane / 8 + 4q);
-    // rows past N copy row N − 1, and their outputs are never stored.
-    const T *w_row[4];
+    // rows past N copy row N − 1, and their outputs are never stored. (TMA: the map has them.)
+    const T *w_row[4] = {};
 #pragma unroll
-    for (int q = 0; q < 4; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
+    for (int q = 0; q < 4 && !TMA; ++q) w_row[q] = w + (size_t)min(n0 + lane / 8 + 4 * q, N - 1) * K + 8 * (lane % 8);
     unsigned long long policy = 0;
     if constexpr (EVICT) policy = evict_first_policy();
     // X_AS_STORED: piece qq of a thread is row xn + 16qq's 16 bytes at 8xq of a block; the
