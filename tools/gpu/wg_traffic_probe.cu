@@ -49,8 +49,8 @@ struct Config {
     bool skip;
 };
 // sS: split S; noX: the rows never copied; noMMA: nothing multiplied; tmaT sS: the same walk
-// as noX noMMA, its T stages filled by the TMA; tma sS: the engine in its TMA mode
-// (probe_tma_walk.cuh).
+// as noX noMMA, its T stages filled by the TMA (tmawsT: by a producer warp, no block-wide
+// barrier); tma sS: the engine in its TMA mode (probe_tma_walk.cuh).
 constexpr int X = WG_PROBE_NO_X, MMA = WG_PROBE_NO_MMA;
 constexpr Config CONFIGS[] = {
     {"s1", launch_engine<1, 0>, false},
@@ -62,11 +62,14 @@ constexpr Config CONFIGS[] = {
     {"tma4 s1", tma_walk::launch<4, 1>, true},
     {"tma8 s1", tma_walk::launch<8, 1>, true},
     {"tma16 s1", tma_walk::launch<16, 1>, true},
+    {"tmaws8 s1", tma_walk::launch<8, 1, true>, true},
+    {"tmaws16 s1", tma_walk::launch<16, 1, true>, true},
     {"s4", launch_engine<4, 0>, false},
     {"s4 noX noMMA", launch_engine<4, X | MMA>, true},
     {"tma s4", tma_walk::launch_engine<4, 0>, false},
     {"tma s4 noX noMMA", tma_walk::launch_engine<4, X | MMA>, true},
     {"tma8 s4", tma_walk::launch<8, 4>, true},
+    {"tmaws8 s4", tma_walk::launch<8, 4, true>, true},
     {"s8", launch_engine<8, 0>, false},
     {"tma s8", tma_walk::launch_engine<8, 0>, false},
 };
