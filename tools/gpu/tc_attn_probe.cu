@@ -159,11 +159,14 @@ __device__ __forceinline__ void accumulate(float (&o)[N][4], const int np, const
 // MAX_NODES new tokens.
 // grid (nh, n_seq, ceil(max_new / (16 · WARPS))), WARPS · 32 threads, dynamic shared memory
 // smem_bytes<D, WARPS, STAGES>().
-template <int D, int WARPS, int STAGES>
+// SPLITS > 1: tile t belongs to split t mod SPLITS, a block of its own (grid.y = sequence ·
+// SPLITS + split), which leaves its rows' states (o, m, l) in `part` for tc_merge to fold in
+// split order; a decode step's row then walks its tiles on SPLITS multiprocessors.
+template <int D, int WARPS, int STAGES, int SPLITS>
 __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *k_pool, const T *v_pool, T *out,
-                                                           const unsigned *meta, const int n_tok, const int n_seq,
-                                                           const int lmax, const int nh, const int nkv,
-                                                           const float scale) {
+                                                           float *part, const unsigned *meta, const int n_tok,
+                                                           const int n_seq, const int lmax, const int nh,
+                                                           const int nkv, const float scale) {
     static_assert(STAGES >= 2, "a tree's tail stages its 128 candidates in the first two stages");
     constexpr int ROWS = 16 * WARPS, PITCH = D + 8, CH = D / 8, KS = D / 16;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
     float *sw = (float *)(vs + STAGES * TILE * PITCH);            // [WARPS][16][SW_LD]: a warp's candidate scores
     unsigned char *vis = (unsigned char *)(sw + WARPS * 16 * SW_LD); // [WARPS][16][MAX_NODES]: rows' visible nodes
     int *lens = (int *)(vis + WARPS * 16 * MAX_NODES);              // [WARPS][16]: rows' list lengths
-    const int h = blockIdx.x, s = blockIdx.y, g0 = blockIdx.z * ROWS;
+    const int h = blockIdx.x, s = blockIdx.y / SPLITS, split = blockIdx.y % SPLITS, g0 = blockIdx.z * ROWS;
     const int L = seq_len[s], n = seq_new[s], q0 = q_start[s];
     if (g0 >= n) return;
     const bool causal = mask_off[s] == 0xffffffffu;
@@ -210,9 +213,11 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
     // Tiles every row of the block has alike: all of a chain's, a tree's wholly cached ones.
     const int cbase = TILE * (cached / TILE);
     const int shared_tiles = causal ? (max_len + TILE - 1) / TILE : cbase / TILE;
+    // This block's j-th tile: split + SPLITS · j.
+    const int my_tiles = shared_tiles > split ? (shared_tiles - split + SPLITS - 1) / SPLITS : 0;
 
-    auto load_tile = [&](const int t) {
-        const int buf = t % STAGES;
+    auto load_tile = [&](const int j) {
+        const int buf = j % STAGES, t = split + SPLITS * j;
         for (int i = threadIdx.x; i < TILE * CH; i += WARPS * 32) {
             const int row = i / CH, c = i % CH, pos = t * TILE + row;
             const bool ok = pos < max_len;
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
     };
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
-        if (t < shared_tiles) load_tile(t);
+        if (t < my_tiles) load_tile(t);
         asm volatile("cp.async.commit_group;\n");
     }
 
@@ -246,14 +251,14 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
     RowState st0, st1;
     const float sl2 = scale * 1.4426950408889634f;
 
-    for (int t = 0; t < shared_tiles; ++t) {
-        if (t + STAGES - 1 < shared_tiles) load_tile(t + STAGES - 1);
+    for (int j = 0; j < my_tiles; ++j) {
+        if (j + STAGES - 1 < my_tiles) load_tile(j + STAGES - 1);
         asm volatile("cp.async.commit_group;\n");
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
         __syncthreads();
-        const int base = t * TILE;
+        const int base = (split + SPLITS * j) * TILE;
         if (base < warp_len) {
-            const T *kt = ks + (t % STAGES) * TILE * PITCH, *vt = vs + (t % STAGES) * TILE * PITCH;
+            const T *kt = ks + (j % STAGES) * TILE * PITCH, *vt = vs + (j % STAGES) * TILE * PITCH;
             float sc[8][4];
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) scores<D>(sc[nt], qa, kt + nt * 8 * PITCH, lane);
@@ -276,7 +281,10 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
         }
         __syncthreads(); // the stage is refilled next round
     }
-    if (!causal) {
+    // A tree's tail tiles run from cbase / TILE up to (at most) the sequence's L slots.
+    int first_tail = cbase / TILE;
+    first_tail += (split - first_tail % SPLITS + SPLITS) % SPLITS; // this split's first
+    if (!causal && first_tail * TILE < L) {
         // The tail: candidates (cached slots from cbase, then the n nodes) into the stages.
         const int ntail = cached - cbase, ncand = ntail + n;
         asm volatile("cp.async.wait_group 0;\n");
@@ -304,7 +312,7 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
         auto cand = [&](const int i, const int pos) {
             return pos < cached ? pos - cbase : pos < wlens[i] ? ntail + wvis[i * MAX_NODES + pos - cached] : 0;
         };
-        for (int base = cbase; base < warp_len; base += TILE) {
+        for (int base = first_tail * TILE; base < warp_len; base += SPLITS * TILE) {
             float sc[8][4];
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
@@ -320,14 +328,17 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
             tile_softmax(sc, base, tq, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
             for (int i = 0; i < 16; ++i) {
                 if (base >= wlens[i]) continue;
+                const T *vrow[4]; // the V row this lane addresses for each k-step, in row i's list
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    vrow[k] = vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
 #pragma unroll
                 for (int np = 0; np < D / 16; ++np) {
                     float pv[2][4] = {};
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
                         unsigned b[4];
-                        const int row = cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7));
-                        ldsm_x4_trans(b, vs + row * PITCH + 8 * (2 * np + (lane >> 4)));
+                        ldsm_x4_trans(b, vrow[k] + 16 * np);
                         mma16816<T>(pv[0], pa[k], b);
                         mma16816<T>(pv[1], pa[k], b + 2);
                     }
@@ -339,16 +350,49 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
             }
         }
     }
+    if constexpr (SPLITS > 1) {
+        // This split's states: o, then m and l, per (split, row, head).
+        auto keep = [&](const int r, const RowState &st, const int half) {
+            float *p = part + (((size_t)split * n_tok + q0 + r) * nh + h) * (D + 2);
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-        const int c = nt * 8 + 2 * tq;
-        if (r0 < n)
-            *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
-                pack2(__float2bfloat16_rn(o[nt][0] / st0.l), __float2bfloat16_rn(o[nt][1] / st0.l));
-        if (r1 < n)
-            *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
-                pack2(__float2bfloat16_rn(o[nt][2] / st1.l), __float2bfloat16_rn(o[nt][3] / st1.l));
+            for (int nt = 0; nt < D / 8; ++nt) p[nt * 8 + 2 * tq] = o[nt][2 * half], p[nt * 8 + 2 * tq + 1] = o[nt][2 * half + 1];
+            if (tq == 0) p[D] = st.m, p[D + 1] = st.l;
+        };
+        if (r0 < n) keep(r0, st0, 0);
+        if (r1 < n) keep(r1, st1, 1);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const int c = nt * 8 + 2 * tq;
+            if (r0 < n)
+                *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
+                    pack2(__float2bfloat16_rn(o[nt][0] / st0.l), __float2bfloat16_rn(o[nt][1] / st0.l));
+            if (r1 < n)
+                *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
+                    pack2(__float2bfloat16_rn(o[nt][2] / st1.l), __float2bfloat16_rn(o[nt][3] / st1.l));
+        }
     }
+}
+
+// The splits' states of each (row, head) folded in split order: o = Σ o_v 2^(m_v − M), the same
+// for l, out = o / l. Grid (n_tok, nh), D threads.
+template <int D, int SPLITS>
+__global__ void tc_merge(const float *part, T *out, const int n_tok, const int nh) {
+    const int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
+    auto at = [&](const int v) { return part + (((size_t)v * n_tok + r) * nh + h) * (D + 2); };
+    float mx = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < SPLITS; ++v) mx = fmaxf(mx, at(v)[D]);
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int v = 0; v < SPLITS; ++v) {
+        const float m = at(v)[D];
+        if (m == -INFINITY) continue;
+        const float f = exp2f(m - mx);
+        o = fmaf(at(v)[e], f, o);
+        l = fmaf(at(v)[D + 1], f, l);
+    }
+    out[((size_t)r * nh + h) * D + e] = __float2bfloat16_rn(o / l);
 }
 
 template <int D, int WARPS, int STAGES> constexpr size_t smem_bytes() {
@@ -393,24 +437,28 @@ size_t count_differing(const T *a, const T *b, const size_t n) {
     return differ;
 }
 
-template <int D, int WARPS, int STAGES> struct Tc {
+// The splits' states (tc_merge's input), for the largest launch.
+float *g_part = nullptr;
+
+template <int D, int WARPS, int STAGES, int SPLITS = 1> struct Tc {
     static void prepare() {
-        CK(cudaFuncSetAttribute(tcp::tc_attention<D, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)tcp::smem_bytes<D, WARPS, STAGES>()));
+        CK(cudaFuncSetAttribute(tcp::tc_attention<D, WARPS, STAGES, SPLITS>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tcp::smem_bytes<D, WARPS, STAGES>()));
     }
     static void launch(const T *q, const T *kp, const T *vp, T *o, const unsigned *meta, int n, int L, int nh,
                        int nkv, float scale) {
-        tcp::tc_attention<D, WARPS, STAGES>
-            <<<dim3(nh, 1, (n + 16 * WARPS - 1) / (16 * WARPS)), WARPS * 32, tcp::smem_bytes<D, WARPS, STAGES>()>>>(
-                q, kp, vp, o, meta, n, 1, L, nh, nkv, scale);
+        tcp::tc_attention<D, WARPS, STAGES, SPLITS>
+            <<<dim3(nh, SPLITS, (n + 16 * WARPS - 1) / (16 * WARPS)), WARPS * 32,
+               tcp::smem_bytes<D, WARPS, STAGES>()>>>(q, kp, vp, o, g_part, meta, n, 1, L, nh, nkv, scale);
+        if constexpr (SPLITS > 1) tcp::tc_merge<D, SPLITS><<<dim3(n, nh), D>>>(g_part, o, n, nh);
     }
 };
 
 template <int D> void run_shape(const char *name, const int nh, const int nkv, LaunchTimer &timer) {
     Tc<D, 4, 2>::prepare();
-    Tc<D, 4, 4>::prepare();
     Tc<D, 1, 2>::prepare();
-    Tc<D, 1, 4>::prepare();
+    Tc<D, 4, 2, 4>::prepare();
+    Tc<D, 1, 2, 4>::prepare();
     const int n = 64;
     const float scale = 1.f / sqrtf((float)D);
     for (const bool chain : {true, false})
@@ -450,31 +498,43 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         CK(cudaMalloc(&o_one, (size_t)nh * D * 2));
 
         // Bits: the 64-row launch (4 warps a block, and 1) against each row launched alone, as
-        // the decode step of its token over its list (the cached slots, then its path's).
+        // the decode step of its token over its list (the cached slots, then its path's); for
+        // one split, and for four (another order of sums, so compared with its own).
         kestrel_paged_attention_many_bf16<<<dim3(n, nh), PA_VWARPS * WARP>>>(q, kps[0], vps[0], o_rows, dmeta, n, 1,
                                                                            L, nh, nkv, D, scale);
         const std::vector<T> ref = fetch(o_rows, out_elems);
         Tc<D, 4, 2>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
         CK(cudaGetLastError());
         const std::vector<T> tc = fetch(o_tc, out_elems);
-        Tc<D, 1, 4>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+        Tc<D, 1, 2>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
         const std::vector<T> tc1 = fetch(o_tc, out_elems);
-        const size_t warps_differ = count_differing(tc.data(), tc1.data(), out_elems);
-        size_t alone_differ = 0;
+        Tc<D, 4, 2, 4>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+        const std::vector<T> tcs = fetch(o_tc, out_elems);
+        Tc<D, 1, 2, 4>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+        const std::vector<T> tcs1 = fetch(o_tc, out_elems);
+        CK(cudaGetLastError());
+        const size_t warps_differ = count_differing(tc.data(), tc1.data(), out_elems) +
+                                    count_differing(tcs.data(), tcs1.data(), out_elems);
+        size_t alone_differ = 0, alone_split_differ = 0;
         for (int r = 0; r < n; ++r) {
             std::vector<unsigned> ids(pool_ids.begin(), pool_ids.begin() + past);
             for (const int j : path[r]) ids.push_back(pool_ids[past + j]);
             const int len = (int)ids.size();
             unsigned *m1 = to_device(seq_meta(1, len, ids));
-            Tc<D, 4, 2>::launch(q + (size_t)r * nh * D, kps[0], vps[0], o_one, m1, 1, len, nh, nkv, scale);
-            const std::vector<T> one = fetch(o_one, (size_t)nh * D);
+            const T *qr = q + (size_t)r * nh * D;
+            Tc<D, 1, 2>::launch(qr, kps[0], vps[0], o_one, m1, 1, len, nh, nkv, scale);
+            std::vector<T> one = fetch(o_one, (size_t)nh * D);
             alone_differ += count_differing(one.data(), tc.data() + (size_t)r * nh * D, (size_t)nh * D);
+            Tc<D, 1, 2, 4>::launch(qr, kps[0], vps[0], o_one, m1, 1, len, nh, nkv, scale);
+            one = fetch(o_one, (size_t)nh * D);
+            alone_split_differ += count_differing(one.data(), tcs.data() + (size_t)r * nh * D, (size_t)nh * D);
             CK(cudaFree(m1));
         }
         // Against the runtime's kernel (f32 P): largest difference, largest output.
-        float worst = 0.f, mag = 0.f;
+        float worst = 0.f, worst_split = 0.f, mag = 0.f;
         for (size_t i = 0; i < out_elems; ++i) {
             worst = fmaxf(worst, fabsf(__bfloat162float(tc[i]) - __bfloat162float(ref[i])));
+            worst_split = fmaxf(worst_split, fabsf(__bfloat162float(tcs[i]) - __bfloat162float(ref[i])));
             mag = fmaxf(mag, fabsf(__bfloat162float(ref[i])));
         }
 
@@ -490,25 +550,26 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         };
         const float t_rows = timer.us(rows, copies, 200), t_groups = timer.us(groups, copies, 200);
         const float t42 = timer.us([&](int c) { Tc<D, 4, 2>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
-        const float t44 = timer.us([&](int c) { Tc<D, 4, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
         const float t12 = timer.us([&](int c) { Tc<D, 1, 2>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
-        const float t14 = timer.us([&](int c) { Tc<D, 1, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+        const float t42s = timer.us([&](int c) { Tc<D, 4, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+        const float t12s = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
 
         // A decode step of the token after the context (one row over L slots).
         unsigned *mdec = to_device(seq_meta(1, L, pool_ids));
-        float d_rows = 0.f, d42 = 0.f, d44 = 0.f;
+        float d_rows = 0.f, d42 = 0.f, d12s = 0.f;
         if (chain) {
             d_rows = timer.us([&](int c) {
                 kestrel_paged_attention_bf16<<<dim3(1, nh), PA_VWARPS * WARP>>>(q, kps[c], vps[c], o_rows, mdec, 1, 1,
                                                                               L, nh, nkv, D, scale);
             }, copies, 200);
             d42 = timer.us([&](int c) { Tc<D, 4, 2>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
-            d44 = timer.us([&](int c) { Tc<D, 4, 4>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
+            d12s = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
         }
         CK(cudaGetLastError());
-        printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %zu | %zu | %.3g of %.3g |\n",
-               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t44, t12, t14, d_rows, d42, d44,
-               warps_differ, alone_differ, worst, mag);
+        printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %zu | %zu | %zu | "
+               "%.3g, %.3g of %.3g |\n",
+               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, d_rows, d42, d12s,
+               warps_differ, alone_differ, alone_split_differ, worst, worst_split, mag);
         CK(cudaFree(mdec));
         CK(cudaFree(dmeta));
         CK(cudaFree(q));
@@ -528,12 +589,15 @@ int main() {
     CK(cudaFuncSetAttribute(kestrel_paged_attention_groups_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)groups_smem(128)));
     LaunchTimer timer;
-    printf("%s: the attention of 64 new tokens, a chain or a random tree (K/V from DRAM), us a launch; tcW×S: tensor cores, W warps (16 rows "
-           "each) a block, S tiles of 64 in flight. bits: outputs of tc1×4 unlike tc4×2's, of rows alone unlike the "
-           "64-row launch's (both must be 0); diff: tc4×2 against the runtime's kernel\n",
+    printf("%s: the attention of 64 new tokens, a chain or a random tree (K/V from DRAM), us a launch; tcW×S: "
+           "tensor cores, W warps (16 rows each) a block, S tiles of 64 in flight; s4: the tiles in 4 splits, a "
+           "block each, then tc_merge. bits (all must be 0): outputs of tc1×2 unlike tc4×2's (and s4's), of rows "
+           "alone (a decode step of their token) unlike the 64-row launch's, one split and four; diff: against the "
+           "runtime's kernel\n",
            prop.name);
-    printf("| shape | new | past | rows | groups | tc4×2 | tc4×4 | tc1×2 | tc1×4 | decode rows | decode tc4×2 | decode tc4×4 | "
-           "bits warps | bits alone | diff |\n");
+    printf("| shape | new | past | rows | groups | tc4×2 | tc1×2 | tc4×2 s4 | tc1×2 s4 | decode rows | decode tc4×2 | "
+           "decode tc1×2 s4 | bits warps | bits alone | bits alone s4 | diff, s4 |\n");
+    CK(cudaMalloc(&g_part, (size_t)4 * 64 * 32 * (128 + 2) * sizeof(float)));
     run_shape<128>("llama2-7b", 32, 32, timer);
     run_shape<64>("smollm2-135m", 9, 3, timer);
     return 0;
