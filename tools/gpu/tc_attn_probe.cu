@@ -155,6 +155,60 @@ __device__ __forceinline__ void accumulate(float (&o)[N][4], const int np, const
     }
 }
 
+// One tile every row of the warp sees at the same list positions (K rows `kt`, V rows `vt`,
+// pitch d + 8): scores, the softmax step, o = o · alpha + P·V.
+template <int D>
+__device__ __forceinline__ void shared_tile(const T *kt, const T *vt, const unsigned (&qa)[D / 16][4], float (&o)[D / 8][4],
+                                            const int base, const int lane, const int len0, const int len1,
+                                            const float sl2, RowState &st0, RowState &st1) {
+    constexpr int PITCH = D + 8;
+    float sc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) scores<D>(sc[nt], qa, kt + nt * 8 * PITCH, lane);
+    unsigned pa[4][4];
+    float a0, a1;
+    bool act0, act1;
+    tile_softmax(sc, base, lane & 3, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np) {
+        float pv[2][4] = {};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            unsigned b[4];
+            ldsm_x4_trans(b, vt + (16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (2 * np + (lane >> 4)));
+            mma16816<T>(pv[0], pa[k], b);
+            mma16816<T>(pv[1], pa[k], b + 2);
+        }
+        accumulate<true, true>(o, np, pv, a0, a1, act0, act1);
+    }
+}
+
+// The splits' states folded in split order, one after another (every form folds so, and so
+// gives a row the same bits): acc ⊕ (o, m, l). fold_factors updates acc's m and l and says
+// how its o values change (fold_value).
+struct Fold {
+    float fa, fv;
+    bool skip, take;
+};
+__device__ __forceinline__ Fold fold_factors(float &am, float &al, const float m, const float l) {
+    Fold f{1.f, 1.f, false, false};
+    if (m == -INFINITY) { // nothing of the row in this split
+        f.skip = true;
+    } else if (am == -INFINITY) {
+        f.take = true;
+        am = m, al = l;
+    } else {
+        const float mx = fmaxf(am, m);
+        f.fa = exp2f(am - mx), f.fv = exp2f(m - mx);
+        al = fmaf(al, f.fa, l * f.fv);
+        am = mx;
+    }
+    return f;
+}
+__device__ __forceinline__ float fold_value(const Fold &f, const float acc, const float v) {
+    return f.skip ? acc : f.take ? v : fmaf(acc, f.fa, v * f.fv);
+}
+
 // meta as kernels.cu's paged attention (attention.cuh's header); masked sequences of at most
 // MAX_NODES new tokens.
 // grid (nh, n_seq, ceil(max_new / (16 · WARPS))), WARPS · 32 threads, dynamic shared memory
@@ -258,26 +312,8 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
         __syncthreads();
         const int base = (split + SPLITS * j) * TILE;
         if (base < warp_len) {
-            const T *kt = ks + (j % STAGES) * TILE * PITCH, *vt = vs + (j % STAGES) * TILE * PITCH;
-            float sc[8][4];
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) scores<D>(sc[nt], qa, kt + nt * 8 * PITCH, lane);
-            unsigned pa[4][4];
-            float a0, a1;
-            bool act0, act1;
-            tile_softmax(sc, base, tq, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
-#pragma unroll
-            for (int np = 0; np < D / 16; ++np) {
-                float pv[2][4] = {};
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    unsigned b[4];
-                    ldsm_x4_trans(b, vt + (16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (2 * np + (lane >> 4)));
-                    mma16816<T>(pv[0], pa[k], b);
-                    mma16816<T>(pv[1], pa[k], b + 2);
-                }
-                accumulate<true, true>(o, np, pv, a0, a1, act0, act1);
-            }
+            shared_tile<D>(ks + (j % STAGES) * TILE * PITCH, vs + (j % STAGES) * TILE * PITCH, qa, o, base, lane,
+                           len0, len1, sl2, st0, st1);
         }
         __syncthreads(); // the stage is refilled next round
     }
@@ -374,25 +410,156 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
     }
 }
 
-// The splits' states of each (row, head) folded in split order: o = Σ o_v 2^(m_v − M), the same
-// for l, out = o / l. Grid (n_tok, nh), D threads.
+// The splits' states of each (row, head) folded in split order (fold_factors), out = o / l.
+// Grid (n_tok, nh), D threads.
 template <int D, int SPLITS>
 __global__ void tc_merge(const float *part, T *out, const int n_tok, const int nh) {
     const int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
     auto at = [&](const int v) { return part + (((size_t)v * n_tok + r) * nh + h) * (D + 2); };
-    float mx = -INFINITY;
+    float am = -INFINITY, al = 0.f, ao = 0.f;
 #pragma unroll
-    for (int v = 0; v < SPLITS; ++v) mx = fmaxf(mx, at(v)[D]);
-    float o = 0.f, l = 0.f;
+    for (int v = 0; v < SPLITS; ++v) ao = fold_value(fold_factors(am, al, at(v)[D], at(v)[D + 1]), ao, at(v)[e]);
+    out[((size_t)r * nh + h) * D + e] = __float2bfloat16_rn(ao / al);
+}
+
+// The 4-split order (tile t in split t mod 4, states folded in split order) in one launch,
+// causal sequences only. SPLIT_WARPS (a decode step's form): WARPS = 4 warps on the block's
+// 16 rows, warp w walking split w's tiles through a stage of its own, the states folded in
+// shared memory. Else: a warp per 16 rows as tc_attention, the tiles staged for the block in
+// split order, each warp folding a split's states into shared memory as it ends. Dynamic
+// shared memory fold_smem_bytes<D, WARPS, SPLIT_WARPS>().
+constexpr int FOLD_SPLITS = 4;
+template <int D, int WARPS, bool SPLIT_WARPS>
+__global__ void __launch_bounds__(WARPS * 32) tc_fold(const T *q, const T *k_pool, const T *v_pool, T *out,
+                                                      const unsigned *meta, const int n_tok, const int n_seq,
+                                                      const int lmax, const int nh, const int nkv, const float scale) {
+    static_assert(!SPLIT_WARPS || WARPS == FOLD_SPLITS, "a warp a split");
+    constexpr int ROWS = SPLIT_WARPS ? 16 : 16 * WARPS, PITCH = D + 8, CH = D / 8, KS = D / 16, NO = D / 8 * 4;
+    constexpr int STAGES = SPLIT_WARPS ? FOLD_SPLITS : 2; // a warp's own, or the block's ring
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *ks = (T *)smem_raw, *vs = ks + STAGES * TILE * PITCH;
+    float *fo = (float *)(vs + STAGES * TILE * PITCH); // [WARPS][NO][32]: o values, a lane's
+    float *fml = fo + WARPS * NO * 32;                  // [WARPS][4][32]: m, l of each of its rows
+    const unsigned *seq_len = meta + n_tok, *seq_new = seq_len + n_seq, *q_start = seq_new + n_seq,
+                   *slots = q_start + 2 * n_seq;
+    const int h = blockIdx.x, s = blockIdx.y, g0 = blockIdx.z * ROWS;
+    const int L = seq_len[s], n = seq_new[s], q0 = q_start[s];
+    if (g0 >= n) return;
+    const int cached = L - n, kvh = h / (nh / nkv);
+    const unsigned *list = slots + (size_t)s * lmax;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
+    const int wr = SPLIT_WARPS ? g0 : g0 + warp * 16;
+    const int r0 = wr + gq, r1 = r0 + 8;
+    const int len0 = r0 < n ? cached + r0 + 1 : 0, len1 = r1 < n ? cached + r1 + 1 : 0;
+    const int warp_len = wr < n ? cached + min(wr + 15, n - 1) + 1 : 0;
+    const int max_len = cached + min(ROWS, n - g0) + g0, tiles = (max_len + TILE - 1) / TILE;
+    // Tile t's K and V rows into stage `buf`, copied by `threads` threads from `first`.
+    auto load = [&](const int t, const int buf, const int first, const int threads) {
+        for (int i = first; i < TILE * CH; i += threads) {
+            const int row = i / CH, c = i % CH, pos = t * TILE + row;
+            const bool ok = pos < max_len;
+            const size_t src = ((size_t)(ok ? list[pos] : 0) * nkv + kvh) * D + c * 8;
+            cp_async16_zfill(ks + (buf * TILE + row) * PITCH + c * 8, k_pool + src, ok);
+            cp_async16_zfill(vs + (buf * TILE + row) * PITCH + c * 8, v_pool + src, ok);
+        }
+        asm volatile("cp.async.commit_group;\n");
+    };
+    // Split v's j-th tile, and its count of tiles.
+    auto split_tiles = [&](const int v) { return tiles > v ? (tiles - v + FOLD_SPLITS - 1) / FOLD_SPLITS : 0; };
+    // The tiles in split order: sequence index → tile.
+    auto tile_at = [&](int idx) {
+        int v = 0;
+        while (idx >= split_tiles(v)) idx -= split_tiles(v++);
+        return v + FOLD_SPLITS * idx;
+    };
+    if constexpr (!SPLIT_WARPS) load(tile_at(0), 0, threadIdx.x, WARPS * 32);
+
+    unsigned qa[KS][4];
+    {
+        const T *qr0 = q + ((size_t)(q0 + r0) * nh + h) * D, *qr1 = q + ((size_t)(q0 + r1) * nh + h) * D;
 #pragma unroll
-    for (int v = 0; v < SPLITS; ++v) {
-        const float m = at(v)[D];
-        if (m == -INFINITY) continue;
-        const float f = exp2f(m - mx);
-        o = fmaf(at(v)[e], f, o);
-        l = fmaf(at(v)[D + 1], f, l);
+        for (int k = 0; k < KS; ++k) {
+            const int c = 16 * k + 2 * tq;
+            qa[k][0] = r0 < n ? *(const unsigned *)(qr0 + c) : 0u;
+            qa[k][1] = r1 < n ? *(const unsigned *)(qr1 + c) : 0u;
+            qa[k][2] = r0 < n ? *(const unsigned *)(qr0 + c + 8) : 0u;
+            qa[k][3] = r1 < n ? *(const unsigned *)(qr1 + c + 8) : 0u;
+        }
     }
-    out[((size_t)r * nh + h) * D + e] = __float2bfloat16_rn(o / l);
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    RowState st0, st1;
+    const float sl2 = scale * 1.4426950408889634f;
+    float *my_o = fo + warp * NO * 32 + lane, *my_ml = fml + warp * 4 * 32 + lane;
+    float am0 = -INFINITY, al0 = 0.f, am1 = -INFINITY, al1 = 0.f;
+
+    if constexpr (SPLIT_WARPS) {
+        for (int t = warp; t < tiles; t += FOLD_SPLITS) {
+            load(t, warp, lane, 32);
+            asm volatile("cp.async.wait_group 0;\n");
+            __syncwarp();
+            if (t * TILE < warp_len)
+                shared_tile<D>(ks + warp * TILE * PITCH, vs + warp * TILE * PITCH, qa, o, t * TILE, lane, len0, len1,
+                               sl2, st0, st1);
+            __syncwarp();
+        }
+        // Each warp's split state, then warp 0 folds them in split order.
+#pragma unroll
+        for (int i = 0; i < NO; ++i) my_o[i * 32] = o[i / 4][i % 4];
+        my_ml[0] = st0.m, my_ml[32] = st0.l, my_ml[64] = st1.m, my_ml[96] = st1.l;
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+        for (int v = 0; v < FOLD_SPLITS; ++v) {
+            const float *vo = fo + v * NO * 32 + lane, *vml = fml + v * 4 * 32 + lane;
+            const Fold f0 = fold_factors(am0, al0, vml[0], vml[32]), f1 = fold_factors(am1, al1, vml[64], vml[96]);
+#pragma unroll
+            for (int i = 0; i < NO; ++i) o[i / 4][i % 4] = fold_value(i % 4 < 2 ? f0 : f1, o[i / 4][i % 4], vo[i * 32]);
+        }
+    } else {
+        // The running fold's o values live in shared memory (fo), m and l in registers.
+        const int total = tiles;
+        for (int idx = 0, v = 0, left = split_tiles(0); idx < total; ++idx) {
+            while (left == 0) left = split_tiles(++v); // this tile's split
+            const int t = v + FOLD_SPLITS * (split_tiles(v) - left);
+            if (idx + 1 < total) load(tile_at(idx + 1), (idx + 1) % 2, threadIdx.x, WARPS * 32);
+            else asm volatile("cp.async.commit_group;\n");
+            asm volatile("cp.async.wait_group 1;\n");
+            __syncthreads();
+            if (t * TILE < warp_len)
+                shared_tile<D>(ks + (idx % 2) * TILE * PITCH, vs + (idx % 2) * TILE * PITCH, qa, o, t * TILE, lane,
+                               len0, len1, sl2, st0, st1);
+            if (--left == 0) { // split v ends: fold it, start the next from nothing
+                const Fold f0 = fold_factors(am0, al0, st0.m, st0.l), f1 = fold_factors(am1, al1, st1.m, st1.l);
+#pragma unroll
+                for (int i = 0; i < NO; ++i) {
+                    const float acc = v == 0 ? 0.f : my_o[i * 32];
+                    my_o[i * 32] = fold_value(i % 4 < 2 ? f0 : f1, acc, o[i / 4][i % 4]);
+                    o[i / 4][i % 4] = 0.f;
+                }
+                st0 = RowState{}, st1 = RowState{};
+            }
+            __syncthreads(); // the stage is refilled next round
+        }
+#pragma unroll
+        for (int i = 0; i < NO; ++i) o[i / 4][i % 4] = my_o[i * 32];
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int c = nt * 8 + 2 * tq;
+        if (r0 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
+                pack2(__float2bfloat16_rn(o[nt][0] / al0), __float2bfloat16_rn(o[nt][1] / al0));
+        if (r1 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
+                pack2(__float2bfloat16_rn(o[nt][2] / al1), __float2bfloat16_rn(o[nt][3] / al1));
+    }
+}
+
+template <int D, int WARPS, bool SPLIT_WARPS> constexpr size_t fold_smem_bytes() {
+    return (size_t)2 * (SPLIT_WARPS ? FOLD_SPLITS : 2) * TILE * (D + 8) * sizeof(T) + WARPS * (D / 8 * 4 + 4) * 32 * 4;
 }
 
 template <int D, int WARPS, int STAGES> constexpr size_t smem_bytes() {
@@ -454,11 +621,27 @@ template <int D, int WARPS, int STAGES, int SPLITS = 1> struct Tc {
     }
 };
 
+template <int D, int WARPS, bool SPLIT_WARPS> struct Fold {
+    static void prepare() {
+        CK(cudaFuncSetAttribute(tcp::tc_fold<D, WARPS, SPLIT_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)tcp::fold_smem_bytes<D, WARPS, SPLIT_WARPS>()));
+    }
+    static void launch(const T *q, const T *kp, const T *vp, T *o, const unsigned *meta, int n, int L, int nh,
+                       int nkv, float scale) {
+        const int rows = SPLIT_WARPS ? 16 : 16 * WARPS;
+        tcp::tc_fold<D, WARPS, SPLIT_WARPS><<<dim3(nh, 1, (n + rows - 1) / rows), WARPS * 32,
+                                              tcp::fold_smem_bytes<D, WARPS, SPLIT_WARPS>()>>>(q, kp, vp, o, meta, n, 1,
+                                                                                             L, nh, nkv, scale);
+    }
+};
+
 template <int D> void run_shape(const char *name, const int nh, const int nkv, LaunchTimer &timer) {
     Tc<D, 4, 2>::prepare();
     Tc<D, 1, 2>::prepare();
     Tc<D, 4, 2, 4>::prepare();
     Tc<D, 1, 2, 4>::prepare();
+    Fold<D, 4, true>::prepare();
+    Fold<D, 4, false>::prepare();
     const int n = 64;
     const float scale = 1.f / sqrtf((float)D);
     for (const bool chain : {true, false})
@@ -513,6 +696,15 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         Tc<D, 1, 2, 4>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
         const std::vector<T> tcs1 = fetch(o_tc, out_elems);
         CK(cudaGetLastError());
+        // The one-launch 4-split forms (chains only) against the split blocks + tc_merge.
+        size_t fold_differ = 0;
+        if (chain) {
+            Fold<D, 4, false>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+            fold_differ += count_differing(fetch(o_tc, out_elems).data(), tcs.data(), out_elems);
+            Fold<D, 4, true>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+            fold_differ += count_differing(fetch(o_tc, out_elems).data(), tcs.data(), out_elems);
+            CK(cudaGetLastError());
+        }
         const size_t warps_differ = count_differing(tc.data(), tc1.data(), out_elems) +
                                     count_differing(tcs.data(), tcs1.data(), out_elems);
         size_t alone_differ = 0, alone_split_differ = 0;
@@ -528,6 +720,11 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
             Tc<D, 1, 2, 4>::launch(qr, kps[0], vps[0], o_one, m1, 1, len, nh, nkv, scale);
             one = fetch(o_one, (size_t)nh * D);
             alone_split_differ += count_differing(one.data(), tcs.data() + (size_t)r * nh * D, (size_t)nh * D);
+            if (chain) {
+                Fold<D, 4, true>::launch(qr, kps[0], vps[0], o_one, m1, 1, len, nh, nkv, scale);
+                one = fetch(o_one, (size_t)nh * D);
+                fold_differ += count_differing(one.data(), tcs.data() + (size_t)r * nh * D, (size_t)nh * D);
+            }
             CK(cudaFree(m1));
         }
         // Against the runtime's kernel (f32 P): largest difference, largest output.
@@ -553,10 +750,15 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         const float t12 = timer.us([&](int c) { Tc<D, 1, 2>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
         const float t42s = timer.us([&](int c) { Tc<D, 4, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
         const float t12s = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+        float tfb = 0.f, tfa = 0.f;
+        if (chain) {
+            tfb = timer.us([&](int c) { Fold<D, 4, false>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+            tfa = timer.us([&](int c) { Fold<D, 4, true>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+        }
 
         // A decode step of the token after the context (one row over L slots).
         unsigned *mdec = to_device(seq_meta(1, L, pool_ids));
-        float d_rows = 0.f, d42 = 0.f, d12s = 0.f;
+        float d_rows = 0.f, d42 = 0.f, d12s = 0.f, dfa = 0.f;
         if (chain) {
             d_rows = timer.us([&](int c) {
                 kestrel_paged_attention_bf16<<<dim3(1, nh), PA_VWARPS * WARP>>>(q, kps[c], vps[c], o_rows, mdec, 1, 1,
@@ -564,12 +766,13 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
             }, copies, 200);
             d42 = timer.us([&](int c) { Tc<D, 4, 2>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
             d12s = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
+            dfa = timer.us([&](int c) { Fold<D, 4, true>::launch(q, kps[c], vps[c], o_tc, mdec, 1, L, nh, nkv, scale); }, copies, 200);
         }
         CK(cudaGetLastError());
-        printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %zu | %zu | %zu | "
-               "%.3g, %.3g of %.3g |\n",
-               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, d_rows, d42, d12s,
-               warps_differ, alone_differ, alone_split_differ, worst, worst_split, mag);
+        printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+               "%zu | %zu | %zu | %zu | %.3g, %.3g of %.3g |\n",
+               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, tfb, tfa, d_rows, d42,
+               d12s, dfa, warps_differ, alone_differ, alone_split_differ, fold_differ, worst, worst_split, mag);
         CK(cudaFree(mdec));
         CK(cudaFree(dmeta));
         CK(cudaFree(q));
@@ -591,12 +794,14 @@ int main() {
     LaunchTimer timer;
     printf("%s: the attention of 64 new tokens, a chain or a random tree (K/V from DRAM), us a launch; tcW×S: "
            "tensor cores, W warps (16 rows each) a block, S tiles of 64 in flight; s4: the tiles in 4 splits, a "
-           "block each, then tc_merge. bits (all must be 0): outputs of tc1×2 unlike tc4×2's (and s4's), of rows "
-           "alone (a decode step of their token) unlike the 64-row launch's, one split and four; diff: against the "
+           "block each, then tc_merge; fold: the 4 splits in one launch, a warp folding its rows' splits one after "
+           "another (fold) or 4 warps a split each on 16 rows (fold warps). bits (all must be 0): outputs of tc1×2 unlike tc4×2's (and s4's), of rows "
+           "alone (a decode step of their token) unlike the 64-row launch's, one split and four; of the fold forms (the 64 rows, and each row alone in fold warps) unlike s4's; diff: against the "
            "runtime's kernel\n",
            prop.name);
-    printf("| shape | new | past | rows | groups | tc4×2 | tc1×2 | tc4×2 s4 | tc1×2 s4 | decode rows | decode tc4×2 | "
-           "decode tc1×2 s4 | bits warps | bits alone | bits alone s4 | diff, s4 |\n");
+    printf("| shape | new | past | rows | groups | tc4×2 | tc1×2 | tc4×2 s4 | tc1×2 s4 | fold | fold warps | decode rows | "
+           "decode tc4×2 | decode tc1×2 s4 | decode fold warps | bits warps | bits alone | bits alone s4 | bits fold | "
+           "diff, s4 |\n");
     CK(cudaMalloc(&g_part, (size_t)4 * 64 * 32 * (128 + 2) * sizeof(float)));
     run_shape<128>("llama2-7b", 32, 32, timer);
     run_shape<64>("smollm2-135m", 9, 3, timer);
