@@ -155,6 +155,54 @@ __device__ __forceinline__ void accumulate(float (&o)[N][4], const int np, const
     }
 }
 
+// The lane's share of Q's A fragments (rows r0 and r1 = r0 + 8 of the sequence whose first
+// query token is q0; zeros past its n rows), k-steps of 16 along d.
+template <int D>
+__device__ __forceinline__ void load_q(unsigned (&qa)[D / 16][4], const T *q, const int q0, const int r0, const int r1,
+                                       const int n, const int nh, const int h, const int tq) {
+    const T *qr0 = q + ((size_t)(q0 + r0) * nh + h) * D, *qr1 = q + ((size_t)(q0 + r1) * nh + h) * D;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+        const int c = 16 * k + 2 * tq;
+        qa[k][0] = r0 < n ? *(const unsigned *)(qr0 + c) : 0u;
+        qa[k][1] = r1 < n ? *(const unsigned *)(qr1 + c) : 0u;
+        qa[k][2] = r0 < n ? *(const unsigned *)(qr0 + c + 8) : 0u;
+        qa[k][3] = r1 < n ? *(const unsigned *)(qr1 + c + 8) : 0u;
+    }
+}
+
+// out's rows r0 and r1 (those below n): the lane's o values over their sums l0 and l1.
+template <int D>
+__device__ __forceinline__ void write_rows(T *out, const float (&o)[D / 8][4], const int q0, const int r0, const int r1,
+                                           const int n, const int nh, const int h, const int tq, const float l0,
+                                           const float l1) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int c = nt * 8 + 2 * tq;
+        if (r0 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
+                pack2(__float2bfloat16_rn(o[nt][0] / l0), __float2bfloat16_rn(o[nt][1] / l0));
+        if (r1 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
+                pack2(__float2bfloat16_rn(o[nt][2] / l1), __float2bfloat16_rn(o[nt][3] / l1));
+    }
+}
+
+// pv = P · V for the output pairs 2np and 2np + 1: P as A fragments (4 k-steps of 16 list
+// positions), V through the lane's row addresses `vrow` (one a k-step).
+__device__ __forceinline__ void pv_pair(float (&pv)[2][4], const unsigned (&pa)[4][4], const T *const (&vrow)[4],
+                                        const int np) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        unsigned b[4];
+        ldsm_x4_trans(b, vrow[k] + 16 * np);
+        mma16816<T>(pv[0], pa[k], b);
+        mma16816<T>(pv[1], pa[k], b + 2);
+    }
+}
+
 // One tile every row of the warp sees at the same list positions (K rows `kt`, V rows `vt`,
 // pitch d + 8): scores, the softmax step, o = o · alpha + P·V.
 template <int D>
@@ -169,16 +217,13 @@ __device__ __forceinline__ void shared_tile(const T *kt, const T *vt, const unsi
     float a0, a1;
     bool act0, act1;
     tile_softmax(sc, base, lane & 3, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
+    const T *vrow[4]; // the V row this lane addresses for each k-step
+#pragma unroll
+    for (int k = 0; k < 4; ++k) vrow[k] = vt + (16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {
-        float pv[2][4] = {};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            unsigned b[4];
-            ldsm_x4_trans(b, vt + (16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (2 * np + (lane >> 4)));
-            mma16816<T>(pv[0], pa[k], b);
-            mma16816<T>(pv[1], pa[k], b + 2);
-        }
+        float pv[2][4];
+        pv_pair(pv, pa, vrow, np);
         accumulate<true, true>(o, np, pv, a0, a1, act0, act1);
     }
 }
@@ -286,22 +331,9 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
         asm volatile("cp.async.commit_group;\n");
     }
 
-    // Q as the A fragments of S = Q·Kᵀ, k-steps of 16 along d.
     unsigned qa[KS][4];
-    {
-        const T *qr0 = q + ((size_t)(q0 + r0) * nh + h) * D, *qr1 = q + ((size_t)(q0 + r1) * nh + h) * D;
-#pragma unroll
-        for (int k = 0; k < KS; ++k) {
-            const int c = 16 * k + 2 * tq;
-            qa[k][0] = r0 < n ? *(const unsigned *)(qr0 + c) : 0u;
-            qa[k][1] = r1 < n ? *(const unsigned *)(qr1 + c) : 0u;
-            qa[k][2] = r0 < n ? *(const unsigned *)(qr0 + c + 8) : 0u;
-            qa[k][3] = r1 < n ? *(const unsigned *)(qr1 + c + 8) : 0u;
-        }
-    }
-    float o[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    load_q<D>(qa, q, q0, r0, r1, n, nh, h, tq);
+    float o[D / 8][4] = {};
     RowState st0, st1;
     const float sl2 = scale * 1.4426950408889634f;
 
@@ -370,14 +402,8 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
                     vrow[k] = vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
 #pragma unroll
                 for (int np = 0; np < D / 16; ++np) {
-                    float pv[2][4] = {};
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        unsigned b[4];
-                        ldsm_x4_trans(b, vrow[k] + 16 * np);
-                        mma16816<T>(pv[0], pa[k], b);
-                        mma16816<T>(pv[1], pa[k], b + 2);
-                    }
+                    float pv[2][4];
+                    pv_pair(pv, pa, vrow, np);
                     if (gq == (i & 7)) {
                         if (i < 8) accumulate<true, false>(o, np, pv, a0, a1, act0, act1);
                         else accumulate<false, true>(o, np, pv, a0, a1, act0, act1);
@@ -397,16 +423,7 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
         if (r0 < n) keep(r0, st0, 0);
         if (r1 < n) keep(r1, st1, 1);
     } else {
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-            const int c = nt * 8 + 2 * tq;
-            if (r0 < n)
-                *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
-                    pack2(__float2bfloat16_rn(o[nt][0] / st0.l), __float2bfloat16_rn(o[nt][1] / st0.l));
-            if (r1 < n)
-                *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
-                    pack2(__float2bfloat16_rn(o[nt][2] / st1.l), __float2bfloat16_rn(o[nt][3] / st1.l));
-        }
+        write_rows<D>(out, o, q0, r0, r1, n, nh, h, tq, st0.l, st1.l);
     }
 }
 
@@ -475,20 +492,8 @@ __global__ void __launch_bounds__(WARPS * 32) tc_fold(const T *q, const T *k_poo
     if constexpr (!SPLIT_WARPS) load(tile_at(0), 0, threadIdx.x, WARPS * 32);
 
     unsigned qa[KS][4];
-    {
-        const T *qr0 = q + ((size_t)(q0 + r0) * nh + h) * D, *qr1 = q + ((size_t)(q0 + r1) * nh + h) * D;
-#pragma unroll
-        for (int k = 0; k < KS; ++k) {
-            const int c = 16 * k + 2 * tq;
-            qa[k][0] = r0 < n ? *(const unsigned *)(qr0 + c) : 0u;
-            qa[k][1] = r1 < n ? *(const unsigned *)(qr1 + c) : 0u;
-            qa[k][2] = r0 < n ? *(const unsigned *)(qr0 + c + 8) : 0u;
-            qa[k][3] = r1 < n ? *(const unsigned *)(qr1 + c + 8) : 0u;
-        }
-    }
-    float o[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    load_q<D>(qa, q, q0, r0, r1, n, nh, h, tq);
+    float o[D / 8][4] = {};
     RowState st0, st1;
     const float sl2 = scale * 1.4426950408889634f;
     float *my_o = fo + warp * NO * 32 + lane, *my_ml = fml + warp * 4 * 32 + lane;
@@ -546,16 +551,7 @@ __global__ void __launch_bounds__(WARPS * 32) tc_fold(const T *q, const T *k_poo
 #pragma unroll
         for (int i = 0; i < NO; ++i) o[i / 4][i % 4] = my_o[i * 32];
     }
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-        const int c = nt * 8 + 2 * tq;
-        if (r0 < n)
-            *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
-                pack2(__float2bfloat16_rn(o[nt][0] / al0), __float2bfloat16_rn(o[nt][1] / al0));
-        if (r1 < n)
-            *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
-                pack2(__float2bfloat16_rn(o[nt][2] / al1), __float2bfloat16_rn(o[nt][3] / al1));
-    }
+    write_rows<D>(out, o, q0, r0, r1, n, nh, h, tq, al0, al1);
 }
 
 template <int D, int WARPS, bool SPLIT_WARPS> constexpr size_t fold_smem_bytes() {
