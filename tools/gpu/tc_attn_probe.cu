@@ -31,6 +31,7 @@
 #include "probe_common.cuh"
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
 using T = __nv_bfloat16;
@@ -608,12 +609,13 @@ template <int D, int WARPS, int STAGES, int SPLITS = 1> struct Tc {
         CK(cudaFuncSetAttribute(tcp::tc_attention<D, WARPS, STAGES, SPLITS>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tcp::smem_bytes<D, WARPS, STAGES>()));
     }
+    // n new tokens in each of n_seq sequences of L slots (the table's rows).
     static void launch(const T *q, const T *kp, const T *vp, T *o, const unsigned *meta, int n, int L, int nh,
-                       int nkv, float scale) {
+                       int nkv, float scale, int n_seq = 1) {
         tcp::tc_attention<D, WARPS, STAGES, SPLITS>
-            <<<dim3(nh, SPLITS, (n + 16 * WARPS - 1) / (16 * WARPS)), WARPS * 32,
-               tcp::smem_bytes<D, WARPS, STAGES>()>>>(q, kp, vp, o, g_part, meta, n, 1, L, nh, nkv, scale);
-        if constexpr (SPLITS > 1) tcp::tc_merge<D, SPLITS><<<dim3(n, nh), D>>>(g_part, o, n, nh);
+            <<<dim3(nh, n_seq * SPLITS, (n + 16 * WARPS - 1) / (16 * WARPS)), WARPS * 32,
+               tcp::smem_bytes<D, WARPS, STAGES>()>>>(q, kp, vp, o, g_part, meta, n * n_seq, n_seq, L, nh, nkv, scale);
+        if constexpr (SPLITS > 1) tcp::tc_merge<D, SPLITS><<<dim3(n * n_seq, nh), D>>>(g_part, o, n * n_seq, nh);
     }
 };
 
@@ -623,13 +625,73 @@ template <int D, int WARPS, bool SPLIT_WARPS> struct Fold {
                                 (int)tcp::fold_smem_bytes<D, WARPS, SPLIT_WARPS>()));
     }
     static void launch(const T *q, const T *kp, const T *vp, T *o, const unsigned *meta, int n, int L, int nh,
-                       int nkv, float scale) {
+                       int nkv, float scale, int n_seq = 1) {
         const int rows = SPLIT_WARPS ? 16 : 16 * WARPS;
-        tcp::tc_fold<D, WARPS, SPLIT_WARPS><<<dim3(nh, 1, (n + rows - 1) / rows), WARPS * 32,
-                                              tcp::fold_smem_bytes<D, WARPS, SPLIT_WARPS>()>>>(q, kp, vp, o, meta, n, 1,
-                                                                                             L, nh, nkv, scale);
+        tcp::tc_fold<D, WARPS, SPLIT_WARPS><<<dim3(nh, n_seq, (n + rows - 1) / rows), WARPS * 32,
+                                              tcp::fold_smem_bytes<D, WARPS, SPLIT_WARPS>()>>>(
+            q, kp, vp, o, meta, n * n_seq, n_seq, L, nh, nkv, scale);
     }
 };
+
+// Lines of the batched decode table, printed after the main one.
+std::vector<std::string> g_batch_lines;
+
+// A decode step of B sequences (one new token each after `past` cached slots, each its own
+// slots in one pool): the runtime's two block-per-row kernels, the split blocks and the
+// decode form of tc_fold; bits of the two 4-split forms compared.
+template <int D> void batch_decode(const char *name, const int nh, const int nkv, const int past, LaunchTimer &timer) {
+    const int B = 16, L = past + 1;
+    const float scale = 1.f / sqrtf((float)D);
+    std::mt19937 rng(past + 7);
+    std::vector<unsigned> perm((size_t)B * L);
+    for (size_t i = 0; i < perm.size(); ++i) perm[i] = (unsigned)i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<unsigned> meta;
+    for (int s = 0; s < B; ++s) meta.push_back((unsigned)s); // tok_seq
+    for (int s = 0; s < B; ++s) meta.push_back((unsigned)L);
+    for (int s = 0; s < B; ++s) meta.push_back(1u);
+    for (int s = 0; s < B; ++s) meta.push_back((unsigned)s); // q_start
+    for (int s = 0; s < B; ++s) meta.push_back(0xffffffffu);
+    meta.insert(meta.end(), perm.begin(), perm.end()); // slots: row s·L + i
+    unsigned *dmeta = to_device(meta);
+    const size_t pool_elems = (size_t)B * L * nkv * D;
+    const int copies = std::max(2, (int)((256u << 20) / (2 * pool_elems * 2)));
+    std::vector<T *> kps, vps;
+    for (int c = 0; c < copies; ++c) {
+        kps.push_back(random_bf16(pool_elems, 40 + 2 * c));
+        vps.push_back(random_bf16(pool_elems, 41 + 2 * c));
+    }
+    T *q = random_bf16((size_t)B * nh * D, 5), *o;
+    const size_t out_elems = (size_t)B * nh * D;
+    CK(cudaMalloc(&o, out_elems * 2));
+    Tc<D, 1, 2, 4>::launch(q, kps[0], vps[0], o, dmeta, 1, L, nh, nkv, scale, B);
+    const std::vector<T> split = fetch(o, out_elems);
+    Fold<D, 4, true>::launch(q, kps[0], vps[0], o, dmeta, 1, L, nh, nkv, scale, B);
+    const size_t differ = count_differing(fetch(o, out_elems).data(), split.data(), out_elems);
+    CK(cudaGetLastError());
+    const float t_rows = timer.us([&](int c) {
+        kestrel_paged_attention_bf16<<<dim3(B, nh), PA_VWARPS * WARP>>>(q, kps[c], vps[c], o, dmeta, B, B, L, nh, nkv,
+                                                                      D, scale);
+    }, copies, 200);
+    const float t_many = timer.us([&](int c) {
+        kestrel_paged_attention_many_bf16<<<dim3(B, nh), PA_VWARPS * WARP>>>(q, kps[c], vps[c], o, dmeta, B, B, L, nh,
+                                                                           nkv, D, scale);
+    }, copies, 200);
+    const float t_split = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o, dmeta, 1, L, nh, nkv, scale, B); }, copies, 200);
+    const float t_fold = timer.us([&](int c) { Fold<D, 4, true>::launch(q, kps[c], vps[c], o, dmeta, 1, L, nh, nkv, scale, B); }, copies, 200);
+    CK(cudaGetLastError());
+    char line[256];
+    snprintf(line, sizeof line, "| %s | %d | %.1f | %.1f | %.1f | %.1f | %zu |", name, past, t_rows, t_many, t_split,
+             t_fold, differ);
+    g_batch_lines.push_back(line);
+    CK(cudaFree(dmeta));
+    CK(cudaFree(q));
+    CK(cudaFree(o));
+    for (int c = 0; c < copies; ++c) {
+        CK(cudaFree(kps[c]));
+        CK(cudaFree(vps[c]));
+    }
+}
 
 template <int D> void run_shape(const char *name, const int nh, const int nkv, LaunchTimer &timer) {
     Tc<D, 4, 2>::prepare();
@@ -770,6 +832,7 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
                name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, tfb, tfa, d_rows, d42,
                d12s, dfa, warps_differ, alone_differ, alone_split_differ, fold_differ, worst, worst_split, mag);
         CK(cudaFree(mdec));
+        if (chain) batch_decode<D>(name, nh, nkv, past, timer);
         CK(cudaFree(dmeta));
         CK(cudaFree(q));
         for (int c = 0; c < copies; ++c) {
@@ -801,5 +864,8 @@ int main() {
     CK(cudaMalloc(&g_part, (size_t)4 * 64 * 32 * (128 + 2) * sizeof(float)));
     run_shape<128>("llama2-7b", 32, 32, timer);
     run_shape<64>("smollm2-135m", 9, 3, timer);
+    printf("\nA decode step of 16 sequences (K/V from DRAM), us a launch; bits: fold warps' outputs unlike the split "
+           "blocks' (must be 0)\n| shape | past | rows (runtime) | rows, many (runtime) | tc1×2 s4 | fold warps | bits |\n");
+    for (const std::string &line : g_batch_lines) printf("%s\n", line.c_str());
     return 0;
 }
