@@ -262,7 +262,10 @@ __device__ __forceinline__ float fold_value(const Fold &f, const float acc, cons
 // SPLITS > 1: tile t belongs to split t mod SPLITS, a block of its own (grid.y = sequence ·
 // SPLITS + split), which leaves its rows' states (o, m, l) in `part` for tc_merge to fold in
 // split order; a decode step's row then walks its tiles on SPLITS multiprocessors.
-template <int D, int WARPS, int STAGES, int SPLITS>
+// TRANSPOSED: a tree's tail P·V as (Vᵀ · Pᵀ) per row, d along the MMA's 16 rows and the
+// row's P in every one of its 8 columns: 32 MMAs a row for d = 128 instead of 64, if the
+// tensor cores sum a product's k the same whichever operand carries it (the bits check says).
+template <int D, int WARPS, int STAGES, int SPLITS, bool TRANSPOSED = false>
 __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *k_pool, const T *v_pool, T *out,
                                                            float *part, const unsigned *meta, const int n_tok,
                                                            const int n_seq, const int lmax, const int nh,
@@ -400,11 +403,40 @@ __global__ void __launch_bounds__(WARPS * 32) tc_attention(const T *q, const T *
                 const T *vrow[4]; // the V row this lane addresses for each k-step, in row i's list
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
-                    vrow[k] = vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
+                    vrow[k] = TRANSPOSED ? vs + cand(i, base + 16 * k + 8 * (lane >> 4) + (lane & 7)) * PITCH + 8 * ((lane >> 3) & 1)
+                                         : vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
+                unsigned bp[4][2]; // TRANSPOSED: row i's P as the B fragments, from the lanes that hold it
+                if constexpr (TRANSPOSED) {
+                    const int src = (i & 7) * 4 + tq;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        bp[k][0] = __shfl_sync(0xffffffffu, i < 8 ? pa[k][0] : pa[k][1], src);
+                        bp[k][1] = __shfl_sync(0xffffffffu, i < 8 ? pa[k][2] : pa[k][3], src);
+                    }
+                }
 #pragma unroll
                 for (int np = 0; np < D / 16; ++np) {
                     float pv[2][4];
-                    pv_pair(pv, pa, vrow, np);
+                    if constexpr (TRANSPOSED) {
+                        // Outputs 16np..16np + 15 of row i: lane (g, t) holds g and g + 8.
+                        float ot[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            unsigned a[4];
+                            ldsm_x4_trans(a, vrow[k] + 16 * np);
+                            mma16816<T>(ot, a, bp[k]);
+                        }
+                        // Into pv's layout: output 8j + 2tq + e sits in lane (2tq + e) · 4.
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float lo = __shfl_sync(0xffffffffu, ot[0], (2 * tq + e) * 4);
+                            const float hi = __shfl_sync(0xffffffffu, ot[2], (2 * tq + e) * 4);
+                            pv[0][e] = pv[0][2 + e] = lo;
+                            pv[1][e] = pv[1][2 + e] = hi;
+                        }
+                    } else {
+                        pv_pair(pv, pa, vrow, np);
+                    }
                     if (gq == (i & 7)) {
                         if (i < 8) accumulate<true, false>(o, np, pv, a0, a1, act0, act1);
                         else accumulate<false, true>(o, np, pv, a0, a1, act0, act1);
@@ -604,15 +636,15 @@ size_t count_differing(const T *a, const T *b, const size_t n) {
 // The splits' states (tc_merge's input), for the largest launch.
 float *g_part = nullptr;
 
-template <int D, int WARPS, int STAGES, int SPLITS = 1> struct Tc {
+template <int D, int WARPS, int STAGES, int SPLITS = 1, bool TRANSPOSED = false> struct Tc {
     static void prepare() {
-        CK(cudaFuncSetAttribute(tcp::tc_attention<D, WARPS, STAGES, SPLITS>,
+        CK(cudaFuncSetAttribute(tcp::tc_attention<D, WARPS, STAGES, SPLITS, TRANSPOSED>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tcp::smem_bytes<D, WARPS, STAGES>()));
     }
     // n new tokens in each of n_seq sequences of L slots (the table's rows).
     static void launch(const T *q, const T *kp, const T *vp, T *o, const unsigned *meta, int n, int L, int nh,
                        int nkv, float scale, int n_seq = 1) {
-        tcp::tc_attention<D, WARPS, STAGES, SPLITS>
+        tcp::tc_attention<D, WARPS, STAGES, SPLITS, TRANSPOSED>
             <<<dim3(nh, n_seq * SPLITS, (n + 16 * WARPS - 1) / (16 * WARPS)), WARPS * 32,
                tcp::smem_bytes<D, WARPS, STAGES>()>>>(q, kp, vp, o, g_part, meta, n * n_seq, n_seq, L, nh, nkv, scale);
         if constexpr (SPLITS > 1) tcp::tc_merge<D, SPLITS><<<dim3(n * n_seq, nh), D>>>(g_part, o, n * n_seq, nh);
@@ -700,6 +732,8 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
     Tc<D, 1, 2, 4>::prepare();
     Fold<D, 4, true>::prepare();
     Fold<D, 4, false>::prepare();
+    Tc<D, 4, 2, 1, true>::prepare();
+    Tc<D, 4, 2, 4, true>::prepare();
     const int n = 64;
     const float scale = 1.f / sqrtf((float)D);
     for (const bool chain : {true, false})
@@ -754,8 +788,16 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         Tc<D, 1, 2, 4>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
         const std::vector<T> tcs1 = fetch(o_tc, out_elems);
         CK(cudaGetLastError());
-        // The one-launch 4-split forms (chains only) against the split blocks + tc_merge.
-        size_t fold_differ = 0;
+        // The one-launch 4-split forms (chains only) against the split blocks + tc_merge; a
+        // tree's transposed tail against the plain one.
+        size_t fold_differ = 0, transposed_differ = 0;
+        if (!chain) {
+            Tc<D, 4, 2, 1, true>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+            transposed_differ += count_differing(fetch(o_tc, out_elems).data(), tc.data(), out_elems);
+            Tc<D, 4, 2, 4, true>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
+            transposed_differ += count_differing(fetch(o_tc, out_elems).data(), tcs.data(), out_elems);
+            CK(cudaGetLastError());
+        }
         if (chain) {
             Fold<D, 4, false>::launch(q, kps[0], vps[0], o_tc, dmeta, n, L, nh, nkv, scale);
             fold_differ += count_differing(fetch(o_tc, out_elems).data(), tcs.data(), out_elems);
@@ -808,7 +850,11 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         const float t12 = timer.us([&](int c) { Tc<D, 1, 2>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
         const float t42s = timer.us([&](int c) { Tc<D, 4, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
         const float t12s = timer.us([&](int c) { Tc<D, 1, 2, 4>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
-        float tfb = 0.f, tfa = 0.f;
+        float tfb = 0.f, tfa = 0.f, t42t = 0.f, t42st = 0.f;
+        if (!chain) {
+            t42t = timer.us([&](int c) { Tc<D, 4, 2, 1, true>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+            t42st = timer.us([&](int c) { Tc<D, 4, 2, 4, true>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
+        }
         if (chain) {
             tfb = timer.us([&](int c) { Fold<D, 4, false>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
             tfa = timer.us([&](int c) { Fold<D, 4, true>::launch(q, kps[c], vps[c], o_tc, dmeta, n, L, nh, nkv, scale); }, copies, 200);
@@ -828,9 +874,10 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
         }
         CK(cudaGetLastError());
         printf("| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
-               "%zu | %zu | %zu | %zu | %.3g, %.3g of %.3g |\n",
-               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, tfb, tfa, d_rows, d42,
-               d12s, dfa, warps_differ, alone_differ, alone_split_differ, fold_differ, worst, worst_split, mag);
+               "%.1f | %.1f | %zu | %zu | %zu | %zu | %zu | %.3g, %.3g of %.3g |\n",
+               name, chain ? "chain" : "tree", past, t_rows, t_groups, t42, t12, t42s, t12s, tfb, tfa, t42t, t42st,
+               d_rows, d42, d12s, dfa, warps_differ, alone_differ, alone_split_differ, fold_differ, transposed_differ,
+               worst, worst_split, mag);
         CK(cudaFree(mdec));
         if (chain) batch_decode<D>(name, nh, nkv, past, timer);
         CK(cudaFree(dmeta));
@@ -855,12 +902,12 @@ int main() {
            "tensor cores, W warps (16 rows each) a block, S tiles of 64 in flight; s4: the tiles in 4 splits, a "
            "block each, then tc_merge; fold: the 4 splits in one launch, a warp folding its rows' splits one after "
            "another (fold) or 4 warps a split each on 16 rows (fold warps). bits (all must be 0): outputs of tc1×2 unlike tc4×2's (and s4's), of rows "
-           "alone (a decode step of their token) unlike the 64-row launch's, one split and four; of the fold forms (the 64 rows, and each row alone in fold warps) unlike s4's; diff: against the "
+           "alone (a decode step of their token) unlike the 64-row launch's, one split and four; of the fold forms (the 64 rows, and each row alone in fold warps) unlike s4's; of the transposed tree tails (T) unlike the plain ones; diff: against the "
            "runtime's kernel\n",
            prop.name);
-    printf("| shape | new | past | rows | groups | tc4×2 | tc1×2 | tc4×2 s4 | tc1×2 s4 | fold | fold warps | decode rows | "
-           "decode tc4×2 | decode tc1×2 s4 | decode fold warps | bits warps | bits alone | bits alone s4 | bits fold | "
-           "diff, s4 |\n");
+    printf("| shape | new | past | rows | groups | tc4×2 | tc1×2 | tc4×2 s4 | tc1×2 s4 | fold | fold warps | tc4×2 T | tc4×2 s4 T | "
+           "decode rows | decode tc4×2 | decode tc1×2 s4 | decode fold warps | bits warps | bits alone | bits alone s4 | "
+           "bits fold | bits T | diff, s4 |\n");
     CK(cudaMalloc(&g_part, (size_t)4 * 64 * 32 * (128 + 2) * sizeof(float)));
     run_shape<128>("llama2-7b", 32, 32, timer);
     run_shape<64>("smollm2-135m", 9, 3, timer);
