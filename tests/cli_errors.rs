@@ -108,6 +108,18 @@ fn build_refuses_bad_flags() {
             &["--target_device", "tpu"],
             "unknown --target_device 'tpu': expected cpu or cuda:sm_XY (for example cuda:sm_90)".into(),
         ),
+        (
+            &["--attention_kernel", "flash"],
+            "unknown --attention_kernel 'flash': expected scalar or tensor_cores".into(),
+        ),
+        (
+            &["--attention_kernel", "tensor_cores"],
+            "--attention_kernel tensor_cores needs a CUDA target: add --target_device cuda:sm_XY".into(),
+        ),
+        (
+            &["--attention_kernel", "tensor_cores", "--target_device", "cuda:sm_90"],
+            "--attention_kernel tensor_cores needs float16 or bfloat16 weights, but the checkpoint is float32: reconvert with --dtype bfloat16".into(),
+        ),
     ];
     for (args, want) in cases {
         assert_eq!(
@@ -116,6 +128,23 @@ fn build_refuses_bad_flags() {
             "{args:?}"
         );
     }
+}
+
+/// The tensor-core attention takes heads of 64 and 128 only (the tiny model's are 4).
+#[test]
+fn build_refuses_tensor_core_attention_for_other_heads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(tmp.path(), &["--dtype", "bfloat16"]);
+    let args = [
+        "--attention_kernel",
+        "tensor_cores",
+        "--target_device",
+        "cuda:sm_90",
+    ];
+    assert_eq!(
+        build_error(&ckpt, &tmp.path().join("e"), &args),
+        "--attention_kernel tensor_cores takes heads of 64 or 128 values; this model's have 4: use --attention_kernel scalar"
+    );
 }
 
 // ---------------------------------------------------------------- spec-build: broken weights

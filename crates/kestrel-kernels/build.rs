@@ -20,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/logit_rows.cuh");
     println!("cargo:rerun-if-changed=src/rows.cuh");
     println!("cargo:rerun-if-changed=src/attention.cuh");
+    println!("cargo:rerun-if-changed=src/attention_tc.cuh");
     println!("cargo:rerun-if-changed=src/gemv_quant.cuh");
     println!("cargo:rerun-if-changed=src/gemv_wgmma.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::Parser;
 use kestrel::cli::{exit_on_error, parse_flag};
-use kestrel_build::{build_engine, BuildOptions, GemmPlugin, TargetDevice};
+use kestrel_build::{build_engine, AttentionKernel, BuildOptions, GemmPlugin, TargetDevice};
 use kestrel_core::SpeculativeMode;
 use std::path::PathBuf;
 
@@ -45,6 +45,11 @@ struct Args {
     /// auto, disable, float32, float16 or bfloat16.
     #[arg(long, default_value = "auto")]
     gemm_plugin: String,
+    /// scalar or tensor_cores: the attention kernels of a CUDA engine's every step
+    /// (tensor_cores: f16/bf16, heads of 64 or 128, EAGLE trees of at most 64 tokens;
+    /// verifications and long contexts faster, decode steps slower; docs/gpu-results.md).
+    #[arg(long, default_value = "scalar")]
+    attention_kernel: String,
     /// cpu or cuda:sm_XY.
     #[arg(long, default_value = "cpu")]
     target_device: String,
@@ -75,6 +80,7 @@ fn run(args: Args) -> Result<()> {
         tokens_per_block: args.tokens_per_block,
         use_paged_context_fmha,
         gemm_plugin: parse_flag(args.gemm_plugin.parse::<GemmPlugin>())?,
+        attention_kernel: parse_flag(args.attention_kernel.parse::<AttentionKernel>())?,
         target_device: parse_flag(args.target_device.parse::<TargetDevice>())?,
         eagle_choices: args
             .eagle_choices

@@ -4,7 +4,7 @@
 //! the runtime can refuse an engine built for a device it is not running on.
 
 use crate::error::BuildError;
-use crate::options::{BuildOptions, GemmPlugin};
+use crate::options::{AttentionKernel, BuildOptions, GemmPlugin};
 use kestrel_core::{DType, KernelChoice};
 use std::fmt;
 use std::str::FromStr;
@@ -99,7 +99,10 @@ pub fn choose_kernels(
                 DType::F16 => "f16",
                 DType::BF16 => "bf16",
             };
-            let attention = format!("kestrel_paged_attention_{dt}");
+            let attention = match opts.attention_kernel {
+                AttentionKernel::Scalar => format!("kestrel_paged_attention_{dt}"),
+                AttentionKernel::TensorCores => format!("kestrel_paged_attention_tc_{dt}"),
+            };
             // Step rows (decode, drafts, verification) take Kestrel's gemv kernels, steps of
             // many f16/bf16 rows on compute capability 9.0 its warpgroup engine (the
             // compute_90a PTX is that target's alone); prompts cuBLAS.
@@ -141,6 +144,7 @@ mod tests {
             tokens_per_block: 8,
             use_paged_context_fmha: true,
             gemm_plugin: GemmPlugin::Auto,
+            attention_kernel: AttentionKernel::Scalar,
             target_device: TargetDevice::Cuda { major: 9, minor: 0 },
             eagle_choices: None,
         };
@@ -160,6 +164,16 @@ mod tests {
             get("gemm"),
             "kestrel_gemv_bf16+kestrel_gemv_wgmma_bf16+cublas"
         );
+        // --attention_kernel tensor_cores names the tensor-core family for every attention op.
+        let tc = BuildOptions {
+            attention_kernel: AttentionKernel::TensorCores,
+            ..opts.clone()
+        };
+        let k = choose_kernels(TargetDevice::Cuda { major: 9, minor: 0 }, DType::F16, &tc).unwrap();
+        for op in ["attention.decode", "attention.tree", "attention.context"] {
+            let kernel = &k.iter().find(|c| c.op == op).unwrap().kernel;
+            assert_eq!(kernel, "kestrel_paged_attention_tc_f16", "{op}");
+        }
         // The warpgroup engine is compute capability 9.0's alone, and never f32's.
         let gemm = |target, dtype| {
             let k = choose_kernels(target, dtype, &opts).unwrap();

@@ -13,7 +13,7 @@ mod weights;
 
 pub use error::BuildError;
 pub use kernels::{choose_kernels, TargetDevice};
-pub use options::{BuildOptions, GemmPlugin};
+pub use options::{AttentionKernel, BuildOptions, GemmPlugin, TENSOR_CORE_MAX_TREE};
 
 use kestrel_core::checkpoint::{self, read_checkpoint_config};
 use kestrel_core::plan::{BuildLimits, EnginePlan, PLAN_FILE, PLAN_JSON_FILE};

@@ -30,6 +30,37 @@ impl FromStr for GemmPlugin {
     }
 }
 
+/// Which family of attention kernels a CUDA engine runs (`--attention_kernel`). Every step
+/// of the engine (decode, drafting, verification, prefill) takes the same one, since the two
+/// sum in different orders and a verified row must have the bits its decode step would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// FMAs a (row, head) at a time or four rows sharing staged chunks: the fastest decode
+    /// steps, batched decode included.
+    Scalar,
+    /// Tiles of 64 K/V rows staged once for 16 rows a warp and summed on the tensor cores
+    /// (f16/bf16, heads of 64 or 128, trees of at most [`TENSOR_CORE_MAX_TREE`] tokens):
+    /// verifications and long contexts several times faster, one-row steps slower.
+    TensorCores,
+}
+
+/// Most tokens a tree verification may bring for `--attention_kernel tensor_cores`
+/// (`kestrel_kernels::TC_MAX_MASKED_NEW`; a kestrel-runtime test holds them equal).
+pub const TENSOR_CORE_MAX_TREE: usize = 64;
+
+impl FromStr for AttentionKernel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "scalar" => Ok(AttentionKernel::Scalar),
+            "tensor_cores" => Ok(AttentionKernel::TensorCores),
+            other => Err(format!(
+                "unknown --attention_kernel '{other}': expected scalar or tensor_cores"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct BuildOptions {
     pub checkpoint_dir: PathBuf,
@@ -44,6 +75,7 @@ pub struct BuildOptions {
     pub tokens_per_block: usize,
     pub use_paged_context_fmha: bool,
     pub gemm_plugin: GemmPlugin,
+    pub attention_kernel: AttentionKernel,
     pub target_device: TargetDevice,
     /// EAGLE engines: the default EAGLE-1 tree, as JSON paths or a preset name, validated
     /// against the engine's limits and written as `eagle_choices.json`.
@@ -130,6 +162,9 @@ impl BuildOptions {
                 "--max_draft_len {max_draft_len} exceeds the limit of {MAX_DRAFT_LEN_LIMIT}"
             ));
         }
+        if self.attention_kernel == AttentionKernel::TensorCores {
+            self.check_tensor_cores(model, meta, max_draft_len)?;
+        }
         Ok(BuildLimits {
             max_batch_size: self.max_batch_size,
             max_input_len: self.max_input_len,
@@ -140,5 +175,43 @@ impl BuildOptions {
             max_non_leaves_per_layer: max_non_leaves,
             tokens_per_block: self.tokens_per_block,
         })
+    }
+
+    /// `--attention_kernel tensor_cores` needs a CUDA target, 16-bit weights, heads of 64 or
+    /// 128 and, for EAGLE, verification trees (the root and `max_draft_len` drafts) of at most
+    /// [`TENSOR_CORE_MAX_TREE`] tokens.
+    fn check_tensor_cores(
+        &self,
+        model: &ModelConfig,
+        meta: &CheckpointMeta,
+        max_draft_len: usize,
+    ) -> Result<(), BuildError> {
+        let fail = |m: String| Err(BuildError::option(m));
+        if self.target_device == TargetDevice::Cpu {
+            return fail(
+                "--attention_kernel tensor_cores needs a CUDA target: add --target_device cuda:sm_XY".into(),
+            );
+        }
+        if meta.dtype == DType::F32 {
+            return fail(
+                "--attention_kernel tensor_cores needs float16 or bfloat16 weights, but the checkpoint is float32: reconvert with --dtype bfloat16".into(),
+            );
+        }
+        let head_dim = model.head_dim();
+        if head_dim != 64 && head_dim != 128 {
+            return fail(format!(
+                "--attention_kernel tensor_cores takes heads of 64 or 128 values; this model's have {head_dim}: use --attention_kernel scalar"
+            ));
+        }
+        if self.speculative_mode == SpeculativeMode::Eagle
+            && max_draft_len + 1 > TENSOR_CORE_MAX_TREE
+        {
+            return fail(format!(
+                "--attention_kernel tensor_cores verifies trees of at most {TENSOR_CORE_MAX_TREE} tokens, but --max_draft_len {max_draft_len} makes {}: use --max_draft_len {} or less",
+                max_draft_len + 1,
+                TENSOR_CORE_MAX_TREE - 1
+            ));
+        }
+        Ok(())
     }
 }

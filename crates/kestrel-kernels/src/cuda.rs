@@ -190,13 +190,19 @@ impl PagedAttention {
             i32_arg(d, "head_dim")?,
         );
         let scale = 1.0f32 / (d as f32).sqrt();
+        if self.launch == crate::AttnLaunch::TensorCores {
+            let dims = (n_tok, nh, d, std::mem::size_of::<T>());
+            let args = (n_tok_a, n_seq, lmax, nh_a, nkv_a, scale);
+            self.tensor_cores(dev, (&qv, &kv, &vv, &tv), &out, dims, args, sfx)?;
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
         let groups = match self.launch {
             crate::AttnLaunch::Auto => {
                 let blocks = nh * self.n_seq * self.max_new.div_ceil(crate::ATTN_GROUP_ROWS);
                 let sms = crate::launch::multiprocessors(dev)?;
                 crate::attention_groups_step(self.max_new, self.lmax, blocks, sms)
             }
-            crate::AttnLaunch::Rows { .. } => false,
+            crate::AttnLaunch::Rows { .. } | crate::AttnLaunch::TensorCores => false,
             crate::AttnLaunch::Groups => true,
         };
         let grouped = if groups {
@@ -237,6 +243,83 @@ impl PagedAttention {
         // PagedAttnMeta for these n_tok / n_seq / lmax / max_new.
         unsafe { b.launch(cfg) }?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The tensor-core attention (attention_tc.cuh) into `out`: [`crate::TC_SPLITS`] split
+    /// blocks a (head, sequence, rows), each leaving its rows' states in a scratch buffer,
+    /// then their merge. Blocks of 4 warps (64 rows) for steps of more than 16 new tokens a
+    /// sequence, else of one (a row's bits do not depend on it). Heads of 64 and 128 in f16 or
+    /// bf16 (the caller checked: `tensor_core_attention_applies`).
+    #[allow(clippy::type_complexity)]
+    fn tensor_cores<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        (q, k, v, table): (&CudaView<T>, &CudaView<T>, &CudaView<T>, &CudaView<u32>),
+        out: &CudaSlice<T>,
+        (n_tok, nh, d, elem_bytes): (usize, usize, usize, usize),
+        (n_tok_a, n_seq, lmax, nh_a, nkv_a, scale): (i32, i32, i32, i32, i32, f32),
+        sfx: &str,
+    ) -> Result<()> {
+        const TILE: usize = 64;
+        const STAGES: usize = 2;
+        const SW_LD: usize = 2 * TILE + 4;
+        let splits = crate::TC_SPLITS;
+        let warps = if self.max_new > 16 { 4 } else { 1 };
+        let func = load_kernel(
+            dev,
+            &format!("kestrel_paged_attention_tc_d{d}_w{warps}_s{splits}_{sfx}"),
+        )?;
+        // tc_smem_bytes in attention_tc.cuh.
+        let bytes = 2 * STAGES * TILE * (d + 8) * elem_bytes
+            + warps * 16 * (SW_LD * 4 + crate::TC_MAX_MASKED_NEW + 4);
+        let limit = crate::launch::dynamic_shared_limit(dev, &func)?;
+        if bytes > limit {
+            bail!(
+                "tensor-core paged attention: a head of {d} {elem_bytes}-byte values needs \
+                 {bytes} bytes of shared memory a block; the device allows {limit}"
+            );
+        }
+        allow_shared_memory(&func, limit)?;
+        // SAFETY: the kernel writes every (split, row, head)'s o, m and l it reads back in the
+        // merge (each split block writes its rows' states, empty or not).
+        let part = unsafe { dev.alloc::<f32>(splits * n_tok * nh * (d + 2))? };
+        let rows = 16 * warps;
+        // grid: heads, sequences × splits ≤ 65535, row groups ≤ 65535.
+        let cfg = LaunchConfig {
+            grid_dim: (
+                nh as u32,
+                (self.n_seq * splits) as u32,
+                self.max_new.div_ceil(rows) as u32,
+            ),
+            block_dim: ((warps * 32) as u32, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        };
+        let mut b = func.builder();
+        b.arg(q);
+        b.arg(k);
+        b.arg(v);
+        b.arg(out);
+        b.arg(&part);
+        b.arg(table);
+        b.arg(&n_tok_a);
+        b.arg(&n_seq);
+        b.arg(&lmax);
+        b.arg(&nh_a);
+        b.arg(&nkv_a);
+        b.arg(&scale);
+        // SAFETY: argument types and order match kestrel_paged_attention_tc_* in kernels.cu;
+        // the metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax / max_new,
+        // and its trees bring at most TC_MAX_MASKED_NEW nodes (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+        let merge = load_kernel(dev, &format!("kestrel_paged_attention_tc_merge_d{d}_{sfx}"))?;
+        let mut b = merge.builder();
+        b.arg(&part);
+        b.arg(out);
+        b.arg(&n_tok_a);
+        b.arg(&nh_a);
+        // SAFETY: matches kestrel_paged_attention_tc_merge_*: grid (rows, heads), d threads.
+        unsafe { b.launch(launch_cfg((n_tok as u32, nh as u32), d as u32)) }?;
+        Ok(())
     }
 
     /// The grouped kernel and its launch for head size `d` of `elem_bytes` values, or `None`

@@ -1229,6 +1229,7 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
 }
 
 #include "attention.cuh"
+#include "attention_tc.cuh"
 #include "logit_rows.cuh"
 #include "rows.cuh"
 #include "gemv_quant.cuh"
@@ -1374,6 +1375,31 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         gemv_add_rmsnorm<T, true>(x, res, nw, w, y, sum_out, M, N, K, eps, split);              \
     }
 
+// The tensor-core attention (attention_tc.cuh) for heads of D, blocks of W warps, S splits
+// (cuda.rs picks one by name: kestrel_paged_attention_tc_d{D}_w{W}_s{S}_{dtype}). Every step
+// takes TC_SPLITS: a row's bits depend on the split count, so one count serves them all.
+#define KESTREL_TC_ATTENTION(T, SUFFIX, D, W, S)                                                \
+    extern "C" __global__ void __launch_bounds__(W * WARP)                                      \
+        kestrel_paged_attention_tc_d##D##_w##W##_s##S##_##SUFFIX(                               \
+            const T *q, const T *k_pool, const T *v_pool, T *out, float *part,                  \
+            const unsigned int *meta, const int n_tok, const int n_seq, const int lmax,         \
+            const int nh, const int nkv, const float scale) {                                   \
+        pdl_enter();                                                                            \
+        tc_attention<T, D, W, S>(q, k_pool, v_pool, out, part, meta, n_tok, n_seq, lmax, nh,    \
+                                 nkv, scale);                                                   \
+    }
+#define KESTREL_TC_HEAD(T, SUFFIX, D)                                                           \
+    KESTREL_TC_ATTENTION(T, SUFFIX, D, 1, 4)                                                    \
+    KESTREL_TC_ATTENTION(T, SUFFIX, D, 4, 4)                                                    \
+    extern "C" __global__ void kestrel_paged_attention_tc_merge_d##D##_##SUFFIX(                \
+        const float *part, T *out, const int n_tok, const int nh) {                             \
+        pdl_enter();                                                                            \
+        tc_merge<T, D, TC_SPLITS>(part, out, n_tok, nh);                                        \
+    }
+#define KESTREL_TC_OPS(T, SUFFIX)                                                               \
+    KESTREL_TC_HEAD(T, SUFFIX, 64)                                                              \
+    KESTREL_TC_HEAD(T, SUFFIX, 128)
+
 KESTREL_OPS(float, f32)
 KESTREL_OPS(__half, f16)
 KESTREL_OPS(__nv_bfloat16, bf16)
@@ -1381,3 +1407,5 @@ KESTREL_EVICT_OPS(__half, f16)
 KESTREL_EVICT_OPS(__nv_bfloat16, bf16)
 KESTREL_HALF_OPS(__half, f16)
 KESTREL_HALF_OPS(__nv_bfloat16, bf16)
+KESTREL_TC_OPS(__half, f16)
+KESTREL_TC_OPS(__nv_bfloat16, bf16)

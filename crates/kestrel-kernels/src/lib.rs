@@ -38,7 +38,7 @@
 //! this crate holds only the host-side metadata layout ([`PagedAttnMeta::host`]) and the
 //! kernel launchers return an error, so the CPU build needs no CUDA toolkit.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -108,6 +108,9 @@ pub fn dependent_launch_on(device: &Device) -> Result<bool> {
 /// Kernel names (their `extern "C"` names, dtype suffix appended) as recorded in plans.
 pub mod names {
     pub const PAGED_ATTENTION: &str = "kestrel_paged_attention";
+    /// The tensor-core family (`paged_attention_tensor_cores`); a plan names it for every
+    /// attention op as `kestrel_paged_attention_tc_{dtype}`.
+    pub const PAGED_ATTENTION_TC: &str = "kestrel_paged_attention_tc";
     pub const KV_APPEND: &str = "kestrel_kv_append";
     pub const ADD_RMSNORM: &str = "kestrel_add_rmsnorm";
     pub const SWIGLU: &str = "kestrel_swiglu";
@@ -193,6 +196,23 @@ pub(crate) fn attention_groups_shared_bytes(d: usize, elem_bytes: usize) -> Opti
         .then(|| 8 * 32 * (d * elem_bytes + 16) + ATTN_GROUP_ROWS * d * 4)
 }
 
+/// Most new tokens of one tree-masked sequence the tensor-core attention takes
+/// (`TC_MAX_NODES` in attention_tc.cuh: a warp lists its rows' visible nodes and scores every
+/// candidate of the tail in shared memory). Causal sequences take any number.
+pub const TC_MAX_MASKED_NEW: usize = 64;
+
+/// Splits of a row's tiles in the tensor-core attention (`TC_SPLITS` in attention_tc.cuh):
+/// tile t in split t mod this, each split a block of its own, their states folded in split
+/// order. A row's bits depend on it, so every step of a model takes the same count.
+pub const TC_SPLITS: usize = 4;
+
+/// Whether the tensor-core attention ([`paged_attention_tensor_cores`]) is compiled for heads
+/// of `head_dim` values of `dtype`: f16 and bf16 (the MMA's inputs), heads of 64 and 128
+/// (Llama-family heads; SmolLM2's and Llama-2-7B's).
+pub fn tensor_core_attention_applies(dtype: DType, head_dim: usize) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16) && matches!(head_dim, 64 | 128)
+}
+
 /// `mask_off` of a sequence without an explicit mask: causal over its new tokens.
 const CAUSAL: u32 = u32::MAX;
 
@@ -221,6 +241,9 @@ pub struct PagedAttnMeta {
     pub lmax: usize,
     /// New tokens of the sequence that brings the most (the grouped kernel's grid).
     pub max_new: usize,
+    /// New tokens of the tree-masked sequence that brings the most; 0 when none is masked
+    /// (the tensor-core attention takes trees of up to [`TC_MAX_MASKED_NEW`]).
+    pub tree_max_new: usize,
 }
 
 impl PagedAttnMeta {
@@ -324,7 +347,17 @@ impl PagedAttnMeta {
             n_seq: seqs.len(),
             lmax,
             max_new: seqs.iter().map(|s| s.n_new).max().unwrap_or(0),
+            tree_max_new: Self::tree_max_new(seqs),
         })
+    }
+
+    /// New tokens of the tree-masked sequence of `seqs` that brings the most (0: none).
+    pub fn tree_max_new(seqs: &[AttnSeq]) -> usize {
+        seqs.iter()
+            .filter(|s| s.mask.is_some())
+            .map(|s| s.n_new)
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -359,6 +392,28 @@ pub fn paged_attention(
     paged_attention_launch(q, k_pool, v_pool, meta, AttnLaunch::Auto)
 }
 
+/// [`paged_attention`] on the tensor cores (attention_tc.cuh) where
+/// [`tensor_core_attention_applies`] to the heads and no tree-masked sequence brings more than
+/// [`TC_MAX_MASKED_NEW`] new tokens; elsewhere the scalar kernels. The two families sum in
+/// different orders, so a row's bits differ between them (by about one step of the 16-bit
+/// type) but never within one: a model runs every step through one family, chosen by its
+/// engine's plan, and spec-build keeps such a target's verification trees within the limit.
+pub fn paged_attention_tensor_cores(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+) -> Result<Tensor> {
+    let fits = tensor_core_attention_applies(q.dtype(), q.dim(D::Minus1)?)
+        && meta.tree_max_new <= TC_MAX_MASKED_NEW;
+    let launch = if fits {
+        AttnLaunch::TensorCores
+    } else {
+        AttnLaunch::Auto
+    };
+    paged_attention_launch(q, k_pool, v_pool, meta, launch)
+}
+
 /// Which attention kernel a launch takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -372,6 +427,8 @@ pub(crate) enum AttnLaunch {
     /// The grouped kernel, or an error where the head size or the device's shared memory
     /// does not allow it.
     Groups,
+    /// The tensor-core kernel ([`TC_SPLITS`] split blocks, then their merge).
+    TensorCores,
 }
 
 /// [`paged_attention`] on the block-per-row kernel with its blocks' real warp count forced

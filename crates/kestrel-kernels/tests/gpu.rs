@@ -8,9 +8,10 @@ use candle_core::{DType, Device, Tensor};
 use kestrel_kernels::{
     add_rms_norm, argmax_rows, gather_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies,
     gemv_applies, gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack,
-    open_cuda, paged_attention, paged_attention_grouped, paged_attention_with_warps,
-    qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K,
-    GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
+    open_cuda, paged_attention, paged_attention_grouped, paged_attention_tensor_cores,
+    paged_attention_with_warps, qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq,
+    PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
+    TC_MAX_MASKED_NEW,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
 use kestrel_kernels::{upload_into, IdsReadback};
@@ -106,7 +107,11 @@ fn tree_mask(n: usize) -> Vec<bool> {
     m
 }
 
-fn run_attention_case(case: &Case, dtype: DType, seed: u64) {
+/// An attention kernel family's entry point ([`paged_attention`] or
+/// [`paged_attention_tensor_cores`]).
+type Attend = fn(&Tensor, &Tensor, &Tensor, &PagedAttnMeta) -> candle_core::Result<Tensor>;
+
+fn run_attention_case(case: &Case, dtype: DType, seed: u64, attend: Attend) {
     let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (nh, nkv, d) = (case.nh, case.nkv, case.d);
@@ -182,7 +187,7 @@ fn run_attention_case(case: &Case, dtype: DType, seed: u64) {
     }
 
     let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
-    let out = paged_attention(
+    let out = attend(
         &to_dev(&q, &[n_tok, nh, d], dtype, &dev),
         &to_dev(&kp, &[total_slots, nkv, d], dtype, &dev),
         &to_dev(&vp, &[total_slots, nkv, d], dtype, &dev),
@@ -255,7 +260,55 @@ fn paged_attention_matches_cpu_reference() {
     ];
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for (i, case) in cases.iter().enumerate() {
-            run_attention_case(case, dtype, 100 + i as u64);
+            run_attention_case(case, dtype, 100 + i as u64, paged_attention);
+        }
+    }
+}
+
+/// The tensor-core family against the same f32 reference: decode steps, chains and trees
+/// whose lists end inside, at and past 64-slot tiles, cached tails that part-fill a tile,
+/// contexts that spread over all four splits, several sequences of different sizes a step.
+#[test]
+fn tensor_core_attention_matches_cpu_reference() {
+    let cases = [
+        Case {
+            nh: 9,
+            nkv: 3,
+            d: 64,
+            seqs: vec![
+                (1, 1, false),
+                (64, 1, false),
+                (65, 1, false),
+                (300, 1, false),
+            ],
+        },
+        Case {
+            nh: 9,
+            nkv: 3,
+            d: 64,
+            seqs: vec![
+                (45, 7, true),
+                (20, 5, false),
+                (130, 1, false),
+                (200, 64, true),
+            ],
+        },
+        Case {
+            nh: 4,
+            nkv: 4,
+            d: 128,
+            seqs: vec![(70, 70, false), (9, 3, true), (1100, 64, false)],
+        },
+        Case {
+            nh: 4,
+            nkv: 2,
+            d: 128,
+            seqs: vec![(4100, 1, false), (700, 40, true), (5, 1, false)],
+        },
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        for (i, case) in cases.iter().enumerate() {
+            run_attention_case(case, dtype, 300 + i as u64, paged_attention_tensor_cores);
         }
     }
 }
@@ -1859,7 +1912,6 @@ fn gemv_add_rms_norm_matches_the_two_kernels_and_each_row_ignores_the_others() {
 /// K/V staged once for 4 rows) where the head size allows it.
 #[test]
 fn paged_attention_rows_do_not_depend_on_the_step() {
-    let dev = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     // 300 slots: 1 or 2 chunks a warp; 4,100: 16 or 17; 90: the 12-row sequence has two
     // chunks of cached slots, the 62-row one none. SmolLM2's heads and Llama-2-7B's. The
@@ -1875,55 +1927,32 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
         (DType::BF16, 100, (2, 1, 40), false), // V read element by element
     ] {
         for masked in [false, true] {
-            let new = [62usize, 12];
-            let total = 2 * l;
-            let pool = |rng: &mut ChaCha8Rng| {
-                to_dev(
-                    &randn(rng, total * nkv * d, 1.0),
-                    &[total, nkv, d],
-                    dtype,
-                    &dev,
-                )
-            };
-            let (kp, vp) = (pool(&mut rng), pool(&mut rng));
-            let n_all: usize = new.iter().sum();
-            let q_h = randn(&mut rng, n_all * nh * d, 1.0);
-            // Sequence 0 takes pool rows l-1 … 0, sequence 1 rows l … 2l-1.
-            let slots: [Vec<u32>; 2] = [
-                (0..l as u32).rev().collect(),
-                (l as u32..total as u32).collect(),
-            ];
-            let masks: [Vec<bool>; 2] = [tree_mask(new[0]), tree_mask(new[1])];
-            let seqs: Vec<AttnSeq> = (0..2)
-                .map(|s| AttnSeq {
-                    slots: &slots[s],
-                    n_new: new[s],
-                    mask: masked.then_some(&masks[s][..]),
-                })
-                .collect();
-            let q = to_dev(&q_h, &[n_all, nh, d], dtype, &dev);
-            let meta = PagedAttnMeta::new(&seqs, &dev).unwrap();
-            let all = host(&paged_attention(&q, &kp, &vp, &meta).unwrap());
+            let step = RowStep::new(&mut rng, dtype, l, (nh, nkv, d), masked, [62, 12]);
+            let (q, meta) = step.tensors();
+            let all = host(&paged_attention(&q, &step.kp, &step.vp, &meta).unwrap());
+            let what = format!("{dtype:?}, {l} slots, d {d}, masked {masked}");
             // However many real warps share a block's virtual ones, and on either build of
             // the block-per-row kernel (a decode step's, many blocks'), the bits stay.
             for (warps, many) in [1, 2, 4, 8]
                 .into_iter()
                 .flat_map(|w| [(w, false), (w, true)])
             {
-                let forced =
-                    host(&paged_attention_with_warps(&q, &kp, &vp, &meta, warps, many).unwrap());
+                let forced = host(
+                    &paged_attention_with_warps(&q, &step.kp, &step.vp, &meta, warps, many)
+                        .unwrap(),
+                );
                 assert!(
                     forced == all,
-                    "{dtype:?}, {l} slots, d {d}, masked {masked}: {warps} warps a block \
-                     (many-block kernel: {many}) change the step's output"
+                    "{what}: {warps} warps a block (many-block kernel: {many}) change the \
+                     step's output"
                 );
             }
             // And so do they on the grouped kernel, which refuses the heads it cannot take.
-            match paged_attention_grouped(&q, &kp, &vp, &meta) {
+            match paged_attention_grouped(&q, &step.kp, &step.vp, &meta) {
                 Ok(out) => assert!(
                     grouped && host(&out) == all,
-                    "{dtype:?}, {l} slots, d {d}, masked {masked}: the grouped kernel changes \
-                     the step's output (or took a head it should refuse)"
+                    "{what}: the grouped kernel changes the step's output (or took a head it \
+                     should refuse)"
                 ),
                 Err(e) => assert!(
                     !grouped
@@ -1932,45 +1961,169 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
                     "{dtype:?}, d {d}: {e}"
                 ),
             }
-            let mut t = 0;
-            for s in 0..2 {
-                let past = l - new[s];
-                for r in 0..new[s] {
-                    // The slots row r sees, cached then new, in order.
-                    let mut seen: Vec<u32> = slots[s][..past].to_vec();
-                    seen.extend(
-                        (0..new[s])
-                            .filter(|&j| {
-                                if masked {
-                                    masks[s][r * new[s] + j]
-                                } else {
-                                    j <= r
-                                }
-                            })
-                            .map(|j| slots[s][past + j]),
-                    );
-                    let decode = AttnSeq {
-                        slots: &seen,
-                        n_new: 1,
-                        mask: None,
-                    };
-                    let row = to_dev(&q_h[t * nh * d..(t + 1) * nh * d], &[1, nh, d], dtype, &dev);
-                    let one = host(
-                        &paged_attention(
-                            &row,
-                            &kp,
-                            &vp,
-                            &PagedAttnMeta::new(&[decode], &dev).unwrap(),
-                        )
-                        .unwrap(),
-                    );
-                    assert!(
-                        one == all[t * nh * d..(t + 1) * nh * d],
-                        "{dtype:?}, {l} slots, d {d}, masked {masked}: row {r} of sequence {s} \
-                         differs from the same row decoded alone"
-                    );
-                    t += 1;
-                }
+            step.assert_rows_decode_alike(paged_attention, &all, &what);
+        }
+    }
+}
+
+/// The same for the tensor-core family: every row of a 62-row and a 12-row sequence (blocks
+/// of 4 warps) has the bits of its decode step (blocks of one), causal and under tree masks,
+/// over contexts inside one tile, across the four splits and far past them.
+#[test]
+fn tensor_core_attention_rows_do_not_depend_on_the_step() {
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    for (dtype, l, heads) in [
+        (DType::BF16, 300usize, (9usize, 3usize, 64usize)),
+        (DType::BF16, 4100, (9, 3, 64)),
+        (DType::BF16, 200, (4, 4, 128)),
+        (DType::F16, 90, (4, 4, 128)),
+        (DType::F16, 1500, (4, 2, 128)),
+    ] {
+        for masked in [false, true] {
+            let step = RowStep::new(&mut rng, dtype, l, heads, masked, [62, 12]);
+            let (q, meta) = step.tensors();
+            let all = host(&paged_attention_tensor_cores(&q, &step.kp, &step.vp, &meta).unwrap());
+            let scalar = host(&paged_attention(&q, &step.kp, &step.vp, &meta).unwrap());
+            let what =
+                format!("tensor cores, {dtype:?}, {l} slots, heads {heads:?}, masked {masked}");
+            // A different order of sums, within the 16-bit type's rounding of the scalar one.
+            let err = max_abs(&all, &scalar);
+            assert!(
+                err <= attn_tol(dtype),
+                "{what}: {err} from the scalar kernels"
+            );
+            step.assert_rows_decode_alike(paged_attention_tensor_cores, &all, &what);
+        }
+    }
+    // A tree of more nodes than the family takes runs on the scalar kernels, bit for bit.
+    let step = RowStep::new(
+        &mut rng,
+        DType::BF16,
+        300,
+        (9, 3, 64),
+        true,
+        [TC_MAX_MASKED_NEW + 1, 3],
+    );
+    let (q, meta) = step.tensors();
+    assert!(
+        host(&paged_attention_tensor_cores(&q, &step.kp, &step.vp, &meta).unwrap())
+            == host(&paged_attention(&q, &step.kp, &step.vp, &meta).unwrap()),
+        "a {}-node tree is not left to the scalar kernels",
+        TC_MAX_MASKED_NEW + 1
+    );
+}
+
+/// A step of two sequences over `l` slots each (pools of 2l rows, random), bringing `new`
+/// tokens, causal or under [`tree_mask`]s, and its rows' queries.
+struct RowStep {
+    dtype: DType,
+    heads: (usize, usize, usize),
+    l: usize,
+    new: [usize; 2],
+    masked: bool,
+    q_h: Vec<f32>,
+    kp: Tensor,
+    vp: Tensor,
+    slots: [Vec<u32>; 2],
+    masks: [Vec<bool>; 2],
+    dev: Device,
+}
+
+impl RowStep {
+    fn new(
+        rng: &mut ChaCha8Rng,
+        dtype: DType,
+        l: usize,
+        heads: (usize, usize, usize),
+        masked: bool,
+        new: [usize; 2],
+    ) -> Self {
+        let dev = gpu();
+        let (nh, nkv, d) = heads;
+        let total = 2 * l;
+        let mut pool = || {
+            to_dev(
+                &randn(rng, total * nkv * d, 1.0),
+                &[total, nkv, d],
+                dtype,
+                &dev,
+            )
+        };
+        let (kp, vp) = (pool(), pool());
+        let q_h = randn(rng, new.iter().sum::<usize>() * nh * d, 1.0);
+        RowStep {
+            dtype,
+            heads,
+            l,
+            new,
+            masked,
+            q_h,
+            kp,
+            vp,
+            // Sequence 0 takes pool rows l-1 … 0, sequence 1 rows l … 2l-1.
+            slots: [
+                (0..l as u32).rev().collect(),
+                (l as u32..total as u32).collect(),
+            ],
+            masks: [tree_mask(new[0]), tree_mask(new[1])],
+            dev,
+        }
+    }
+
+    /// The queries and the step's metadata.
+    fn tensors(&self) -> (Tensor, PagedAttnMeta) {
+        let (nh, _, d) = self.heads;
+        let seqs: Vec<AttnSeq> = (0..2)
+            .map(|s| AttnSeq {
+                slots: &self.slots[s],
+                n_new: self.new[s],
+                mask: self.masked.then_some(&self.masks[s][..]),
+            })
+            .collect();
+        let n_all: usize = self.new.iter().sum();
+        let q = to_dev(&self.q_h, &[n_all, nh, d], self.dtype, &self.dev);
+        (q, PagedAttnMeta::new(&seqs, &self.dev).unwrap())
+    }
+
+    /// Each row of `all` (the step's output through `attend`) equals the same row decoded
+    /// alone through `attend` over the slots it sees (cached, then its visible new ones).
+    fn assert_rows_decode_alike(&self, attend: Attend, all: &[f32], what: &str) {
+        let (nh, _, d) = self.heads;
+        let mut t = 0;
+        for s in 0..2 {
+            let n = self.new[s];
+            let past = self.l - n;
+            for r in 0..n {
+                let mut seen: Vec<u32> = self.slots[s][..past].to_vec();
+                seen.extend(
+                    (0..n)
+                        .filter(|&j| {
+                            if self.masked {
+                                self.masks[s][r * n + j]
+                            } else {
+                                j <= r
+                            }
+                        })
+                        .map(|j| self.slots[s][past + j]),
+                );
+                let decode = AttnSeq {
+                    slots: &seen,
+                    n_new: 1,
+                    mask: None,
+                };
+                let row = to_dev(
+                    &self.q_h[t * nh * d..(t + 1) * nh * d],
+                    &[1, nh, d],
+                    self.dtype,
+                    &self.dev,
+                );
+                let meta = PagedAttnMeta::new(&[decode], &self.dev).unwrap();
+                let one = host(&attend(&row, &self.kp, &self.vp, &meta).unwrap());
+                assert!(
+                    one == all[t * nh * d..(t + 1) * nh * d],
+                    "{what}: row {r} of sequence {s} differs from the same row decoded alone"
+                );
+                t += 1;
             }
         }
     }

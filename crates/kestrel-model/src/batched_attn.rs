@@ -18,6 +18,24 @@ pub(crate) struct KernelAttn {
     pub meta: kestrel_kernels::PagedAttnMeta,
     /// Write the new K/V with the `kv_append` kernel (else `PagedKvCache::write`).
     pub kv_append: bool,
+    /// Attend on the tensor-core kernels (the plan's choice for the model).
+    pub tensor_cores: bool,
+}
+
+impl KernelAttn {
+    /// The step's attention over the pools, through the model's kernel family.
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        if self.tensor_cores {
+            kestrel_kernels::paged_attention_tensor_cores(q, k_pool, v_pool, &self.meta)
+        } else {
+            kestrel_kernels::paged_attention(q, k_pool, v_pool, &self.meta)
+        }
+    }
 }
 
 /// How the batched step writes the new K/V rows.

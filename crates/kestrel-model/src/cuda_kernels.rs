@@ -25,6 +25,13 @@ pub struct CudaKernels {
     pub attention_tree: bool,
     /// Prompt prefill ([`crate::Llama::forward_prompt`]).
     pub attention_context: bool,
+    /// Steps (decode, drafts, verification) attend on the tensor-core kernels
+    /// (`kestrel_kernels::paged_attention_tensor_cores`) instead of the scalar ones. One
+    /// choice for all of them: a row's bits differ between the two families, and a
+    /// verification must give a row the bits its decode step would.
+    pub attention_tensor_cores: bool,
+    /// Prompts attend on the tensor-core kernels.
+    pub context_tensor_cores: bool,
     /// Writing new K/V rows into the paged pools by u32 slot ids.
     pub kv_append: bool,
     /// Residual add fused with the following RMSNorm.
@@ -48,11 +55,18 @@ impl Default for CudaKernels {
 }
 
 impl CudaKernels {
+    /// Every kernel, the attention's family as `KESTREL_ATTENTION` says (`tensor_cores`, or
+    /// the scalar kernels otherwise): models built in memory by benchmarks take it from there.
     pub fn all() -> Self {
+        static TENSOR_CORES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let tc = *TENSOR_CORES
+            .get_or_init(|| std::env::var("KESTREL_ATTENTION").as_deref() == Ok("tensor_cores"));
         CudaKernels {
             attention_decode: true,
             attention_tree: true,
             attention_context: true,
+            attention_tensor_cores: tc,
+            context_tensor_cores: tc,
             kv_append: true,
             add_rmsnorm: true,
             swiglu: true,
@@ -67,6 +81,8 @@ impl CudaKernels {
             attention_decode: false,
             attention_tree: false,
             attention_context: false,
+            attention_tensor_cores: false,
+            context_tensor_cores: false,
             kv_append: false,
             add_rmsnorm: false,
             swiglu: false,
@@ -88,11 +104,24 @@ impl CudaKernels {
             attention_decode: picks(ops::ATTENTION_DECODE, names::PAGED_ATTENTION),
             attention_tree: picks(ops::ATTENTION_TREE, names::PAGED_ATTENTION),
             attention_context: picks(ops::ATTENTION_CONTEXT, names::PAGED_ATTENTION),
+            attention_tensor_cores: picks(ops::ATTENTION_DECODE, names::PAGED_ATTENTION_TC)
+                && picks(ops::ATTENTION_TREE, names::PAGED_ATTENTION_TC),
+            context_tensor_cores: picks(ops::ATTENTION_CONTEXT, names::PAGED_ATTENTION_TC),
             kv_append: picks(ops::KV_APPEND, names::KV_APPEND),
             add_rmsnorm: picks(ops::RMSNORM, names::ADD_RMSNORM),
             swiglu: picks(ops::SWIGLU, names::SWIGLU),
             qkv_rope: picks(ops::ROPE, names::QKV_ROPE),
             gemv: picks(ops::GEMM, names::GEMV),
+        }
+    }
+
+    /// Whether a step's attention (taking the paged-attention kernels) runs on the tensor-core
+    /// family.
+    pub(crate) fn attention_tensor_cores(&self, prompt: bool) -> bool {
+        if prompt {
+            self.context_tensor_cores
+        } else {
+            self.attention_tensor_cores
         }
     }
 
@@ -144,5 +173,25 @@ mod tests {
         assert!(k.attention(false, true) && k.attention(false, false));
         assert!(!k.attention(true, false));
         assert!(k.kv_append && k.add_rmsnorm && k.swiglu && k.qkv_rope && k.gemv);
+        assert!(!k.attention_tensor_cores && !k.context_tensor_cores);
+        // The tensor-core family: steps take it only when decode and tree steps both name it.
+        let tc = |decode: &str, tree: &str| {
+            CudaKernels::from_choices(&[
+                choice("attention.decode", decode),
+                choice("attention.tree", tree),
+                choice("attention.context", "kestrel_paged_attention_tc_bf16"),
+            ])
+        };
+        let both = tc(
+            "kestrel_paged_attention_tc_bf16",
+            "kestrel_paged_attention_tc_bf16",
+        );
+        assert!(both.attention(false, true) && both.attention(false, false));
+        assert!(both.attention_tensor_cores && both.context_tensor_cores);
+        let mixed = tc(
+            "kestrel_paged_attention_tc_bf16",
+            "kestrel_paged_attention_bf16",
+        );
+        assert!(!mixed.attention_tensor_cores);
     }
 }

@@ -568,7 +568,7 @@ impl Attention {
             self.n_heads,
             self.n_kv,
         )?;
-        let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
+        let out = ka.attend(&q, kp, vp)?;
         self.o.forward_with(&out, ctx.matvec())
     }
 
@@ -636,7 +636,7 @@ impl Attention {
                         }
                     }
                     // Same stream as the appends above: the kernel sees the new rows.
-                    let out = kestrel_kernels::paged_attention(&q, kp, vp, &ka.meta)?;
+                    let out = ka.attend(&q, kp, vp)?;
                     return self.o.forward_with(&out, fast);
                 }
                 if let (Some(b), false) = (batched, cpu) {

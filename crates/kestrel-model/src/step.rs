@@ -48,6 +48,9 @@ pub(crate) struct StepPlan<'a> {
     out_rows: Option<Vec<u32>>,
     /// Attention takes Kestrel's paged kernel.
     pub kernel_attn: bool,
+    /// Attention on the tensor-core kernels (`kestrel_kernels::paged_attention_tensor_cores`)
+    /// rather than the scalar ones: the plan's choice, the same for every step of a model.
+    pub tensor_cores: bool,
     /// New K/V go through the `kv_append` kernel.
     pub kv_append: bool,
     /// Whether the batch may become one portable attention call.
@@ -105,6 +108,7 @@ pub(crate) fn plan_step<'a>(
     cache.reserve(&requests)?;
     let single = inputs.iter().all(|s| s.n == 1);
     let kernel_attn = cuda.is_some_and(|k| k.attention(prompt, single));
+    let tensor_cores = kernel_attn && cuda.is_some_and(|k| k.attention_tensor_cores(prompt));
     // Per-sequence slot and mask tensors are for the candle path only.
     let per_seq_tensors = !device.is_cpu() && !kernel_attn;
 
@@ -168,6 +172,7 @@ pub(crate) fn plan_step<'a>(
         positions,
         out_rows: (!all_out).then_some(out_rows),
         kernel_attn,
+        tensor_cores,
         kv_append: cuda.is_some_and(|k| k.kv_append),
         portable,
     })
@@ -184,6 +189,10 @@ pub(crate) struct GraphLayout {
     /// New tokens of the sequence that brings the most (the grid of the grouped attention
     /// kernel: steps of one n_tok and n_seq may split their tokens differently).
     pub max_new: usize,
+    /// Longest tree-masked sequence's new tokens (0: none masked).
+    pub tree_max_new: usize,
+    /// Attention on the tensor-core kernels ([`StepPlan::tensor_cores`]).
+    pub tensor_cores: bool,
     /// Length of the attention table (after the new tokens' slot ids).
     pub table_len: usize,
     /// Returned rows when not all of them in order.
@@ -218,6 +227,7 @@ impl GraphLayout {
             n_seq: self.n_seq,
             lmax: self.lmax,
             max_new: self.max_new,
+            tree_max_new: self.tree_max_new,
         };
         let out_rows = match self.out_rows {
             Some(r) => Some(u32s.narrow(0, 2 * n + self.table_len, r)?),
@@ -235,6 +245,7 @@ impl GraphLayout {
             kernel: Some(KernelAttn {
                 meta,
                 kv_append: true,
+                tensor_cores: self.tensor_cores,
             }),
             cos: rope(0)?,
             sin: rope(1)?,
@@ -294,6 +305,8 @@ impl<'a> StepPlan<'a> {
                 n_seq: self.seqs.len(),
                 lmax,
                 max_new: self.seqs.iter().map(|s| s.n).max().unwrap_or(0),
+                tree_max_new: kestrel_kernels::PagedAttnMeta::tree_max_new(&self.attn_seqs()),
+                tensor_cores: self.tensor_cores,
                 table_len: meta.len() - n_tok,
                 out_rows: self.out_rows.as_ref().map(Vec::len),
                 rope_len,
@@ -316,6 +329,7 @@ impl<'a> StepPlan<'a> {
             Some(KernelAttn {
                 meta: kestrel_kernels::PagedAttnMeta::new(&self.attn_seqs(), device)?,
                 kv_append: self.kv_append,
+                tensor_cores: self.tensor_cores,
             })
         } else {
             None

@@ -480,14 +480,34 @@ fn bf16_verified_rows_equal_decoded_rows_bit_for_bit() {
                 "tie_word_embeddings": true}}"#
         ))
         .unwrap();
-        verified_rows_equal_decoded_rows(&cfg);
+        verified_rows_equal_decoded_rows(&cfg, CudaKernels::all());
     }
 }
 
-fn verified_rows_equal_decoded_rows(cfg: &ModelConfig) {
+/// The same on the tensor-core attention (heads of 128 and SmolLM2's of 64): it sums in
+/// another order than the scalar kernels, but one order for every step.
+#[test]
+fn tensor_core_attention_keeps_verified_rows_equal_to_decoded_rows() {
+    let wide: ModelConfig = serde_json::from_str(
+        r#"{"vocab_size": 96, "hidden_size": 2176, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 17,
+            "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let kernels = CudaKernels {
+        attention_tensor_cores: true,
+        context_tensor_cores: true,
+        ..CudaKernels::all()
+    };
+    for cfg in [wide, smollm2_shaped()] {
+        verified_rows_equal_decoded_rows(&cfg, kernels);
+    }
+}
+
+fn verified_rows_equal_decoded_rows(cfg: &ModelConfig, kernels: CudaKernels) {
     let hidden = cfg.hidden_size;
     let mut m = Llama::random(cfg, SEED, DType::BF16, &gpu()).unwrap();
-    m.set_cuda_kernels(CudaKernels::all());
+    m.set_cuda_kernels(kernels);
     let prompt = [5u32, 17, 42, 9, 11, 23, 3];
     let tokens: Vec<u32> = (0..12).map(|k| (k * 29 + 7) % 96).collect();
     let verified = chain_rows(&m, &prompt, &tokens, true);

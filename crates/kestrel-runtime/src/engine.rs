@@ -287,3 +287,15 @@ impl TextCodec {
             .map_err(|e| RuntimeError::Tokenizer(format!("cannot decode output: {e}")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// spec-build refuses trees the tensor-core attention cannot take by the kernel's own limit.
+    #[test]
+    fn tensor_core_tree_limit_is_the_kernels() {
+        assert_eq!(
+            kestrel_build::TENSOR_CORE_MAX_TREE,
+            kestrel_kernels::TC_MAX_MASKED_NEW
+        );
+    }
+}

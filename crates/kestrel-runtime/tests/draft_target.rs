@@ -7,7 +7,7 @@
 mod support;
 
 use candle_core::{Device, Tensor};
-use kestrel_build::{build_engine, BuildOptions, GemmPlugin, TargetDevice};
+use kestrel_build::{build_engine, AttentionKernel, BuildOptions, GemmPlugin, TargetDevice};
 use kestrel_core::checkpoint::{
     checkpoint_config_json, CheckpointMeta, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };
@@ -97,6 +97,7 @@ fn build(root: &Path, name: &str, cfg: &ModelConfig, seed: u64, spec: &Spec) -> 
         tokens_per_block: 8,
         use_paged_context_fmha: true,
         gemm_plugin: GemmPlugin::Auto,
+        attention_kernel: AttentionKernel::Scalar,
         target_device: TargetDevice::Cpu,
         eagle_choices: None,
     })

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
-use kestrel_build::{build_engine, BuildOptions, GemmPlugin, TargetDevice};
+use kestrel_build::{build_engine, AttentionKernel, BuildOptions, GemmPlugin, TargetDevice};
 use kestrel_core::checkpoint::{
     checkpoint_config_json, rank_file_name, CheckpointMeta, EagleMeta, CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION, CONFIG_FILE, EAGLE_PREFIX,
@@ -218,6 +218,7 @@ pub fn build(
         tokens_per_block: 8,
         use_paged_context_fmha: true,
         gemm_plugin: GemmPlugin::Auto,
+        attention_kernel: AttentionKernel::Scalar,
         target_device: TargetDevice::Cpu,
         eagle_choices: None,
     })

@@ -1,0 +1,474 @@
+// ---------------------------------------------------------------------------------------
+// Paged attention on the tensor cores (included by kernels.cu after attention.cuh, whose
+// header describes q, the pools, `meta` and the rows' lists; f16 and bf16, heads of 64 and
+// 128).
+//
+// Why: the scalar kernels (attention.cuh) score and sum with FMAs, a (row, head) at a time or
+// four rows sharing staged chunks; a 64-row Llama-2-7B verification spent 1.40 ms of 7.86 in
+// them on an H100 (44 µs a layer against a decode step's 8; docs/gpu-results.md, session
+// 59). Here a warp takes 16 query rows of one head (a block WARPS warps), stages tiles of 64
+// K and V rows once in shared memory for all of them (cp.async, two tiles in flight), and
+// scores and sums them on mma.sync.m16n8k16 (16-bit in, f32 accumulators), flash-attention
+// style: S = q·Kᵀ over d in order, each row's online softmax a tile at a time (base 2), P
+// rounded to T, O = O·alpha + P·V.
+//
+// The runtime's rule holds: the order of every sum of a row depends only on its list of
+// slots, never on the launch (tools/gpu/tc_attn_probe.cu checks it row by row, chains and
+// trees, and so do the GPU tests). Tile t is list positions [64t, 64t + 64); positions past
+// the row's length score -inf (P = 0, the same bits whether the staged V row there is a later
+// token's or zeros), and a tile wholly past them leaves the row's state untouched. A tree's
+// rows see different new slots at the same list positions, so only a masked sequence's wholly
+// cached tiles are shared; its tail (the cached slots of the first tile not wholly cached,
+// then every node: at most 127 candidates with TC_MAX_NODES nodes) is staged once, scored
+// against all candidates, each row's scores gathered into its list order, and P·V run once
+// per row of the warp with the V fragments gathered by ldmatrix's per-lane row addresses (16
+// rows' worth of MMAs, one row kept).
+//
+// SPLITS > 1: tile t belongs to split t mod SPLITS, a block of its own, which leaves its
+// rows' states (o, m, l) in `part`; tc_merge folds them in split order. Steps that are not
+// prompts take TC_SPLITS (long lists then walk on several multiprocessors); a row gets the
+// same bits from any warp count and in any step of the same split count.
+// ---------------------------------------------------------------------------------------
+#define TC_TILE 64
+// Most new tokens of a masked (tree) sequence (TC_MAX_MASKED_NEW in lib.rs).
+#define TC_MAX_NODES 64
+// The split count of steps that are not prompts (TC_SPLITS in lib.rs).
+#define TC_SPLITS 4
+// Tiles in flight; a tree's tail holds its up to 127 candidates in the first two stages.
+#define TC_STAGES 2
+// A warp's candidate scores, row pitch.
+#define TC_SW_LD (2 * TC_TILE + 4)
+
+__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, const bool ok) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void *smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+template <typename T> __device__ __forceinline__ unsigned pack2(const T lo, const T hi) {
+    return (unsigned)*reinterpret_cast<const unsigned short *>(&lo) |
+           ((unsigned)*reinterpret_cast<const unsigned short *>(&hi) << 16);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+
+// One query row's softmax state: running max (scaled by log2 e), running sum.
+struct TcRow {
+    float m = -INFINITY, l = 0.f;
+};
+
+// Scores of one row (its 16 values a lane: 8 column tiles × 2) → P (as the P·V product's A
+// fragment halves `pa[k][half]`), the rescale factor of its accumulator, the state updated.
+// `sc` holds q·k; positions at or past `len` score -inf.
+template <typename T>
+__device__ __forceinline__ float tc_row_softmax(float (&sc)[8][2], const int base, const int col0,
+                                                const int len, const float sl2, TcRow &st,
+                                                unsigned (&pa)[4][2], bool &active) {
+    active = base < len;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int pos = base + nt * 8 + col0 + j;
+            sc[nt][j] = pos < len ? sc[nt][j] * sl2 : -INFINITY;
+            mx = fmaxf(mx, sc[nt][j]);
+        }
+    mx = quad_max(mx);
+    const float mn = fmaxf(st.m, mx);
+    const float off = mn == -INFINITY ? 0.f : mn;
+    const float alpha = exp2f(st.m - off);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        const T p0 = from_f<T>(exp2f(sc[nt][0] - off)), p1 = from_f<T>(exp2f(sc[nt][1] - off));
+        sum += to_f(p0);
+        sum += to_f(p1);
+        pa[nt / 2][nt % 2] = pack2(p0, p1);
+    }
+    sum = quad_sum(sum);
+    if (active) {
+        st.l = fmaf(st.l, alpha, sum);
+        st.m = mn;
+    }
+    return alpha;
+}
+
+// acc (8 slots × this lane's 4 outputs) = q·k over d in order, the 8 K rows at `k8` (pitch
+// d + 8) in shared memory.
+template <typename T, int D>
+__device__ __forceinline__ void tc_scores(float (&acc)[4], const unsigned (&qa)[D / 16][4],
+                                          const T *k8, const int lane) {
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < D / 16; k += 2) {
+        unsigned b[4];
+        ldsm_x4(b, k8 + (lane & 7) * (D + 8) + k * 16 + 8 * (lane >> 3));
+        mma16816<T>(acc, qa[k], b);
+        mma16816<T>(acc, qa[k + 1], b + 2);
+    }
+}
+
+// The softmax step of a tile for both of the lane's rows; P as the A fragments of P·V.
+template <typename T>
+__device__ __forceinline__ void tc_tile_softmax(float (&sc)[8][4], const int base, const int tq,
+                                                const int len0, const int len1, const float sl2,
+                                                TcRow &st0, TcRow &st1, unsigned (&pa)[4][4],
+                                                float &a0, float &a1, bool &act0, bool &act1) {
+    float s0[8][2], s1[8][2];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        s0[nt][0] = sc[nt][0], s0[nt][1] = sc[nt][1];
+        s1[nt][0] = sc[nt][2], s1[nt][1] = sc[nt][3];
+    }
+    unsigned p0[4][2], p1[4][2];
+    a0 = tc_row_softmax<T>(s0, base, 2 * tq, len0, sl2, st0, p0, act0);
+    a1 = tc_row_softmax<T>(s1, base, 2 * tq, len1, sl2, st1, p1, act1);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        pa[k][0] = p0[k][0], pa[k][1] = p1[k][0];
+        pa[k][2] = p0[k][1], pa[k][3] = p1[k][1];
+    }
+}
+
+// o = o · alpha + P·V for the output pair np of the lane's first (ROW0) and/or second row,
+// where the row has positions in the tile; a row past its list keeps its state.
+template <bool ROW0, bool ROW1, int N>
+__device__ __forceinline__ void tc_accumulate(float (&o)[N][4], const int np,
+                                              const float (&pv)[2][4], const float a0,
+                                              const float a1, const bool act0, const bool act1) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float *oj = o[2 * np + j];
+        if (ROW0 && act0) oj[0] = fmaf(oj[0], a0, pv[j][0]), oj[1] = fmaf(oj[1], a0, pv[j][1]);
+        if (ROW1 && act1) oj[2] = fmaf(oj[2], a1, pv[j][2]), oj[3] = fmaf(oj[3], a1, pv[j][3]);
+    }
+}
+
+// The lane's share of Q's A fragments (rows r0 and r1 = r0 + 8 of the sequence whose first
+// query token is q0; zeros past its n rows), k-steps of 16 along d.
+template <typename T, int D>
+__device__ __forceinline__ void tc_load_q(unsigned (&qa)[D / 16][4], const T *q, const int q0,
+                                          const int r0, const int r1, const int n, const int nh,
+                                          const int h, const int tq) {
+    const T *qr0 = q + ((size_t)(q0 + r0) * nh + h) * D, *qr1 = q + ((size_t)(q0 + r1) * nh + h) * D;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+        const int c = 16 * k + 2 * tq;
+        qa[k][0] = r0 < n ? *(const unsigned *)(qr0 + c) : 0u;
+        qa[k][1] = r1 < n ? *(const unsigned *)(qr1 + c) : 0u;
+        qa[k][2] = r0 < n ? *(const unsigned *)(qr0 + c + 8) : 0u;
+        qa[k][3] = r1 < n ? *(const unsigned *)(qr1 + c + 8) : 0u;
+    }
+}
+
+// out's rows r0 and r1 (those below n): the lane's o values over their sums l0 and l1.
+template <typename T, int D>
+__device__ __forceinline__ void tc_write_rows(T *out, const float (&o)[D / 8][4], const int q0,
+                                              const int r0, const int r1, const int n,
+                                              const int nh, const int h, const int tq,
+                                              const float l0, const float l1) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int c = nt * 8 + 2 * tq;
+        if (r0 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r0) * nh + h) * D + c) =
+                pack2(from_f<T>(o[nt][0] / l0), from_f<T>(o[nt][1] / l0));
+        if (r1 < n)
+            *(unsigned *)(out + ((size_t)(q0 + r1) * nh + h) * D + c) =
+                pack2(from_f<T>(o[nt][2] / l1), from_f<T>(o[nt][3] / l1));
+    }
+}
+
+// pv = P · V for the output pairs 2np and 2np + 1: P as A fragments (4 k-steps of 16 list
+// positions), V through the lane's row addresses `vrow` (one a k-step).
+template <typename T>
+__device__ __forceinline__ void tc_pv_pair(float (&pv)[2][4], const unsigned (&pa)[4][4],
+                                           const T *const (&vrow)[4], const int np) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        unsigned b[4];
+        ldsm_x4_trans(b, vrow[k] + 16 * np);
+        mma16816<T>(pv[0], pa[k], b);
+        mma16816<T>(pv[1], pa[k], b + 2);
+    }
+}
+
+// One tile every row of the warp sees at the same list positions (K rows `kt`, V rows `vt`,
+// pitch d + 8): scores, the softmax step, o = o · alpha + P·V.
+template <typename T, int D>
+__device__ __forceinline__ void tc_shared_tile(const T *kt, const T *vt,
+                                               const unsigned (&qa)[D / 16][4],
+                                               float (&o)[D / 8][4], const int base,
+                                               const int lane, const int len0, const int len1,
+                                               const float sl2, TcRow &st0, TcRow &st1) {
+    constexpr int PITCH = D + 8;
+    float sc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) tc_scores<T, D>(sc[nt], qa, kt + nt * 8 * PITCH, lane);
+    unsigned pa[4][4];
+    float a0, a1;
+    bool act0, act1;
+    tc_tile_softmax<T>(sc, base, lane & 3, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
+    const T *vrow[4]; // the V row this lane addresses for each k-step
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        vrow[k] = vt + (16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH + 8 * (lane >> 4);
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np) {
+        float pv[2][4];
+        tc_pv_pair<T>(pv, pa, vrow, np);
+        tc_accumulate<true, true>(o, np, pv, a0, a1, act0, act1);
+    }
+}
+
+// The splits' states folded in split order, one after another (every form folds so, and so
+// gives a row the same bits): acc ⊕ (o, m, l). tc_fold_factors updates acc's m and l and
+// says how its o values change (tc_fold_value).
+struct TcFold {
+    float fa, fv;
+    bool skip, take;
+};
+__device__ __forceinline__ TcFold tc_fold_factors(float &am, float &al, const float m,
+                                                  const float l) {
+    TcFold f{1.f, 1.f, false, false};
+    if (m == -INFINITY) { // nothing of the row in this split
+        f.skip = true;
+    } else if (am == -INFINITY) {
+        f.take = true;
+        am = m, al = l;
+    } else {
+        const float mx = fmaxf(am, m);
+        f.fa = exp2f(am - mx), f.fv = exp2f(m - mx);
+        al = fmaf(al, f.fa, l * f.fv);
+        am = mx;
+    }
+    return f;
+}
+__device__ __forceinline__ float tc_fold_value(const TcFold &f, const float acc, const float v) {
+    return f.skip ? acc : f.take ? v : fmaf(acc, f.fa, v * f.fv);
+}
+
+// Dynamic shared memory of tc_attention (tc_attention_shared_bytes in lib.rs): the stages,
+// then each warp's candidate scores, its rows' visible nodes and list lengths.
+template <typename T, int D, int WARPS> constexpr size_t tc_smem_bytes() {
+    return (size_t)2 * TC_STAGES * TC_TILE * (D + 8) * sizeof(T) +
+           WARPS * 16 * (TC_SW_LD * 4 + TC_MAX_NODES + 4);
+}
+
+// grid (nh, n_seq · SPLITS, ceil(max_new / (16 · WARPS))), WARPS · 32 threads, dynamic shared
+// memory tc_smem_bytes<T, D, WARPS>(); masked sequences of at most TC_MAX_NODES new tokens.
+// SPLITS > 1: grid.y = sequence · SPLITS + split; the block leaves its rows' states in
+// `part` ([SPLITS][n_tok][nh][D + 2]: o, then m and l) for tc_merge.
+template <typename T, int D, int WARPS, int SPLITS>
+__device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const T *v_pool, T *out,
+                                             float *part, const unsigned *meta, const int n_tok,
+                                             const int n_seq, const int lmax, const int nh,
+                                             const int nkv, const float scale) {
+    constexpr int ROWS = 16 * WARPS, PITCH = D + 8, CH = D / 8, KS = D / 16, TILE = TC_TILE;
+    constexpr int STAGES = TC_STAGES;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *ks = (T *)smem_raw;              // [STAGES][TILE][PITCH]
+    T *vs = ks + STAGES * TILE * PITCH; // [STAGES][TILE][PITCH]
+    const PaTable tab(meta, n_tok, n_seq, lmax);
+    float *sw = (float *)(vs + STAGES * TILE * PITCH);              // [WARPS][16][TC_SW_LD]
+    unsigned char *vis = (unsigned char *)(sw + WARPS * 16 * TC_SW_LD); // [WARPS][16][TC_MAX_NODES]
+    int *lens = (int *)(vis + WARPS * 16 * TC_MAX_NODES);              // [WARPS][16]
+    const int h = blockIdx.x, s = blockIdx.y / SPLITS, split = blockIdx.y % SPLITS;
+    const int g0 = blockIdx.z * ROWS;
+    const int L = tab.seq_len[s], n = tab.seq_new[s], q0 = tab.q_start[s];
+    if (g0 >= n) return;
+    const bool causal = tab.mask_off[s] == PA_CAUSAL;
+    const int cached = L - n, kvh = h / (nh / nkv);
+    const unsigned *list = tab.slots + (size_t)s * lmax;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, gq = lane >> 2, tq = lane & 3;
+    const int wr = g0 + warp * 16; // the warp's first row
+    const int r0 = wr + gq, r1 = r0 + 8;
+    unsigned char *wvis = vis + warp * 16 * TC_MAX_NODES;
+    int *wlens = lens + warp * 16;
+    // Each row's list length (and a tree row's visible nodes, in order).
+    for (int i = 0; i < 16; ++i) {
+        const int r = wr + i;
+        int count = r < n ? r + 1 : 0;
+        if (!causal && r < n) {
+            const unsigned *mrow = tab.masks + tab.mask_off[s] + (size_t)r * n;
+            count = 0;
+            for (int j0 = 0; j0 < n; j0 += WARP) {
+                const bool on = j0 + lane < n && mrow[j0 + lane] != 0;
+                const unsigned ballot = __ballot_sync(FULL_MASK, on);
+                if (on)
+                    wvis[i * TC_MAX_NODES + count + __popc(ballot & ((1u << lane) - 1u))] =
+                        (unsigned char)(j0 + lane);
+                count += __popc(ballot);
+            }
+        }
+        if (lane == 0) wlens[i] = r < n ? cached + count : 0;
+    }
+    __syncwarp();
+    const int len0 = wlens[gq], len1 = wlens[gq + 8];
+    int warp_len = 0;
+    for (int i = 0; i < 16; ++i) warp_len = max(warp_len, wlens[i]);
+    // The block's longest list (a chain's rows' lengths grow with r; a tree's are ≤ L).
+    const int max_len = causal ? cached + min(ROWS, n - g0) + g0 : L;
+    // Tiles every row of the block has alike: all of a chain's, a tree's wholly cached ones.
+    const int cbase = TILE * (cached / TILE);
+    const int shared_tiles = causal ? (max_len + TILE - 1) / TILE : cbase / TILE;
+    // This block's j-th tile: split + SPLITS · j.
+    const int my_tiles =
+        shared_tiles > split ? (shared_tiles - split + SPLITS - 1) / SPLITS : 0;
+
+    auto load_tile = [&](const int j) {
+        const int buf = j % STAGES, t = split + SPLITS * j;
+        for (int i = threadIdx.x; i < TILE * CH; i += WARPS * WARP) {
+            const int row = i / CH, c = i % CH, pos = t * TILE + row;
+            const bool ok = pos < max_len;
+            const size_t src = ((size_t)(ok ? list[pos] : 0) * nkv + kvh) * D + c * 8;
+            cp_async16_zfill(ks + (buf * TILE + row) * PITCH + c * 8, k_pool + src, ok);
+            cp_async16_zfill(vs + (buf * TILE + row) * PITCH + c * 8, v_pool + src, ok);
+        }
+    };
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < my_tiles) load_tile(t);
+        asm volatile("cp.async.commit_group;\n");
+    }
+
+    unsigned qa[KS][4];
+    tc_load_q<T, D>(qa, q, q0, r0, r1, n, nh, h, tq);
+    float o[D / 8][4] = {};
+    TcRow st0, st1;
+    const float sl2 = scale * 1.4426950408889634f;
+
+    for (int j = 0; j < my_tiles; ++j) {
+        if (j + STAGES - 1 < my_tiles) load_tile(j + STAGES - 1);
+        asm volatile("cp.async.commit_group;\n");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+        __syncthreads();
+        const int base = (split + SPLITS * j) * TILE;
+        if (base < warp_len)
+            tc_shared_tile<T, D>(ks + (j % STAGES) * TILE * PITCH, vs + (j % STAGES) * TILE * PITCH,
+                                 qa, o, base, lane, len0, len1, sl2, st0, st1);
+        __syncthreads(); // the stage is refilled next round
+    }
+    // A tree's tail tiles run from cbase / TILE up to (at most) the sequence's L slots.
+    int first_tail = cbase / TILE;
+    first_tail += (split - first_tail % SPLITS + SPLITS) % SPLITS; // this split's first
+    if (!causal && first_tail * TILE < L) {
+        // The tail: candidates (cached slots from cbase, then the n nodes) into the stages.
+        const int ntail = cached - cbase, ncand = ntail + n;
+        asm volatile("cp.async.wait_group 0;\n");
+        __syncthreads();
+        for (int i = threadIdx.x; i < 2 * TILE * CH; i += WARPS * WARP) {
+            const int row = i / CH, c = i % CH;
+            const bool ok = row < ncand;
+            const unsigned slot = !ok ? 0u : row < ntail ? list[cbase + row] : list[cached + row - ntail];
+            const size_t src = ((size_t)slot * nkv + kvh) * D + c * 8;
+            cp_async16_zfill(ks + row * PITCH + c * 8, k_pool + src, ok);
+            cp_async16_zfill(vs + row * PITCH + c * 8, v_pool + src, ok);
+        }
+        asm volatile("cp.async.commit_group;\n");
+        asm volatile("cp.async.wait_group 0;\n");
+        __syncthreads();
+        float *wsw = sw + warp * 16 * TC_SW_LD;
+        for (int nt = 0; nt < 16 && nt * 8 < ncand; ++nt) {
+            float acc[4];
+            tc_scores<T, D>(acc, qa, ks + nt * 8 * PITCH, lane);
+            wsw[gq * TC_SW_LD + nt * 8 + 2 * tq] = acc[0];
+            wsw[gq * TC_SW_LD + nt * 8 + 2 * tq + 1] = acc[1];
+            wsw[(gq + 8) * TC_SW_LD + nt * 8 + 2 * tq] = acc[2];
+            wsw[(gq + 8) * TC_SW_LD + nt * 8 + 2 * tq + 1] = acc[3];
+        }
+        __syncwarp();
+        // A list position's candidate for row i of the warp (0 past its list: its P is 0).
+        auto cand = [&](const int i, const int pos) {
+            return pos < cached ? pos - cbase
+                   : pos < wlens[i] ? ntail + wvis[i * TC_MAX_NODES + pos - cached]
+                                    : 0;
+        };
+        for (int base = first_tail * TILE; base < warp_len; base += SPLITS * TILE) {
+            float sc[8][4];
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int pos = base + nt * 8 + 2 * tq + j;
+                    sc[nt][j] = wsw[gq * TC_SW_LD + cand(gq, pos)];
+                    sc[nt][2 + j] = wsw[(gq + 8) * TC_SW_LD + cand(gq + 8, pos)];
+                }
+            unsigned pa[4][4];
+            float a0, a1;
+            bool act0, act1;
+            tc_tile_softmax<T>(sc, base, tq, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
+            for (int i = 0; i < 16; ++i) {
+                if (base >= wlens[i]) continue;
+                const T *vrow[4]; // the V row this lane addresses for each k-step, in row i's list
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    vrow[k] = vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH +
+                              8 * (lane >> 4);
+#pragma unroll
+                for (int np = 0; np < D / 16; ++np) {
+                    float pv[2][4];
+                    tc_pv_pair<T>(pv, pa, vrow, np);
+                    if (gq == (i & 7)) {
+                        if (i < 8) tc_accumulate<true, false>(o, np, pv, a0, a1, act0, act1);
+                        else tc_accumulate<false, true>(o, np, pv, a0, a1, act0, act1);
+                    }
+                }
+            }
+        }
+    }
+    if constexpr (SPLITS > 1) {
+        // This split's states: o, then m and l, per (split, row, head).
+        auto keep = [&](const int r, const TcRow &st, const int half) {
+            float *p = part + (((size_t)split * n_tok + q0 + r) * nh + h) * (D + 2);
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                p[nt * 8 + 2 * tq] = o[nt][2 * half];
+                p[nt * 8 + 2 * tq + 1] = o[nt][2 * half + 1];
+            }
+            if (tq == 0) p[D] = st.m, p[D + 1] = st.l;
+        };
+        if (r0 < n) keep(r0, st0, 0);
+        if (r1 < n) keep(r1, st1, 1);
+    } else {
+        tc_write_rows<T, D>(out, o, q0, r0, r1, n, nh, h, tq, st0.l, st1.l);
+    }
+}
+
+// The splits' states of each (row, head) folded in split order, out = o / l. Grid (n_tok,
+// nh), D threads.
+template <typename T, int D, int SPLITS>
+__device__ __forceinline__ void tc_merge(const float *part, T *out, const int n_tok, const int nh) {
+    const int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
+    auto at = [&](const int v) { return part + (((size_t)v * n_tok + r) * nh + h) * (D + 2); };
+    float am = -INFINITY, al = 0.f, ao = 0.f;
+#pragma unroll
+    for (int v = 0; v < SPLITS; ++v)
+        ao = tc_fold_value(tc_fold_factors(am, al, at(v)[D], at(v)[D + 1]), ao, at(v)[e]);
+    out[((size_t)r * nh + h) * D + e] = from_f<T>(ao / al);
+}
