@@ -288,8 +288,8 @@ impl<'a> StepPlan<'a> {
             .max()
             .unwrap_or(0);
         let padded = lmax.div_ceil(GRAPH_SLOT_BUCKET) * GRAPH_SLOT_BUCKET;
-        let (meta, n_tok, lmax) =
-            kestrel_kernels::PagedAttnMeta::host_padded(&self.attn_seqs(), padded)?;
+        let attn_seqs = self.attn_seqs();
+        let (meta, n_tok, lmax) = kestrel_kernels::PagedAttnMeta::host_padded(&attn_seqs, padded)?;
         let mut u32s = Vec::with_capacity(n_tok + meta.len() + tokens.len());
         u32s.extend_from_slice(tokens);
         u32s.extend_from_slice(&meta);
@@ -305,7 +305,7 @@ impl<'a> StepPlan<'a> {
                 n_seq: self.seqs.len(),
                 lmax,
                 max_new: self.seqs.iter().map(|s| s.n).max().unwrap_or(0),
-                tree_max_new: kestrel_kernels::PagedAttnMeta::tree_max_new(&self.attn_seqs()),
+                tree_max_new: kestrel_kernels::PagedAttnMeta::tree_max_new(&attn_seqs),
                 tensor_cores: self.tensor_cores,
                 table_len: meta.len() - n_tok,
                 out_rows: self.out_rows.as_ref().map(Vec::len),
