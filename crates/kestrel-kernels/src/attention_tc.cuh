@@ -25,9 +25,12 @@
 // rows' worth of MMAs, one row kept).
 //
 // SPLITS > 1: tile t belongs to split t mod SPLITS, a block of its own, which leaves its
-// rows' states (o, m, l) in `part`; tc_merge folds them in split order. Steps that are not
-// prompts take TC_SPLITS (long lists then walk on several multiprocessors); a row gets the
-// same bits from any warp count and in any step of the same split count.
+// rows' states (o, m, l) in `part`; tc_merge folds them in split order. On compute capability
+// 9.0 and later the split blocks of a (head, sequence, 64 rows) can form a cluster instead,
+// each folding a quarter of the rows' values from the four blocks' shared memory in the same
+// order (one launch, no scratch buffer, the same bits; cuda.rs says when). Every step takes
+// TC_SPLITS (long lists then walk on several multiprocessors); a row gets the same bits from
+// any warp count and in any step.
 // ---------------------------------------------------------------------------------------
 #define TC_TILE 64
 // Most new tokens of a masked (tree) sequence (TC_MAX_MASKED_NEW in lib.rs).
@@ -280,11 +283,28 @@ template <typename T, int D, int WARPS> constexpr size_t tc_smem_bytes() {
            WARPS * 16 * (TC_SW_LD * 4 + TC_MAX_NODES + 4);
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The cluster's barrier (arrive with release, wait with acquire: shared-memory writes before
+// it are visible to every block of the cluster after it).
+__device__ __forceinline__ void tc_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// `local`'s offset in the shared memory of the cluster's block of rank `rank`.
+template <typename V> __device__ __forceinline__ const V *tc_remote(const V *local, const int rank) {
+    unsigned long long remote;
+    asm("mapa.u64 %0, %1, %2;" : "=l"(remote) : "l"(local), "r"(rank));
+    return reinterpret_cast<const V *>(remote);
+}
+#endif
+
 // grid (nh, n_seq · SPLITS, ceil(max_new / (16 · WARPS))), WARPS · 32 threads, dynamic shared
 // memory tc_smem_bytes<T, D, WARPS>(); masked sequences of at most TC_MAX_NODES new tokens.
 // SPLITS > 1: grid.y = sequence · SPLITS + split; the block leaves its rows' states in
-// `part` ([SPLITS][n_tok][nh][D + 2]: o, then m and l) for tc_merge.
-template <typename T, int D, int WARPS, int SPLITS>
+// `part` ([SPLITS][n_tok][nh][D + 2]: o, then m and l) for tc_merge, or, CLUSTER (clusters
+// of SPLITS blocks along y, so a block's rank is its split), in its shared memory for the
+// cluster's first block to fold.
+template <typename T, int D, int WARPS, int SPLITS, bool CLUSTER = false>
 __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const T *v_pool, T *out,
                                              float *part, const unsigned *meta, const int n_tok,
                                              const int n_seq, const int lmax, const int nh,
@@ -442,7 +462,57 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             }
         }
     }
-    if constexpr (SPLITS > 1) {
+    if constexpr (SPLITS > 1 && CLUSTER) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // This split's states of the block's rows ([ROWS][D + 4]: o, then m and l; rows 16-byte
+        // aligned) over the stages, which every warp is done with.
+        constexpr int SP = D + 4;
+        asm volatile("cp.async.wait_group 0;\n");
+        __syncthreads();
+        static_assert(ROWS * SP * 4 <= 2 * STAGES * TILE * PITCH * sizeof(T), "the states fit the stages");
+        float *states = (float *)smem_raw;
+        auto keep = [&](const int i, const TcRow &st, const int half) {
+            float *p = states + (size_t)i * SP;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                p[nt * 8 + 2 * tq] = o[nt][2 * half];
+                p[nt * 8 + 2 * tq + 1] = o[nt][2 * half + 1];
+            }
+            if (tq == 0) p[D] = st.m, p[D + 1] = st.l;
+        };
+        if (r0 < n) keep(warp * 16 + gq, st0, 0);
+        if (r1 < n) keep(warp * 16 + gq + 8, st1, 1);
+        tc_cluster_sync();
+        // tc_merge's fold, shared by the cluster's blocks: item it (4 values of row it / (D / 4))
+        // goes to the block of rank it mod SPLITS, which reads every split's state where it is.
+        const int items = min(ROWS, n - g0) * (D / 4);
+        for (int it = split + SPLITS * threadIdx.x; it < items; it += SPLITS * WARPS * WARP) {
+            const int i = it / (D / 4), c = 4 * (it % (D / 4));
+            const float *p = states + (size_t)i * SP;
+            float2 ml[SPLITS];
+            float4 ov[SPLITS];
+#pragma unroll
+            for (int v = 0; v < SPLITS; ++v) {
+                ml[v] = *tc_remote(reinterpret_cast<const float2 *>(p + D), v);
+                ov[v] = *tc_remote(reinterpret_cast<const float4 *>(p + c), v);
+            }
+            float am = -INFINITY, al = 0.f, ao[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int v = 0; v < SPLITS; ++v) {
+                const TcFold f = tc_fold_factors(am, al, ml[v].x, ml[v].y);
+                ao[0] = tc_fold_value(f, ao[0], ov[v].x);
+                ao[1] = tc_fold_value(f, ao[1], ov[v].y);
+                ao[2] = tc_fold_value(f, ao[2], ov[v].z);
+                ao[3] = tc_fold_value(f, ao[3], ov[v].w);
+            }
+            uint2 packed;
+            packed.x = pack2(from_f<T>(ao[0] / al), from_f<T>(ao[1] / al));
+            packed.y = pack2(from_f<T>(ao[2] / al), from_f<T>(ao[3] / al));
+            *reinterpret_cast<uint2 *>(out + ((size_t)(q0 + g0 + i) * nh + h) * D + c) = packed;
+        }
+        tc_cluster_sync(); // the others' shared memory stays until it has been read
+#endif
+    } else if constexpr (SPLITS > 1) {
         // This split's states: o, then m and l, per (split, row, head).
         auto keep = [&](const int r, const TcRow &st, const int half) {
             float *p = part + (((size_t)split * n_tok + q0 + r) * nh + h) * (D + 2);

@@ -190,10 +190,19 @@ impl PagedAttention {
             i32_arg(d, "head_dim")?,
         );
         let scale = 1.0f32 / (d as f32).sqrt();
-        if self.launch == crate::AttnLaunch::TensorCores {
+        if let crate::AttnLaunch::TensorCores { merged } = self.launch {
             let dims = (n_tok, nh, d, std::mem::size_of::<T>());
             let args = (n_tok_a, n_seq, lmax, nh_a, nkv_a, scale);
-            self.tensor_cores(dev, (&qv, &kv, &vv, &tv), &out, dims, args, sfx)?;
+            let hopper = crate::launch::is_hopper(dev)?;
+            self.tensor_cores(
+                dev,
+                (&qv, &kv, &vv, &tv),
+                &out,
+                dims,
+                args,
+                sfx,
+                !merged && hopper,
+            )?;
             return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
         }
         let groups = match self.launch {
@@ -202,7 +211,7 @@ impl PagedAttention {
                 let sms = crate::launch::multiprocessors(dev)?;
                 crate::attention_groups_step(self.max_new, self.lmax, blocks, sms)
             }
-            crate::AttnLaunch::Rows { .. } | crate::AttnLaunch::TensorCores => false,
+            crate::AttnLaunch::Rows { .. } | crate::AttnLaunch::TensorCores { .. } => false,
             crate::AttnLaunch::Groups => true,
         };
         let grouped = if groups {
@@ -246,11 +255,16 @@ impl PagedAttention {
     }
 
     /// The tensor-core attention (attention_tc.cuh) into `out`: [`crate::TC_SPLITS`] split
-    /// blocks a (head, sequence, rows), each leaving its rows' states in a scratch buffer,
-    /// then their merge. Blocks of 4 warps (64 rows) for steps of more than 16 new tokens a
-    /// sequence, else of one (a row's bits do not depend on it). Heads of 64 and 128 in f16 or
-    /// bf16 (the caller checked: `tensor_core_attention_applies`).
-    #[allow(clippy::type_complexity)]
+    /// blocks a (head, sequence, rows), each leaving its rows' states in a scratch buffer for
+    /// a second launch to fold, or, for blocks of 4 warps where `cluster_fold` (compute
+    /// capability 9.0 and up), folding them together inside their cluster; the same bits.
+    /// Blocks of 4 warps (64 rows) for steps of more than 16 new tokens a sequence, else of
+    /// one (a row's bits do not depend on it). Why the one-warp blocks keep the second
+    /// launch: their cluster fold made one-row steps 4% slower on an H100 (Llama-2-7B decode
+    /// 5.07 → 5.29 ms, batch 16 6.9 → 8.2), while it made 64-row steps up to 4% faster
+    /// (docs/gpu-results.md, session 62). Heads of 64 and 128 in f16 or bf16 (the caller
+    /// checked: `tensor_core_attention_applies`).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn tensor_cores<T: CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
         &self,
         dev: &CudaDevice,
@@ -259,16 +273,20 @@ impl PagedAttention {
         (n_tok, nh, d, elem_bytes): (usize, usize, usize, usize),
         (n_tok_a, n_seq, lmax, nh_a, nkv_a, scale): (i32, i32, i32, i32, i32, f32),
         sfx: &str,
+        cluster_fold: bool,
     ) -> Result<()> {
         const TILE: usize = 64;
         const STAGES: usize = 2;
         const SW_LD: usize = 2 * TILE + 4;
         let splits = crate::TC_SPLITS;
         let warps = if self.max_new > 16 { 4 } else { 1 };
-        let func = load_kernel(
-            dev,
-            &format!("kestrel_paged_attention_tc_d{d}_w{warps}_s{splits}_{sfx}"),
-        )?;
+        let cluster = cluster_fold && warps == 4;
+        let name = if cluster {
+            format!("kestrel_paged_attention_tc_cluster_d{d}_w{warps}_{sfx}")
+        } else {
+            format!("kestrel_paged_attention_tc_d{d}_w{warps}_s{splits}_{sfx}")
+        };
+        let func = load_kernel(dev, &name)?;
         // tc_smem_bytes in attention_tc.cuh.
         let bytes = 2 * STAGES * TILE * (d + 8) * elem_bytes
             + warps * 16 * (SW_LD * 4 + crate::TC_MAX_MASKED_NEW + 4);
@@ -281,8 +299,13 @@ impl PagedAttention {
         }
         allow_shared_memory(&func, limit)?;
         // SAFETY: the kernel writes every (split, row, head)'s o, m and l it reads back in the
-        // merge (each split block writes its rows' states, empty or not).
-        let part = unsafe { dev.alloc::<f32>(splits * n_tok * nh * (d + 2))? };
+        // merge (each split block writes its rows' states, empty or not). A cluster needs none.
+        let part_len = if cluster {
+            1
+        } else {
+            splits * n_tok * nh * (d + 2)
+        };
+        let part = unsafe { dev.alloc::<f32>(part_len)? };
         let rows = 16 * warps;
         // grid: heads, sequences × splits ≤ 65535, row groups ≤ 65535.
         let cfg = LaunchConfig {
@@ -307,10 +330,14 @@ impl PagedAttention {
         b.arg(&nh_a);
         b.arg(&nkv_a);
         b.arg(&scale);
-        // SAFETY: argument types and order match kestrel_paged_attention_tc_* in kernels.cu;
+        // SAFETY: argument types and order match kestrel_paged_attention_tc_* in kernels.cu
+        // (the cluster kernels' grid.y, sequences × splits, is a whole number of clusters);
         // the metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax / max_new,
         // and its trees bring at most TC_MAX_MASKED_NEW nodes (checked by the caller).
         unsafe { b.launch(cfg) }?;
+        if cluster {
+            return Ok(());
+        }
         let merge = load_kernel(dev, &format!("kestrel_paged_attention_tc_merge_d{d}_{sfx}"))?;
         let mut b = merge.builder();
         b.arg(&part);

@@ -1388,9 +1388,27 @@ __device__ void qkv_rope(const T *__restrict__ qkv, const T *__restrict__ cos,
         tc_attention<T, D, W, S>(q, k_pool, v_pool, out, part, meta, n_tok, n_seq, lmax, nh,    \
                                  nkv, scale);                                                   \
     }
+// The same with the splits' fold in a cluster (compute capability 9.0 and up; blocks of 4
+// warps only, cuda.rs says why): kestrel_paged_attention_tc_cluster_d{D}_w{W}_{dtype}
+// (declared in a host pass too, for the probes' launches).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define KESTREL_TC_CLUSTER(T, SUFFIX, D, W)                                                     \
+    extern "C" __global__ void __launch_bounds__(W * WARP) __cluster_dims__(1, TC_SPLITS, 1)   \
+        kestrel_paged_attention_tc_cluster_d##D##_w##W##_##SUFFIX(                              \
+            const T *q, const T *k_pool, const T *v_pool, T *out, float *part,                  \
+            const unsigned int *meta, const int n_tok, const int n_seq, const int lmax,         \
+            const int nh, const int nkv, const float scale) {                                   \
+        pdl_enter();                                                                            \
+        tc_attention<T, D, W, TC_SPLITS, true>(q, k_pool, v_pool, out, part, meta, n_tok,       \
+                                               n_seq, lmax, nh, nkv, scale);                    \
+    }
+#else
+#define KESTREL_TC_CLUSTER(T, SUFFIX, D, W)
+#endif
 #define KESTREL_TC_HEAD(T, SUFFIX, D)                                                           \
     KESTREL_TC_ATTENTION(T, SUFFIX, D, 1, 4)                                                    \
     KESTREL_TC_ATTENTION(T, SUFFIX, D, 4, 4)                                                    \
+    KESTREL_TC_CLUSTER(T, SUFFIX, D, 4)                                                         \
     extern "C" __global__ void kestrel_paged_attention_tc_merge_d##D##_##SUFFIX(                \
         const float *part, T *out, const int n_tok, const int nh) {                             \
         pdl_enter();                                                                            \

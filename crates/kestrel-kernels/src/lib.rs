@@ -407,11 +407,35 @@ pub fn paged_attention_tensor_cores(
     let fits = tensor_core_attention_applies(q.dtype(), q.dim(D::Minus1)?)
         && meta.tree_max_new <= TC_MAX_MASKED_NEW;
     let launch = if fits {
-        AttnLaunch::TensorCores
+        AttnLaunch::TensorCores { merged: false }
     } else {
         AttnLaunch::Auto
     };
     paged_attention_launch(q, k_pool, v_pool, meta, launch)
+}
+
+/// [`paged_attention_tensor_cores`] with the splits always folded by a second launch (never
+/// in a cluster), where the family applies (an error elsewhere): for tests that both forms
+/// give a row the same bits.
+#[doc(hidden)]
+pub fn paged_attention_tensor_cores_merged(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    meta: &PagedAttnMeta,
+) -> Result<Tensor> {
+    if !tensor_core_attention_applies(q.dtype(), q.dim(D::Minus1)?)
+        || meta.tree_max_new > TC_MAX_MASKED_NEW
+    {
+        candle_core::bail!("tensor-core paged attention: not for this step's heads or trees");
+    }
+    paged_attention_launch(
+        q,
+        k_pool,
+        v_pool,
+        meta,
+        AttnLaunch::TensorCores { merged: true },
+    )
 }
 
 /// Which attention kernel a launch takes.
@@ -427,8 +451,10 @@ pub(crate) enum AttnLaunch {
     /// The grouped kernel, or an error where the head size or the device's shared memory
     /// does not allow it.
     Groups,
-    /// The tensor-core kernel ([`TC_SPLITS`] split blocks, then their merge).
-    TensorCores,
+    /// The tensor-core kernel ([`TC_SPLITS`] split blocks, folded by a second launch, or in
+    /// their cluster for 64-row blocks on compute capability 9.0 and later; `merged` forces
+    /// the second launch).
+    TensorCores { merged: bool },
 }
 
 /// [`paged_attention`] on the block-per-row kernel with its blocks' real warp count forced

@@ -9,9 +9,9 @@ use kestrel_kernels::{
     add_rms_norm, argmax_rows, gather_rows, gemv, gemv_add_rms_norm, gemv_add_rms_norm_applies,
     gemv_applies, gemv_swiglu, gemv_swiglu_applies, kv_append, kv_move, limit_thread_stack,
     open_cuda, paged_attention, paged_attention_grouped, paged_attention_tensor_cores,
-    paged_attention_with_warps, qkv_rope_append, scatter_rows, swiglu, top_k_logp, AttnSeq,
-    PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES, GEMV_TILED_MIN_ROWS,
-    TC_MAX_MASKED_NEW,
+    paged_attention_tensor_cores_merged, paged_attention_with_warps, qkv_rope_append, scatter_rows,
+    swiglu, top_k_logp, AttnSeq, PagedAttnMeta, GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_STAGE_MAX_BYTES,
+    GEMV_TILED_MIN_ROWS, TC_MAX_MASKED_NEW,
 };
 use kestrel_kernels::{chain_accept, draw_children, tree_accept, ChainOutcome, ChainSeq, TreeSeq};
 use kestrel_kernels::{upload_into, IdsReadback};
@@ -1968,7 +1968,8 @@ fn paged_attention_rows_do_not_depend_on_the_step() {
 
 /// The same for the tensor-core family: every row of a 62-row and a 12-row sequence (blocks
 /// of 4 warps) has the bits of its decode step (blocks of one), causal and under tree masks,
-/// over contexts inside one tile, across the four splits and far past them.
+/// over contexts inside one tile, across the four splits and far past them; and the splits'
+/// fold gives the same bits in a cluster as by a second launch.
 #[test]
 fn tensor_core_attention_rows_do_not_depend_on_the_step() {
     let mut rng = ChaCha8Rng::seed_from_u64(37);
@@ -1991,6 +1992,12 @@ fn tensor_core_attention_rows_do_not_depend_on_the_step() {
             assert!(
                 err <= attn_tol(dtype),
                 "{what}: {err} from the scalar kernels"
+            );
+            // The splits folded by a second launch instead of in their cluster: the same fold.
+            let merged = paged_attention_tensor_cores_merged(&q, &step.kp, &step.vp, &meta);
+            assert!(
+                host(&merged.unwrap()) == all,
+                "{what}: the merge launch and the cluster fold disagree"
             );
             step.assert_rows_decode_alike(paged_attention_tensor_cores, &all, &what);
         }
