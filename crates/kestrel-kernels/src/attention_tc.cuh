@@ -303,7 +303,7 @@ template <typename V> __device__ __forceinline__ const V *tc_remote(const V *loc
 // SPLITS > 1: grid.y = sequence · SPLITS + split; the block leaves its rows' states in
 // `part` ([SPLITS][n_tok][nh][D + 2]: o, then m and l) for tc_merge, or, CLUSTER (clusters
 // of SPLITS blocks along y, so a block's rank is its split), in its shared memory for the
-// cluster's first block to fold.
+// cluster's blocks to fold together.
 template <typename T, int D, int WARPS, int SPLITS, bool CLUSTER = false>
 __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const T *v_pool, T *out,
                                              float *part, const unsigned *meta, const int n_tok,
@@ -321,7 +321,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
     const int h = blockIdx.x, s = blockIdx.y / SPLITS, split = blockIdx.y % SPLITS;
     const int g0 = blockIdx.z * ROWS;
     const int L = tab.seq_len[s], n = tab.seq_new[s], q0 = tab.q_start[s];
-    if (g0 >= n) return;
+    if (g0 >= n) return; // a cluster's blocks share s and g0: they return together
     const bool causal = tab.mask_off[s] == PA_CAUSAL;
     const int cached = L - n, kvh = h / (nh / nkv);
     const unsigned *list = tab.slots + (size_t)s * lmax;
