@@ -299,13 +299,14 @@ impl PagedAttention {
         }
         allow_shared_memory(&func, limit)?;
         // SAFETY: the kernel writes every (split, row, head)'s o, m and l it reads back in the
-        // merge (each split block writes its rows' states, empty or not). A cluster needs none.
-        let part_len = if cluster {
-            1
+        // merge (each split block writes its rows' states, empty or not). A cluster folds them
+        // in shared memory and never touches `part`: it gets a null pointer, not a buffer.
+        let part = if cluster {
+            None
         } else {
-            splits * n_tok * nh * (d + 2)
+            Some(unsafe { dev.alloc::<f32>(splits * n_tok * nh * (d + 2))? })
         };
-        let part = unsafe { dev.alloc::<f32>(part_len)? };
+        const NO_SCRATCH: u64 = 0;
         let rows = 16 * warps;
         // grid: heads, sequences × splits ≤ 65535, row groups ≤ 65535.
         let cfg = LaunchConfig {
@@ -322,7 +323,10 @@ impl PagedAttention {
         b.arg(k);
         b.arg(v);
         b.arg(out);
-        b.arg(&part);
+        match &part {
+            Some(part) => b.arg(part),
+            None => b.arg(&NO_SCRATCH),
+        };
         b.arg(table);
         b.arg(&n_tok_a);
         b.arg(&n_seq);
@@ -335,9 +339,9 @@ impl PagedAttention {
         // the metadata was built by PagedAttnMeta for these n_tok / n_seq / lmax / max_new,
         // and its trees bring at most TC_MAX_MASKED_NEW nodes (checked by the caller).
         unsafe { b.launch(cfg) }?;
-        if cluster {
+        let Some(part) = part else {
             return Ok(());
-        }
+        };
         let merge = load_kernel(dev, &format!("kestrel_paged_attention_tc_merge_d{d}_{sfx}"))?;
         let mut b = merge.builder();
         b.arg(&part);
