@@ -328,30 +328,6 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, gq = lane >> 2, tq = lane & 3;
     const int wr = g0 + warp * 16; // the warp's first row
     const int r0 = wr + gq, r1 = r0 + 8;
-    unsigned char *wvis = vis + warp * 16 * TC_MAX_NODES;
-    int *wlens = lens + warp * 16;
-    // Each row's list length (and a tree row's visible nodes, in order).
-    for (int i = 0; i < 16; ++i) {
-        const int r = wr + i;
-        int count = r < n ? r + 1 : 0;
-        if (!causal && r < n) {
-            const unsigned *mrow = tab.masks + tab.mask_off[s] + (size_t)r * n;
-            count = 0;
-            for (int j0 = 0; j0 < n; j0 += WARP) {
-                const bool on = j0 + lane < n && mrow[j0 + lane] != 0;
-                const unsigned ballot = __ballot_sync(FULL_MASK, on);
-                if (on)
-                    wvis[i * TC_MAX_NODES + count + __popc(ballot & ((1u << lane) - 1u))] =
-                        (unsigned char)(j0 + lane);
-                count += __popc(ballot);
-            }
-        }
-        if (lane == 0) wlens[i] = r < n ? cached + count : 0;
-    }
-    __syncwarp();
-    const int len0 = wlens[gq], len1 = wlens[gq + 8];
-    int warp_len = 0;
-    for (int i = 0; i < 16; ++i) warp_len = max(warp_len, wlens[i]);
     // The block's longest list (a chain's rows' lengths grow with r; a tree's are ≤ L).
     const int max_len = causal ? cached + min(ROWS, n - g0) + g0 : L;
     // Tiles every row of the block has alike: all of a chain's, a tree's wholly cached ones.
@@ -376,6 +352,49 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
         if (t < my_tiles) load_tile(t);
         asm volatile("cp.async.commit_group;\n");
     }
+
+    unsigned char *wvis = vis + warp * 16 * TC_MAX_NODES;
+    int *wlens = lens + warp * 16;
+    // Each row's list length (and a tree row's visible nodes, in order), read while the first
+    // tiles load. A tree's rows' mask words (n ≤ TC_MAX_NODES: two a lane) are loaded four
+    // rows at a time before any of them is counted: the warp waits on memory four times, not
+    // sixteen (all sixteen rows at once cost the one-row kernels registers they spill).
+    static_assert(TC_MAX_NODES <= 2 * WARP, "a tree row's mask is two words a lane");
+    constexpr int MASK_ROWS = 4;
+    for (int i0 = 0; i0 < 16; i0 += MASK_ROWS) {
+        bool on[MASK_ROWS][2];
+#pragma unroll
+        for (int ii = 0; ii < MASK_ROWS; ++ii) {
+            const int r = wr + i0 + ii;
+            const unsigned *mrow = tab.masks + (causal ? 0 : tab.mask_off[s] + (size_t)r * n);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int j = half * WARP + lane;
+                on[ii][half] = !causal && r < n && j < n && mrow[j] != 0;
+            }
+        }
+#pragma unroll
+        for (int ii = 0; ii < MASK_ROWS; ++ii) {
+            const int i = i0 + ii, r = wr + i;
+            int count = r + 1;
+            if (!causal) {
+                count = 0;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const unsigned ballot = __ballot_sync(FULL_MASK, on[ii][half]);
+                    if (on[ii][half])
+                        wvis[i * TC_MAX_NODES + count + __popc(ballot & ((1u << lane) - 1u))] =
+                            (unsigned char)(half * WARP + lane);
+                    count += __popc(ballot);
+                }
+            }
+            if (lane == 0) wlens[i] = r < n ? cached + count : 0;
+        }
+    }
+    __syncwarp();
+    const int len0 = wlens[gq], len1 = wlens[gq + 8];
+    int warp_len = 0;
+    for (int i = 0; i < 16; ++i) warp_len = max(warp_len, wlens[i]);
 
     unsigned qa[KS][4];
     tc_load_q<T, D>(qa, q, q0, r0, r1, n, nh, h, tq);
