@@ -156,17 +156,21 @@ __device__ __forceinline__ void tc_tile_softmax(float (&sc)[8][4], const int bas
     }
 }
 
-// o = o · alpha + P·V for the output pair np of the lane's first (ROW0) and/or second row,
-// where the row has positions in the tile; a row past its list keeps its state.
-template <bool ROW0, bool ROW1, int N>
+// o = o · alpha + P·V for the output pair np of the lane's first row where take0 and of its
+// second where take1 (a row with positions in the tile; one past its list keeps its state).
+// Selects, not branches: a branch between output pairs made each pair's MMAs wait for the
+// pair before it (the tree tail's per-row passes, where lanes disagree on take).
+template <int N>
 __device__ __forceinline__ void tc_accumulate(float (&o)[N][4], const int np,
                                               const float (&pv)[2][4], const float a0,
-                                              const float a1, const bool act0, const bool act1) {
+                                              const float a1, const bool take0, const bool take1) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         float *oj = o[2 * np + j];
-        if (ROW0 && act0) oj[0] = fmaf(oj[0], a0, pv[j][0]), oj[1] = fmaf(oj[1], a0, pv[j][1]);
-        if (ROW1 && act1) oj[2] = fmaf(oj[2], a1, pv[j][2]), oj[3] = fmaf(oj[3], a1, pv[j][3]);
+        oj[0] = take0 ? fmaf(oj[0], a0, pv[j][0]) : oj[0];
+        oj[1] = take0 ? fmaf(oj[1], a0, pv[j][1]) : oj[1];
+        oj[2] = take1 ? fmaf(oj[2], a1, pv[j][2]) : oj[2];
+        oj[3] = take1 ? fmaf(oj[3], a1, pv[j][3]) : oj[3];
     }
 }
 
@@ -245,7 +249,7 @@ __device__ __forceinline__ void tc_shared_tile(const T *kt, const T *vt,
     for (int np = 0; np < D / 16; ++np) {
         float pv[2][4];
         tc_pv_pair<T>(pv, pa, vrow, np);
-        tc_accumulate<true, true>(o, np, pv, a0, a1, act0, act1);
+        tc_accumulate(o, np, pv, a0, a1, act0, act1);
     }
 }
 
@@ -464,6 +468,8 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             tc_tile_softmax<T>(sc, base, tq, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
             for (int i = 0; i < 16; ++i) {
                 if (base >= wlens[i]) continue;
+                // Row i is the lane's first row (i < 8) or its second, for the lanes of group i mod 8.
+                const bool take0 = act0 && gq == i, take1 = act1 && gq + 8 == i;
                 const T *vrow[4]; // the V row this lane addresses for each k-step, in row i's list
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
@@ -473,10 +479,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
                 for (int np = 0; np < D / 16; ++np) {
                     float pv[2][4];
                     tc_pv_pair<T>(pv, pa, vrow, np);
-                    if (gq == (i & 7)) {
-                        if (i < 8) tc_accumulate<true, false>(o, np, pv, a0, a1, act0, act1);
-                        else tc_accumulate<false, true>(o, np, pv, a0, a1, act0, act1);
-                    }
+                    tc_accumulate(o, np, pv, a0, a1, take0, take1);
                 }
             }
         }
