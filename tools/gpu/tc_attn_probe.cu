@@ -33,7 +33,13 @@
 // (tc_fold's one-launch forms slower than the split blocks; a transposed tree tail, Vᵀ·Pᵀ,
 // exact but no faster, dropped), and the kernel moved into the runtime
 // (crates/kestrel-kernels/src/attention_tc.cuh), which this probe now launches.
+//
+// Session 65: the runtime's cluster kernel once a shape with each block's phases stamped
+// (TC_TIMELINE, attention_tc.cuh; thread 0 of every tc_attention block of this probe stores
+// its clock a few times, which its other launches pay too): where each split's block spends
+// its time, and how long it waits at the cluster's barrier for the slowest.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o tc_attn_probe tools/gpu/tc_attn_probe.cu
+#define TC_TIMELINE 4096
 #include "../../crates/kestrel-kernels/src/kernels.cu"
 #include "probe_common.cuh"
 #include <algorithm>
@@ -232,6 +238,49 @@ template <int D, int WARPS, int SPLITS = 1> struct Tc {
     }
 };
 
+// The runtime's cluster kernel (kernels.cu) once, its blocks' phase stamps averaged over the
+// heads for each split: µs at the multiprocessors' clock (`mhz`) from the previous stamped
+// phase (a block with no tail stamps none of the tail's first two). One table row a split.
+std::vector<std::string> g_timeline_lines;
+template <int D>
+void cluster_timeline(const char *name, const char *kind, const int past, const T *q, const T *kp, const T *vp, T *o,
+                      const unsigned *meta, const int n, const int L, const int nh, const int nkv, const float scale,
+                      const float mhz) {
+    const auto kernel = D == 128 ? kestrel_paged_attention_tc_cluster_d128_w4_bf16 : kestrel_paged_attention_tc_cluster_d64_w4_bf16;
+    const size_t smem = tc_smem_bytes<T, D, 4>();
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 grid(nh, TC_SPLITS, (n + 63) / 64);
+    const size_t blocks = (size_t)grid.x * grid.y * grid.z;
+    if (blocks > TC_TIMELINE) {
+        fprintf(stderr, "%s: %zu blocks, the timeline holds %d\n", name, blocks, TC_TIMELINE);
+        return;
+    }
+    std::vector<long long> t((size_t)TC_TIMELINE * TC_PHASES, 0);
+    CK(cudaMemcpyToSymbol(tc_timeline, t.data(), t.size() * sizeof(long long)));
+    kernel<<<grid, 4 * WARP, smem>>>(q, kp, vp, o, nullptr, meta, n, 1, L, nh, nkv, scale);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpyFromSymbol(t.data(), tc_timeline, t.size() * sizeof(long long)));
+    for (int split = 0; split < TC_SPLITS; ++split) {
+        double us[TC_PHASES] = {};
+        int heads = 0;
+        for (unsigned b = 0; b < blocks; ++b) {
+            if ((b / grid.x) % grid.y != (unsigned)split) continue;
+            const long long *st = t.data() + (size_t)b * TC_PHASES;
+            long long last = st[TC_START];
+            for (int p = TC_START + 1; p < TC_PHASES; ++p)
+                if (st[p]) us[p] += (st[p] - last) / mhz, last = st[p];
+            us[TC_START] += (last - st[TC_START]) / mhz;
+            ++heads;
+        }
+        char line[256];
+        snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |",
+                 name, kind, past, split, us[TC_SETUP] / heads, us[TC_CACHED] / heads, us[TC_TAIL_STAGED] / heads,
+                 us[TC_TAIL_SCORED] / heads, us[TC_TAIL] / heads, us[TC_BARRIER] / heads, us[TC_FOLD] / heads,
+                 us[TC_START] / heads);
+        g_timeline_lines.push_back(line);
+    }
+}
+
 template <int D, int WARPS, bool SPLIT_WARPS> struct Fold {
     static void prepare() {
         CK(cudaFuncSetAttribute(tcp::tc_fold<D, WARPS, SPLIT_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -306,7 +355,7 @@ template <int D> void batch_decode(const char *name, const int nh, const int nkv
     }
 }
 
-template <int D> void run_shape(const char *name, const int nh, const int nkv, LaunchTimer &timer) {
+template <int D> void run_shape(const char *name, const int nh, const int nkv, LaunchTimer &timer, const float mhz) {
     Tc<D, 4>::prepare();
     Tc<D, 1>::prepare();
     Tc<D, 4, 4>::prepare();
@@ -446,6 +495,8 @@ template <int D> void run_shape(const char *name, const int nh, const int nkv, L
                d_rows, d42, d12s, dfa, warps_differ, alone_differ, alone_split_differ, fold_differ,
                worst, worst_split, mag);
         CK(cudaFree(mdec));
+        cluster_timeline<D>(name, chain ? "chain" : "tree", past, q, kps[1], vps[1], o_tc, dmeta, n, L, nh, nkv, scale,
+                            mhz);
         if (chain) batch_decode<D>(name, nh, nkv, past, timer);
         CK(cudaFree(dmeta));
         CK(cudaFree(q));
@@ -476,10 +527,18 @@ int main() {
            "decode rows | decode tc4×2 | decode tc1×2 s4 | decode fold warps | bits warps | bits alone | bits alone s4 | "
            "bits fold | diff, s4 |\n");
     CK(cudaMalloc(&g_part, (size_t)4 * 64 * 32 * (128 + 2) * sizeof(float)));
-    run_shape<128>("llama2-7b", 32, 32, timer);
-    run_shape<64>("smollm2-135m", 9, 3, timer);
+    int khz = 0; // the multiprocessors' peak clock (cudaDeviceProp's clockRate left in CUDA 13)
+    CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+    const float mhz = khz / 1e3f;
+    run_shape<128>("llama2-7b", 32, 32, timer, mhz);
+    run_shape<64>("smollm2-135m", 9, 3, timer, mhz);
     printf("\nA decode step of 16 sequences (K/V from DRAM), us a launch; bits: fold warps' outputs unlike the split "
            "blocks' (must be 0)\n| shape | past | rows (runtime) | rows, many (runtime) | tc1×2 s4 | fold warps | bits |\n");
     for (const std::string &line : g_batch_lines) printf("%s\n", line.c_str());
+    printf("\nThe runtime's cluster kernel once (K/V from DRAM), each split's block: µs at %.0f MHz in each phase, "
+           "averaged over the heads (TC_TIMELINE stamps, thread 0's view; the tail's phases only where the split "
+           "holds a tree's tail)\n| shape | new | past | split | setup (lists, masks, q) | cached tiles | tail staged | "
+           "tail scores | tail P·V | at the barrier | fold | total |\n", mhz);
+    for (const std::string &line : g_timeline_lines) printf("%s\n", line.c_str());
     return 0;
 }

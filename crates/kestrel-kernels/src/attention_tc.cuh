@@ -42,6 +42,22 @@
 // A warp's candidate scores, row pitch.
 #define TC_SW_LD (2 * TC_TILE + 4)
 
+// Diagnostic builds only (tools/gpu/tc_attn_probe.cu defines TC_TIMELINE, the most blocks it
+// records; the runtime never does): thread 0 of each block stamps its multiprocessor's clock
+// at the end of each phase (TcPhase) into tc_timeline, so a probe can say where a cluster's
+// blocks spend their time and which one the others wait for (ncu's samples say what each
+// instruction waits on, not which block holds the cluster's barrier).
+enum TcPhase { TC_START, TC_SETUP, TC_CACHED, TC_TAIL_STAGED, TC_TAIL_SCORED, TC_TAIL, TC_BARRIER, TC_FOLD, TC_PHASES };
+#ifdef TC_TIMELINE
+__device__ long long tc_timeline[TC_TIMELINE][TC_PHASES];
+__device__ __forceinline__ void tc_mark(const TcPhase phase) {
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x == 0 && b < TC_TIMELINE) tc_timeline[b][phase] = clock64();
+}
+#else
+__device__ __forceinline__ void tc_mark(const TcPhase) {}
+#endif
+
 __device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, const bool ok) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
@@ -326,6 +342,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
     const int g0 = blockIdx.z * ROWS;
     const int L = tab.seq_len[s], n = tab.seq_new[s], q0 = tab.q_start[s];
     if (g0 >= n) return; // a cluster's blocks share s and g0: they return together
+    tc_mark(TC_START);
     const bool causal = tab.mask_off[s] == PA_CAUSAL;
     const int cached = L - n, kvh = h / (nh / nkv);
     const unsigned *list = tab.slots + (size_t)s * lmax;
@@ -406,6 +423,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
     TcRow st0, st1;
     const float sl2 = scale * 1.4426950408889634f;
 
+    tc_mark(TC_SETUP);
     for (int j = 0; j < my_tiles; ++j) {
         if (j + STAGES - 1 < my_tiles) load_tile(j + STAGES - 1);
         asm volatile("cp.async.commit_group;\n");
@@ -417,6 +435,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
                                  qa, o, base, lane, len0, len1, sl2, st0, st1);
         __syncthreads(); // the stage is refilled next round
     }
+    tc_mark(TC_CACHED);
     // A tree's tail tiles run from cbase / TILE up to (at most) the sequence's L slots.
     int first_tail = cbase / TILE;
     first_tail += (split - first_tail % SPLITS + SPLITS) % SPLITS; // this split's first
@@ -436,6 +455,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
         asm volatile("cp.async.commit_group;\n");
         asm volatile("cp.async.wait_group 0;\n");
         __syncthreads();
+        tc_mark(TC_TAIL_STAGED);
         float *wsw = sw + warp * 16 * TC_SW_LD;
         for (int nt = 0; nt < 16 && nt * 8 < ncand; ++nt) {
             float acc[4];
@@ -446,6 +466,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             wsw[(gq + 8) * TC_SW_LD + nt * 8 + 2 * tq + 1] = acc[3];
         }
         __syncwarp();
+        tc_mark(TC_TAIL_SCORED);
         // A list position's candidate for row i of the warp (0 past its list: its P is 0).
         auto cand = [&](const int i, const int pos) {
             return pos < cached ? pos - cbase
@@ -484,6 +505,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             }
         }
     }
+    tc_mark(TC_TAIL);
     if constexpr (SPLITS > 1 && CLUSTER) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         // This split's states of the block's rows ([ROWS][D + 4]: o, then m and l; rows 16-byte
@@ -505,6 +527,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
         if (r0 < n) keep(warp * 16 + gq, st0, 0);
         if (r1 < n) keep(warp * 16 + gq + 8, st1, 1);
         tc_cluster_sync();
+        tc_mark(TC_BARRIER);
         // tc_merge's fold, shared by the cluster's blocks: item it (4 values of row it / (D / 4))
         // goes to the block of rank it mod SPLITS, which reads every split's state where it is.
         const int items = min(ROWS, n - g0) * (D / 4);
@@ -532,6 +555,7 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             packed.y = pack2(from_f<T>(ao[2] / al), from_f<T>(ao[3] / al));
             *reinterpret_cast<uint2 *>(out + ((size_t)(q0 + g0 + i) * nh + h) * D + c) = packed;
         }
+        tc_mark(TC_FOLD);
         tc_cluster_sync(); // the others' shared memory stays until it has been read
 #endif
     } else if constexpr (SPLITS > 1) {
