@@ -538,7 +538,7 @@ int main() {
     printf("\nThe runtime's cluster kernel once (K/V from DRAM), each split's block: µs at %.0f MHz in each phase, "
            "averaged over the heads (TC_TIMELINE stamps, thread 0's view; the tail's phases only where the split "
            "holds a tree's tail)\n| shape | new | past | split | setup (lists, masks, q) | cached tiles | tail staged | "
-           "tail scores | tail P·V | at the barrier | fold | total |\n", mhz);
+           "tail scores | tail P·V | states kept, at the barrier | fold | total |\n", mhz);
     for (const std::string &line : g_timeline_lines) printf("%s\n", line.c_str());
     return 0;
 }
