@@ -487,21 +487,45 @@ __device__ __forceinline__ void tc_attention(const T *q, const T *k_pool, const 
             float a0, a1;
             bool act0, act1;
             tc_tile_softmax<T>(sc, base, tq, len0, len1, sl2, st0, st1, pa, a0, a1, act0, act1);
-            for (int i = 0; i < 16; ++i) {
-                if (base >= wlens[i]) continue;
-                // Row i is the lane's first row (i < 8) or its second, for the lanes of group i mod 8.
-                const bool take0 = act0 && gq == i, take1 = act1 && gq + 8 == i;
-                const T *vrow[4]; // the V row this lane addresses for each k-step, in row i's list
+            // The list positions of the V rows this lane addresses in each k-step; row i's
+            // candidates for them come from its length and visible nodes, read a row ahead with
+            // no branch (a node index clamped into the row's slots, unused past its list), so that
+            // the next row's shared-memory reads overlap this row's MMAs.
+            int kpos[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) kpos[k] = base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7);
+            auto read_row = [&](int &len, int (&node)[4], const int i) {
+                len = wlens[i];
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
-                    vrow[k] = vs + cand(i, base + 16 * k + 8 * ((lane >> 3) & 1) + (lane & 7)) * PITCH +
-                              8 * (lane >> 4);
+                    node[k] = wvis[i * TC_MAX_NODES + min(max(kpos[k] - cached, 0), TC_MAX_NODES - 1)];
+            };
+            int len;
+            int node[4];
+            read_row(len, node, 0);
+            for (int i = 0; i < 16; ++i) {
+                int next_len;
+                int next_node[4];
+                read_row(next_len, next_node, min(i + 1, 15));
+                if (base < len) {
+                    // Row i is the lane's first row (i < 8) or its second, for the lanes of group i mod 8.
+                    const bool take0 = act0 && gq == i, take1 = act1 && gq + 8 == i;
+                    const T *vrow[4];
 #pragma unroll
-                for (int np = 0; np < D / 16; ++np) {
-                    float pv[2][4];
-                    tc_pv_pair<T>(pv, pa, vrow, np);
-                    tc_accumulate(o, np, pv, a0, a1, take0, take1);
+                    for (int k = 0; k < 4; ++k) {
+                        const int c = kpos[k] < cached ? kpos[k] - cbase : kpos[k] < len ? ntail + node[k] : 0;
+                        vrow[k] = vs + c * PITCH + 8 * (lane >> 4);
+                    }
+#pragma unroll
+                    for (int np = 0; np < D / 16; ++np) {
+                        float pv[2][4];
+                        tc_pv_pair<T>(pv, pa, vrow, np);
+                        tc_accumulate(o, np, pv, a0, a1, take0, take1);
+                    }
                 }
+                len = next_len;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) node[k] = next_node[k];
             }
         }
     }
